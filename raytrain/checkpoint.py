@@ -1,0 +1,63 @@
+"""Checkpoints: every rank writes its shards into its own folder, Ray Train merges the
+folders and commits the checkpoint only when every rank's part is uploaded; a restarted
+worker group gets the latest committed one from `ray.train.get_checkpoint()`.
+
+Besides the strategy's model/optimizer shards, rank 0 writes `train_state.json`: the step
+(which fixes the LR, since the schedule is a function of the step), the data position,
+the MLflow run id and the world size it was written with. Randomness needs no saved
+state: every step reseeds from (seed, step, rank), see `loop.seed_step`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .data import DataPosition
+
+STATE_FILE = "train_state.json"
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps completed
+    data: DataPosition = field(default_factory=DataPosition)
+    tokens_seen: int = 0
+    bad_rows: int = 0
+    world_size: int = 0
+    run_id: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainState":
+        raw = json.loads(text)
+        raw["data"] = DataPosition(**raw["data"])
+        return cls(**raw)
+
+
+def save_and_report(strategy, state: TrainState, metrics: dict) -> None:
+    """Collective: every rank saves its part and reports it; Ray commits the merged folder."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
+        strategy.save(tmp)
+        if strategy.rank == 0:
+            Path(tmp, STATE_FILE).write_text(state.to_json())
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                         checkpoint_dir_name=f"step_{state.step:08d}")
+
+
+def restore(strategy) -> TrainState | None:
+    """Load the latest committed checkpoint into the strategy; None on a fresh start."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        strategy.load(directory)
+        return TrainState.from_json(Path(directory, STATE_FILE).read_text())

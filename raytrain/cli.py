@@ -1,0 +1,99 @@
+"""`raytrain validate | run | quickstart | export`. Never imports torch at module level:
+`validate` answers in about a second, before any cluster or GPU is involved.
+
+Exit codes: 0 success/valid, 2 invalid job (nothing was started), 1 the run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import preflight
+from .errors import JobError, user_message
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+QUICKSTART_JOB = "jobs/quickstart.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="raytrain", description="Elastic fine-tuning of Hugging Face causal LMs on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("validate", "check a job without starting anything"), ("run", "validate, then run a job")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("job", help="job YAML file")
+        c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field, e.g. --set training.max_steps=20 (repeatable)")
+        c.add_argument("--json", action="store_true", help="machine-readable problems on stdout")
+        c.add_argument("--skip-probes", action="store_true", help="schema and arithmetic only: no file, model or storage probes")
+    sub.choices["run"].add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    q = sub.add_parser("quickstart", help="make the offline demo model and data, then run jobs/quickstart.yaml")
+    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return p
+
+
+def _report(problems, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"valid": not problems, "problems": [p.to_dict() for p in problems]}, indent=2))
+        return
+    for p in problems:
+        print(f"  - {p}", file=sys.stderr)
+
+
+def cmd_validate(args) -> int:
+    spec, problems = preflight.check_job(args.job, args.overrides, probes=not args.skip_probes)
+    if problems:
+        if not args.json:
+            print(f"{args.job}: {len(problems)} problem(s); nothing was started:", file=sys.stderr)
+        _report(problems, args.json)
+        return EXIT_INVALID
+    if args.json:
+        _report([], True)
+    else:
+        lo, hi = spec.scaling.worker_range
+        print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}, workers {lo}..{hi}, "
+              f"accumulation {spec.accumulation_steps(hi)}..{spec.accumulation_steps(lo)})")
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    code = cmd_validate(args)
+    if code != EXIT_OK:
+        return code
+    spec, _ = preflight.check_job(args.job, args.overrides, probes=False)
+    from . import launcher
+
+    try:
+        result = launcher.run(spec, address=getattr(args, "address", None))
+    except JobError as exc:
+        print(f"raytrain: job {spec.name} failed: {user_message(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:  # a failure inside Ray: show its first meaningful line, not the nested traceback
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        print(f"raytrain: job {spec.name} failed: {lines[-1] if lines else type(exc).__name__}\n"
+              f"  (full worker logs: the Ray logs of this run; MLflow run marked FAILED)", file=sys.stderr)
+        return EXIT_FAILED
+    m = result.metrics
+    print(f"[raytrain] done in {result.wall_s:.0f}s: step {m.get('step', '?')} loss {m.get('loss', float('nan')):.4f}; "
+          f"checkpoint {result.checkpoint}; final model {result.run_dir}/final_model; mlflow run {result.run_id}")
+    return EXIT_OK
+
+
+def cmd_quickstart(args) -> int:
+    from .demo_assets import make_all
+
+    root = make_all(Path(".raytrain/quickstart"))
+    print(f"[raytrain] demo model and data in {root}")
+    args.job, args.json, args.skip_probes, args.address = QUICKSTART_JOB, False, False, None
+    return cmd_run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return {"validate": cmd_validate, "run": cmd_run, "quickstart": cmd_quickstart}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The job spec: one YAML file, validated into typed sections before Ray is touched.
+
+Every field has a docstring (it is the reference documentation of the YAML), and every
+cross-field rule lives in a validator of its own with a message that names the fix.
+The spec crosses into the workers as plain JSON and is validated again there, so a
+worker never runs on a dict nobody checked.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, docstrings become field docs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class ModelSpec(Section):
+    path: str
+    """Local directory or hub id of a Hugging Face causal LM, loaded with `from_pretrained`."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub id; defaults to `model.path`."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are stored in while training (master weights); compute precision is `training.precision`."""
+    trust_remote_code: bool = False
+    """Run the model repository's own Python code. Off unless the job says so: it executes code from the hub."""
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    """Attention kernel passed to transformers."""
+
+
+class DataSpec(Section):
+    path: str
+    """A .jsonl/.json/.parquet file or a folder of them; a local path or a URI (s3://, gs://, ...)."""
+    format: Literal["text", "chat"] = "text"
+    """`text`: a plain text column, loss on every token. `chat`: a list of {role, content} messages, loss on assistant tokens only."""
+    text_column: str = "text"
+    """Column holding the text when `format: text`."""
+    messages_column: str = "messages"
+    """Column holding the messages when `format: chat`."""
+    seq_len: int = Field(512, gt=0, le=1_048_576)
+    """Tokens per training sequence."""
+    pack: bool = True
+    """Concatenate samples (separated by EOS) into full `seq_len` rows; otherwise pad each sample."""
+    shuffle: bool = True
+    """Shuffle rows within a window; the order depends only on `training.seed` and the epoch."""
+    shuffle_window: int = Field(1024, gt=0)
+    """Rows per deterministic shuffle window."""
+    bad_rows: Literal["skip", "fail"] = "skip"
+    """A row that is empty, of the wrong type, or has invalid chat roles: `skip` counts it (reported in MLflow), `fail` stops the job naming file and row."""
+
+
+class LoraSpec(Section):
+    rank: int = Field(16, gt=0)
+    """LoRA rank r."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling alpha (the update is scaled by alpha / rank)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] | None = None
+    """Module names to adapt; default: the attention and MLP projections of the architecture."""
+
+
+class OffloadSpec(Section):
+    optimizer: bool = False
+    """Keep optimizer state (and, for FSDP2, the sharded parameters' master copy) in CPU memory."""
+    params: bool = False
+    """Keep sharded parameters in CPU memory between uses."""
+
+
+class TrainingSpec(Section):
+    strategy: Literal["fsdp2", "zero3", "ddp"] = "fsdp2"
+    """Parallelism: `fsdp2` (torch fully_shard), `zero3` (DeepSpeed ZeRO-3), `ddp` (replicated, small models)."""
+    finetune: Literal["lora", "full"] = "lora"
+    """`lora` trains adapters only (base weights frozen); `full` trains every weight."""
+    lora: LoraSpec = LoraSpec()
+    """LoRA settings, used when `finetune: lora`."""
+    global_batch_size: int = Field(32, gt=0)
+    """Sequences per optimizer step over all workers; fixed for the whole job, whatever the worker count."""
+    micro_batch_size: int = Field(4, gt=0)
+    """Sequences per forward pass on one worker; gradient accumulation fills the rest of the global batch."""
+    max_steps: int = Field(100, gt=0)
+    """Optimizer steps to run (epochs repeat the dataset as needed)."""
+    seed: int = 0
+    """Seed of model init (LoRA), data order and dropout."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Max global gradient norm; null disables clipping."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision: `auto` is bf16 on GPU and fp32 on CPU."""
+    offload: OffloadSpec = OffloadSpec()
+    """CPU offload, meaning the same under `fsdp2` and `zero3`."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward to save memory."""
+    deepspeed: dict[str, Any] | None = None
+    """Expert overrides merged into the generated DeepSpeed config (`zero3` only)."""
+
+
+class OptimizerSpec(Section):
+    lr: float = Field(2e-4, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup from 0 to `lr`."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup, down to `lr * min_lr_ratio` at `max_steps`."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final LR as a fraction of `lr`."""
+
+
+class ScalingSpec(Section):
+    num_workers: int | None = Field(None, gt=0)
+    """Fixed worker count; or give `min_workers`/`max_workers` for an elastic job."""
+    min_workers: int | None = Field(None, gt=0)
+    """Fewest workers the job runs with (elastic)."""
+    max_workers: int | None = Field(None, gt=0)
+    """Most workers the job grows to (elastic)."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL); otherwise CPU workers on gloo."""
+    cpus_per_worker: float = Field(1.0, gt=0)
+    """CPUs reserved per training worker."""
+    accelerator_memory_gb: float | None = Field(None, gt=0)
+    """Memory of one accelerator, for the pre-flight memory estimate (e.g. 80 for an H100)."""
+
+    @model_validator(mode="after")
+    def _one_way_to_size(self):
+        if self.num_workers is not None and (self.min_workers or self.max_workers):
+            raise ValueError("give either `num_workers` (fixed) or `min_workers`/`max_workers` (elastic), not both")
+        if self.num_workers is None and (self.min_workers is None) != (self.max_workers is None):
+            raise ValueError("an elastic job needs both `min_workers` and `max_workers`")
+        if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers={self.min_workers} > max_workers={self.max_workers}: swap them")
+        return self
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        if self.num_workers is not None:
+            return self.num_workers, self.num_workers
+        if self.min_workers is not None:
+            return self.min_workers, self.max_workers
+        return 2, 2
+
+
+class CheckpointSpec(Section):
+    storage_path: str = "./runs"
+    """Where runs live (local path or s3://...): checkpoints, exported model, and the default MLflow store."""
+    every_n_steps: int = Field(50, gt=0)
+    """Commit a sharded checkpoint every N optimizer steps (and at the end)."""
+    keep_last: int = Field(2, gt=0)
+    """Committed checkpoints to keep; older ones are pruned after a newer one commits."""
+    export_final: bool = True
+    """At the end, write a plain Hugging Face model (or LoRA adapter) to `<run>/final_model`."""
+
+
+class FailureSpec(Section):
+    max_failures: int = Field(0, ge=-1)
+    """Restarts from the latest checkpoint before the job fails; -1 retries forever."""
+
+
+class TrackingSpec(Section):
+    uri: str | None = None
+    """MLflow tracking URI (http://host:5000, sqlite:///...); default: sqlite file under the run directory."""
+    experiment: str = "raytrain"
+    """MLflow experiment name."""
+    log_every_n_steps: int = Field(1, gt=0)
+    """Metric logging interval."""
+
+
+class JobSpec(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+    """Run name: the run directory under `storage_path` and the MLflow run name."""
+    model: ModelSpec
+    """What to fine-tune."""
+    data: DataSpec
+    """What to train on."""
+    training: TrainingSpec = TrainingSpec()
+    """How to train."""
+    optimizer: OptimizerSpec = OptimizerSpec()
+    """AdamW and LR schedule."""
+    scaling: ScalingSpec = ScalingSpec()
+    """How many workers, on what."""
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    """Sharded checkpoints and final export."""
+    failure: FailureSpec = FailureSpec()
+    """Automatic restarts."""
+    tracking: TrackingSpec = TrackingSpec()
+    """MLflow."""
+
+    @model_validator(mode="after")
+    def _batch_splits_for_every_worker_count(self):
+        lo, hi = self.scaling.worker_range
+        gbs, mbs = self.training.global_batch_size, self.training.micro_batch_size
+        bad = [n for n in range(lo, hi + 1) if gbs % (mbs * n)]
+        if bad:
+            step = math.lcm(*(mbs * n for n in range(lo, hi + 1)))
+            fix = max(step, round(gbs / step) * step)
+            raise ValueError(
+                f"training.global_batch_size={gbs} is not micro_batch_size({mbs}) x accumulation x workers "
+                f"for workers={bad}; use global_batch_size={fix} (a multiple of {step}) or change micro_batch_size"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _deepspeed_block_needs_zero3(self):
+        if self.training.deepspeed is not None and self.training.strategy != "zero3":
+            raise ValueError(f"training.deepspeed is only used by strategy zero3, not {self.training.strategy!r}: remove it or set training.strategy: zero3")
+        return self
+
+    # Derived quantities the launcher and workers share.
+    def accumulation_steps(self, world_size: int) -> int:
+        return self.training.global_batch_size // (self.training.micro_batch_size * world_size)
+
+    @property
+    def run_dir(self) -> str:
+        return self.checkpoint.storage_path.rstrip("/") + "/" + self.name
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.max_steps=20` -> (["training", "max_steps"], 20); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ValueError(f"--set {text!r}: expected KEY.PATH=VALUE, e.g. training.max_steps=20")
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(value)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {text!r}: {part!r} is not a section")
+        node[path[-1]] = value
+    return raw
+
+
+def load_yaml(path: str | Path, overrides: list[str] = ()) -> dict:
+    """Read a job file with yaml.safe_load (never yaml.load: a job file must not run code)."""
+    text = Path(path).read_text()
+    raw = yaml.safe_load(text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a job file is a YAML mapping (name:, model:, data:, ...), got {type(raw).__name__}")
+    return apply_overrides(raw, list(overrides))

@@ -1,0 +1,90 @@
+"""Offline stand-ins for a hub model and a dataset: a tiny Llama, a BPE tokenizer trained
+on the spot, and learnable jsonl data. The quickstart and the tests load them with the
+same `from_pretrained` path a user points at a hub id (as torchtitan's debug model does)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+COLORS = ["red", "green", "blue", "yellow", "black", "white", "purple", "orange"]
+ANIMALS = ["fox", "dog", "cat", "owl", "bear", "wolf", "frog", "deer"]
+VERBS = ["jumps", "runs", "looks", "walks", "flies", "swims"]
+PLACES = ["the fence", "the river", "the hill", "the road", "the wall", "the field"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def sentence(rng: random.Random) -> str:
+    # The animal fixes the verb: a dependency the model can learn, so the loss falls well below chance.
+    animal = rng.choice(ANIMALS)
+    verb = VERBS[ANIMALS.index(animal) % len(VERBS)]
+    return f"the {rng.choice(COLORS)} {animal} {verb} over {rng.choice(PLACES)}."
+
+
+def text_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"text": " ".join(sentence(rng) for _ in range(rng.randint(1, 4)))} for _ in range(n)]
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        color, animal = rng.choice(COLORS), rng.choice(ANIMALS)
+        rows.append({"messages": [
+            {"role": "system", "content": "answer briefly."},
+            {"role": "user", "content": f"what color is the {animal}?"},
+            {"role": "assistant", "content": f"the {animal} is {color}."},
+        ]})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def make_tokenizer(out: Path, vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [r["text"] for r in text_rows(2000, seed=1)] + ["answer briefly. what color is the ? system user assistant"]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def make_model(out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=False, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+
+
+def make_all(root: str | Path, rows: int = 4000) -> Path:
+    """root/model (model + tokenizer), root/text.jsonl, root/chat.jsonl; idempotent."""
+    root = Path(root)
+    if (root / "model" / "config.json").exists() and (root / "text.jsonl").exists():
+        return root
+    tok = make_tokenizer(root / "model")
+    make_model(root / "model", vocab_size=len(tok))
+    write_jsonl(root / "text.jsonl", text_rows(rows))
+    write_jsonl(root / "chat.jsonl", chat_rows(rows // 4))
+    return root

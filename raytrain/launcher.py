@@ -1,0 +1,88 @@
+"""The only module that builds Ray Train objects: connect to (or start) Ray, open the
+MLflow run, build the dataset, run the TorchTrainer, close the run."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from . import tracking
+from .config import JobSpec
+from .errors import JobError, user_message
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    run_dir: str
+    checkpoint: str | None
+    metrics: dict
+    wall_s: float
+
+
+def connect(spec: JobSpec, address: str | None = None) -> None:
+    """RAY_ADDRESS (set by `ray job submit`) or --address: join that cluster. Otherwise
+    start a private local cluster sized so Ray Data gets CPUs beside the training workers."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    lo, hi = spec.scaling.worker_range
+    cpus = max(os.cpu_count() or 1, int(hi * spec.scaling.cpus_per_worker)) + 2  # +2 logical CPUs for Ray Data
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+
+
+def runtime_env(spec: JobSpec) -> dict:
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if not spec.scaling.use_gpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "HF_TOKEN",
+                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "TORCH_EXTENSIONS_DIR", "RAYTRAIN_SAMPLE_LOG"):
+        if key in os.environ:  # secrets travel in the environment, never in the spec or MLflow
+            env[key] = os.environ[key]
+    return {"env_vars": env}
+
+
+def build_trainer(spec: JobSpec, run_id: str):
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from . import data, worker
+
+    lo, hi = spec.scaling.worker_range
+    scaling = ScalingConfig(num_workers=lo if lo == hi else (lo, hi), use_gpu=spec.scaling.use_gpu,
+                            resources_per_worker={"CPU": spec.scaling.cpus_per_worker})
+    run = RunConfig(name=spec.name, storage_path=spec.checkpoint.storage_path,
+                    checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
+                    failure_config=FailureConfig(max_failures=spec.failure.max_failures),
+                    worker_runtime_env=runtime_env(spec))
+    return TorchTrainer(worker.train_func, train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id},
+                        scaling_config=scaling, run_config=run, datasets={"train": data.build_dataset(spec)},
+                        # Not split: every worker reads the one ordered stream and takes its
+                        # slice of each global batch by position (see data.py for why).
+                        dataset_config=DataConfig(datasets_to_split=[]))
+
+
+def run(spec: JobSpec, address: str | None = None) -> JobResult:
+    started = time.time()
+    connect(spec, address)
+    run_id = tracking.start_run(spec)
+    print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, "
+          f"workers {spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
+          flush=True)
+    try:
+        result = build_trainer(spec, run_id).fit()
+    except BaseException as exc:
+        tracking.end_run(spec, run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        message = user_message(exc)
+        if message:
+            raise JobError(message) from None
+        raise
+    ckpt = result.checkpoint.path if result.checkpoint else None
+    tracking.end_run(spec, run_id, "FINISHED", {"raytrain.latest_checkpoint": str(ckpt)})
+    return JobResult(run_id, spec.run_dir, ckpt, dict(result.metrics or {}), time.time() - started)

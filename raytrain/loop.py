@@ -1,0 +1,90 @@
+"""The training loop: the same for every strategy.
+
+Loss is the mean over all label tokens of the global batch, whatever the worker count
+and micro-batch split: each micro-batch contributes sum(CE) / global_label_tokens, scaled
+by world size because data-parallel gradient reduction averages across ranks. So a run
+resumed at another world size continues the same optimization, not a reweighted one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import checkpoint
+from .checkpoint import TrainState
+from .config import JobSpec
+from .data import IGNORE, GlobalBatches
+
+
+def lr_at(step: int, spec: JobSpec) -> float:
+    """Warmup then decay; a pure function of the step, so a checkpoint's step restores it."""
+    o, total = spec.optimizer, spec.training.max_steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * shape)
+
+
+def seed_step(seed: int, step: int, rank: int) -> None:
+    """Dropout and every other torch RNG: a function of (seed, step, rank), nothing to checkpoint."""
+    torch.manual_seed(hash((seed, step, rank)) % (2**63))
+
+
+def _all_reduce(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logger=None, on_step=None) -> TrainState:
+    device, rank, world = strategy.device, strategy.rank, strategy.world_size
+    t, ck = spec.training, spec.checkpoint
+    start, started = state.step, time.perf_counter()
+    while state.step < t.max_steps:
+        step_start = time.perf_counter()
+        seed_step(t.seed, state.step, rank)
+        lr = lr_at(state.step, spec)
+        batch = next(batches)
+        data_wait = time.perf_counter() - step_start
+        local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in batch.micro_batches)
+        global_tokens = max(1.0, _all_reduce(local_tokens, device))
+        loss_sum = 0.0
+        for i, mb in enumerate(batch.micro_batches):
+            ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
+            with strategy.autocast():
+                logits = strategy.model(input_ids=ids).logits
+            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                 ignore_index=IGNORE, reduction="sum")
+            strategy.backward(ce * (world / global_tokens), sync=i == len(batch.micro_batches) - 1)
+            loss_sum += float(ce.detach())
+        grad_norm = strategy.optimizer_step(lr)
+        loss = _all_reduce(loss_sum, device) / global_tokens
+        state.step += 1
+        state.data = batches.position
+        state.tokens_seen += int(t.global_batch_size * spec.data.seq_len)
+        state.bad_rows += batch.bad_rows
+        step_time = time.perf_counter() - step_start
+        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
+                   "data_wait_s": data_wait, "tokens_per_s": t.global_batch_size * spec.data.seq_len / step_time,
+                   "tokens_seen": state.tokens_seen, "bad_rows": state.bad_rows, "world_size": world}
+        if on_step:
+            on_step(state, batch)
+        if rank == 0:
+            if logger and (state.step % spec.tracking.log_every_n_steps == 0 or state.step == t.max_steps):
+                logger.log(state.step, metrics)
+            elapsed = time.perf_counter() - started
+            eta = elapsed / (state.step - start) * (t.max_steps - state.step)
+            print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
+                  f"| {metrics['tokens_per_s']:,.0f} tok/s | world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
+                  flush=True)
+        if state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
+            checkpoint.save_and_report(strategy, state, metrics)
+    return state

@@ -1,0 +1,64 @@
+"""Local paths and remote URIs (s3://, gs://, ...) through one pyarrow filesystem view.
+
+Nothing here assumes a local disk: a run directory may live on S3 and the same code
+writes, lists and uploads there.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "hdfs://", "abfs://", "abfss://")
+
+
+def is_remote(uri: str) -> bool:
+    return uri.startswith(REMOTE_SCHEMES)
+
+
+def absolute(uri: str, base: str | os.PathLike | None = None) -> str:
+    """A local path made absolute (workers run in another cwd); a URI is returned as is."""
+    if is_remote(uri) or uri.startswith("file://"):
+        return uri
+    return str((Path(base or os.getcwd()) / os.path.expanduser(uri)).resolve())
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it). S3 endpoints come from AWS_ENDPOINT_URL like boto's."""
+    if uri.startswith("s3://") and os.environ.get("AWS_ENDPOINT_URL"):
+        endpoint = os.environ["AWS_ENDPOINT_URL"]
+        fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="https" if endpoint.startswith("https") else "http",
+                               region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+        return fs, uri[len("s3://"):]
+    if not is_remote(uri):
+        return pafs.LocalFileSystem(), str(Path(uri.removeprefix("file://")).resolve())
+    return pafs.FileSystem.from_uri(uri)
+
+
+def upload_dir(local_dir: str, uri: str) -> None:
+    """Copy a local folder to a local path or URI."""
+    fs, path = filesystem(uri)
+    fs.create_dir(path, recursive=True)
+    pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
+def exists(uri: str) -> bool:
+    fs, path = filesystem(uri)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def probe_writable(uri: str) -> str | None:
+    """Write and delete a small file under `uri`; None if that worked, else why not."""
+    try:
+        fs, path = filesystem(uri)
+        fs.create_dir(path, recursive=True)
+        probe = f"{path}/.raytrain-probe-{uuid.uuid4().hex}"
+        with fs.open_output_stream(probe) as out:
+            out.write(b"ok")
+        fs.delete_file(probe)
+        return None
+    except Exception as exc:  # every filesystem error becomes a message, not a traceback
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]

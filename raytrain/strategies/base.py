@@ -1,0 +1,144 @@
+"""The one interface the training loop talks to, and the torch-native parts that FSDP2
+and DDP share (AdamW over trainable parameters, clipping, DCP checkpoints, HF export).
+
+A strategy owns everything that differs between parallelisms: how the model is built
+and wrapped, how backward and accumulation sync, how state is saved, loaded and exported.
+The loop owns the rest and has no `if strategy == ...` anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from .. import modeling
+from ..config import JobSpec
+
+
+class Strategy(ABC):
+    """Build, step, save, load and export one model on one worker of a process group."""
+
+    def __init__(self, spec: JobSpec, device: torch.device):
+        self.spec = spec
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.compute_bf16 = spec.training.precision == "bf16" or (spec.training.precision == "auto" and device.type == "cuda")
+        self.model: torch.nn.Module  # what the loop calls forward on
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Load and wrap the model, build the optimizer."""
+
+    def autocast(self):
+        """Context for forward passes (strategies that cast inside the wrapper return a no-op)."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor, sync: bool) -> None:
+        """Accumulate gradients; `sync` is True on the last micro-batch of a step."""
+
+    @abstractmethod
+    def optimizer_step(self, lr: float) -> float:
+        """Clip, step and zero the gradients at learning rate `lr`; returns the global grad norm."""
+
+    @abstractmethod
+    def save(self, directory: str) -> None:
+        """Write this rank's part of the model and optimizer state into `directory` (collective)."""
+
+    @abstractmethod
+    def load(self, directory: str) -> None:
+        """Restore from a committed checkpoint folder, at any world size (collective)."""
+
+    @abstractmethod
+    def export(self, directory: str, tokenizer) -> None:
+        """Write a plain HF model (or peft adapter) to `directory` on rank 0 (collective)."""
+
+
+class TorchStrategy(Strategy):
+    """FSDP2 and DDP: torch AdamW, torch.distributed.checkpoint, one export path."""
+
+    hf_model: torch.nn.Module  # the unwrapped (peft) model, for names and export
+
+    @abstractmethod
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Return the parallel model."""
+
+    def setup(self) -> None:
+        self.model = self.wrap(self.build_model())
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = self.spec.optimizer
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.trainable = modeling.trainable_names(self.hf_model)
+
+    def build_model(self) -> torch.nn.Module:
+        self.hf_model = modeling.load_model(self.spec)
+        return self.hf_model
+
+    def optimizer_step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        max_norm = self.spec.training.grad_clip or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # --- checkpoints: DCP, each rank writes its shards; resharding on load is DCP's ---
+    def _state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if self.spec.training.finetune == "lora":  # frozen base weights come from model.path again
+            model_sd = {k: v for k, v in model_sd.items() if k in self.trainable}
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, directory: str) -> None:
+        dcp.save(self._state(), checkpoint_id=directory)
+
+    def load(self, directory: str) -> None:
+        state = self._state()
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
+
+    def export(self, directory: str, tokenizer) -> None:
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
+        dist.barrier()
+
+
+def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, directory: str, tokenizer) -> None:
+    """Save what plain transformers/peft load: an adapter folder for LoRA, a model folder for full."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    full_state = {k: v.detach().to("cpu").contiguous() for k, v in full_state.items()}
+    if spec.training.finetune == "lora":
+        from peft import get_peft_model_state_dict
+
+        adapter = get_peft_model_state_dict(hf_model, state_dict=full_state)
+        save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        hf_model.peft_config["default"].save_pretrained(str(out))
+    else:
+        from transformers import AutoModelForCausalLM
+
+        # A fresh unsharded copy: save_pretrained on a sharded module would see DTensors.
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(hf_model.config, dtype=modeling.DTYPES[spec.model.dtype])
+        plain.load_state_dict(full_state, strict=True, assign=True)
+        plain.tie_weights()
+        plain.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / "raytrain.json").write_text(json.dumps({"job": spec.name, "finetune": spec.training.finetune,
+                                                   "base_model": spec.model.path}, indent=2))

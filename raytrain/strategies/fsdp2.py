@@ -1,0 +1,50 @@
+"""FSDP2: `fully_shard` on every decoder block, then the root. The only place raytrain
+shards a model with torch.
+
+Built on meta everywhere but rank 0, sharded, then materialized and filled from rank 0's
+weights by a broadcast, so a node holds one full copy of the model at most, not one per GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from .. import modeling
+from .base import TorchStrategy
+
+
+class FSDP2Strategy(TorchStrategy):
+    def build_model(self) -> torch.nn.Module:
+        self.hf_model = modeling.load_model(self.spec, on_meta=self.rank != 0)
+        return self.hf_model
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        full_state = model.state_dict() if self.rank == 0 else {}
+        offload = self.spec.training.offload
+        kwargs = dict(
+            mesh=init_device_mesh(self.device.type, (self.world_size,)),
+            # bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU.
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.compute_bf16 else None,
+                                           reduce_dtype=torch.float32),
+            offload_policy=CPUOffloadPolicy() if (offload.params or offload.optimizer) else OffloadPolicy(),
+        )
+        for block in modeling.decoder_blocks(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        if self.rank != 0:
+            model.to_empty(device="cpu" if (offload.params or offload.optimizer) else self.device)
+        set_model_state_dict(model, full_state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # Non-persistent buffers (rotary frequencies) are in no state dict: broadcast them too.
+        for buf in model.buffers():
+            dist.broadcast(buf, src=0)
+        return model
+
+    def backward(self, loss: torch.Tensor, sync: bool) -> None:
+        # Skip the reduce-scatter on all but the last micro-batch: gradients accumulate unsharded-free.
+        self.model.set_requires_gradient_sync(sync)
+        loss.backward()

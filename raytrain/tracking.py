@@ -1,0 +1,99 @@
+"""MLflow, through this one module: one run per job.
+
+The driver opens the run before any worker starts and closes it (FINISHED or FAILED)
+after `fit` returns, so Ray's worker restarts all log into the same run; rank 0 alone
+logs step metrics and the exported model. Params are the flattened spec: the spec has no
+secrets in it (pre-flight refuses them), and keys that look like secrets are dropped anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from .config import JobSpec
+from . import storage
+
+SECRET_KEY = re.compile(r"(token|secret|password|passwd|api[_-]?key|credential|auth)", re.I)
+
+
+def tracking_uri(spec: JobSpec) -> str:
+    if spec.tracking.uri:
+        return spec.tracking.uri
+    root = spec.checkpoint.storage_path
+    if storage.is_remote(root):  # sqlite needs a local file; artifacts still go to the remote root
+        root = os.getcwd()
+    return f"sqlite:///{storage.absolute(root)}/mlflow.db"
+
+
+def artifact_root(spec: JobSpec) -> str:
+    return spec.checkpoint.storage_path.rstrip("/") + "/mlartifacts"
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        elif not SECRET_KEY.search(key):
+            out[name] = str(value)[:6000]
+    return out
+
+
+def _client(spec: JobSpec):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri(spec))
+
+
+def start_run(spec: JobSpec) -> str:
+    """Driver: the job's run; a job resubmitted to the same run directory continues its run."""
+    client = _client(spec)
+    experiment = client.get_experiment_by_name(spec.tracking.experiment)
+    if experiment is None:
+        experiment_id = client.create_experiment(spec.tracking.experiment, artifact_location=artifact_root(spec))
+    else:
+        experiment_id = experiment.experiment_id
+    previous = client.search_runs([experiment_id], f"tags.`raytrain.run_dir` = '{spec.run_dir}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1)
+    if previous and previous[0].info.status != "FINISHED":
+        run_id = previous[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    run = client.create_run(experiment_id, run_name=spec.name, tags={"raytrain.run_dir": spec.run_dir,
+                                                                      "raytrain.strategy": spec.training.strategy})
+    from mlflow.entities import Param
+
+    params = [Param(k, v) for k, v in flatten(spec.model_dump(mode="json")).items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[i:i + 100])
+    return run.info.run_id
+
+
+def end_run(spec: JobSpec, run_id: str, status: str, tags: dict | None = None) -> None:
+    client = _client(spec)
+    for key, value in (tags or {}).items():
+        client.set_tag(run_id, key, value)
+    client.set_terminated(run_id, status=status)
+
+
+class StepLogger:
+    """Rank 0's metric logger: batches of step metrics into the job's run."""
+
+    def __init__(self, spec: JobSpec, run_id: str):
+        self.spec, self.run_id, self.client = spec, run_id, _client(spec)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, value)
+
+    def log_model_dir(self, local_dir: str) -> None:
+        self.client.log_artifacts(self.run_id, local_dir, artifact_path="final_model")

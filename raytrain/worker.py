@@ -1,0 +1,67 @@
+"""What each Ray Train worker runs: re-validate the spec, build, restore, fit, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import torch
+
+from . import checkpoint, loop, modeling, storage, tracking
+from .checkpoint import TrainState
+from .config import JobSpec
+from .data import GlobalBatches
+from .strategies import build_strategy
+
+SAMPLE_LOG_ENV = "RAYTRAIN_SAMPLE_LOG"  # tests: a folder where each rank appends the sample ids it trained on
+
+
+def train_func(config: dict) -> None:
+    import ray.train
+
+    spec = JobSpec.model_validate(config["spec"])  # plain JSON crossed the wire: check it again
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = torch.device(f"cuda:{ctx.get_local_rank()}") if spec.scaling.use_gpu else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    tokenizer = modeling.load_tokenizer(spec)
+    strategy = build_strategy(spec, device)
+    state = checkpoint.restore(strategy) or TrainState()
+    resumed_from = state.step
+    state.world_size, state.run_id = world, config["run_id"]
+    logger = tracking.StepLogger(spec, config["run_id"]) if rank == 0 else None
+    if logger:
+        logger.set_tags({f"raytrain.attempt.{config.get('attempt_tag', 'start')}.world_size": str(world)})
+        if resumed_from:
+            print(f"[raytrain] resumed at step {resumed_from} (epoch {state.data.epoch}, row {state.data.offset}) "
+                  f"with {world} workers", flush=True)
+
+    batches = GlobalBatches(ray.train.get_dataset_shard("train"), spec, rank, world, state.data)
+    state = loop.fit(spec, strategy, batches, state, logger, on_step=_sample_logger(rank))
+
+    if spec.checkpoint.export_final:
+        export(spec, strategy, tokenizer, logger)
+
+
+def export(spec: JobSpec, strategy, tokenizer, logger) -> None:
+    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp:
+        strategy.export(tmp, tokenizer)
+        if strategy.rank == 0:
+            storage.upload_dir(tmp, spec.run_dir + "/final_model")
+            logger.log_model_dir(tmp)
+            print(f"[raytrain] exported final model to {spec.run_dir}/final_model", flush=True)
+
+
+def _sample_logger(rank: int):
+    folder = os.environ.get(SAMPLE_LOG_ENV)
+    if not folder:
+        return None
+
+    def on_step(state, batch) -> None:
+        with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": state.step, "samples": batch.sample_ids}) + "\n")
+
+    return on_step
