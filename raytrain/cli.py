@@ -31,6 +31,15 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["run"].add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
     q = sub.add_parser("quickstart", help="make the offline demo model and data, then run jobs/quickstart.yaml")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    e = sub.add_parser("export", help="write a plain HF model/adapter from a run's latest (or given) checkpoint")
+    e.add_argument("run_dir", help="the run directory, <storage_path>/<name>")
+    e.add_argument("--out", required=True, help="output folder or URI")
+    e.add_argument("--checkpoint", help="a step_* folder (default: the latest committed one)")
+    k = sub.add_parser("k8s", help="render the KubeRay RayJob (+ ConfigMap) that runs a job on Kubernetes")
+    k.add_argument("job", help="job YAML file")
+    k.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    k.add_argument("--image", default="raytrain:latest", help="container image with raytrain installed")
+    k.add_argument("--namespace", default="raytrain")
     return p
 
 
@@ -90,9 +99,28 @@ def cmd_quickstart(args) -> int:
     return cmd_run(args)
 
 
+def cmd_export(args) -> int:
+    from .export import export_checkpoint
+
+    try:
+        used = export_checkpoint(args.run_dir, args.out, args.checkpoint)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"raytrain export: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"[raytrain] exported {used} to {args.out}")
+    return EXIT_OK
+
+
+def cmd_k8s(args) -> int:
+    from . import k8s
+
+    return k8s.cmd_render(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"validate": cmd_validate, "run": cmd_run, "quickstart": cmd_quickstart}[args.command](args)
+    return {"validate": cmd_validate, "run": cmd_run, "quickstart": cmd_quickstart,
+            "export": cmd_export, "k8s": cmd_k8s}[args.command](args)
 
 
 if __name__ == "__main__":

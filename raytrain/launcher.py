@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from . import tracking
+from .export import write_job_file
 from .config import JobSpec
 from .errors import JobError, user_message
 
@@ -72,6 +73,7 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     started = time.time()
     connect(spec, address)
     run_id = tracking.start_run(spec)
+    write_job_file(spec)
     print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, "
           f"workers {spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
           flush=True)

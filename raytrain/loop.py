@@ -9,6 +9,7 @@ resumed at another world size continues the same optimization, not a reweighted 
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -72,7 +73,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         state.tokens_seen += int(t.global_batch_size * spec.data.seq_len)
         state.bad_rows += batch.bad_rows
         step_time = time.perf_counter() - step_start
-        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
+        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                    "data_wait_s": data_wait, "tokens_per_s": t.global_batch_size * spec.data.seq_len / step_time,
                    "tokens_seen": state.tokens_seen, "bad_rows": state.bad_rows, "world_size": world}
         if on_step:
@@ -84,7 +85,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
             print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
                   f"| {metrics['tokens_per_s']:,.0f} tok/s | world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
-                  flush=True)
+                  file=sys.stdout, flush=True)
         if state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
             checkpoint.save_and_report(strategy, state, metrics)
     return state

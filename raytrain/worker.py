@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -37,7 +38,7 @@ def train_func(config: dict) -> None:
         logger.set_tags({f"raytrain.attempt.{config.get('attempt_tag', 'start')}.world_size": str(world)})
         if resumed_from:
             print(f"[raytrain] resumed at step {resumed_from} (epoch {state.data.epoch}, row {state.data.offset}) "
-                  f"with {world} workers", flush=True)
+                  f"with {world} workers", file=sys.stdout, flush=True)
 
     batches = GlobalBatches(ray.train.get_dataset_shard("train"), spec, rank, world, state.data)
     state = loop.fit(spec, strategy, batches, state, logger, on_step=_sample_logger(rank))
@@ -52,7 +53,7 @@ def export(spec: JobSpec, strategy, tokenizer, logger) -> None:
         if strategy.rank == 0:
             storage.upload_dir(tmp, spec.run_dir + "/final_model")
             logger.log_model_dir(tmp)
-            print(f"[raytrain] exported final model to {spec.run_dir}/final_model", flush=True)
+            print(f"[raytrain] exported final model to {spec.run_dir}/final_model", file=sys.stdout, flush=True)
 
 
 def _sample_logger(rank: int):

@@ -1,0 +1,74 @@
+"""`raytrain export RUN_DIR`: turn a committed FSDP2/DDP checkpoint into a plain Hugging
+Face model (or peft adapter) in one process, without Ray or a process group, and the
+base-weight fingerprint that ties an adapter to the exact base it was trained on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import modeling, storage
+from .checkpoint import STATE_FILE
+from .config import JobSpec
+
+JOB_FILE = "job.json"
+_PEFT_PREFIX = re.compile(r"^base_model\.model\.")
+
+
+def base_name(name: str) -> str:
+    """A peft parameter name as the base model calls it."""
+    return _PEFT_PREFIX.sub("", name).replace(".base_layer.", ".")
+
+
+def base_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the frozen base weights (names and bytes), LoRA weights excluded."""
+    digest = hashlib.sha256()
+    for name in sorted(k for k in state if "lora_" not in k):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(base_name(name).encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def latest_checkpoint(run_dir: str) -> str:
+    steps = sorted(p for p in Path(run_dir).glob("step_*") if (p / STATE_FILE).is_file() and (p / ".metadata").is_file())
+    if not steps:
+        raise FileNotFoundError(f"no committed checkpoint (step_*/ with {STATE_FILE}) under {run_dir}")
+    return str(steps[-1])
+
+
+def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str) -> torch.nn.Module:
+    """A plain single-process model with the checkpoint's weights (DCP reshards to one process)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = modeling.load_model(spec)
+    trainable = modeling.trainable_names(model)
+    full = model.state_dict()
+    wanted = {k: v for k, v in full.items() if spec.training.finetune == "full" or k in trainable}
+    dcp.load({"model": wanted}, checkpoint_id=checkpoint_dir)
+    model.load_state_dict(wanted, strict=False)
+    return model
+
+
+def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None) -> str:
+    from .strategies.base import write_hf_export
+
+    spec = JobSpec.model_validate_json(Path(run_dir, JOB_FILE).read_text())
+    checkpoint_dir = checkpoint_dir or latest_checkpoint(run_dir)
+    model = load_checkpoint_model(spec, checkpoint_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_export(spec, model, model.state_dict(), tmp, modeling.load_tokenizer(spec))
+        storage.upload_dir(tmp, out)
+    return checkpoint_dir
+
+
+def write_job_file(spec: JobSpec) -> None:
+    fs, path = storage.filesystem(spec.run_dir)
+    fs.create_dir(path, recursive=True)
+    with fs.open_output_stream(f"{path}/{JOB_FILE}") as f:
+        f.write(json.dumps(spec.model_dump(mode="json"), indent=2).encode())
