@@ -43,27 +43,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _report(problems, as_json: bool) -> None:
+def _report(report, as_json: bool) -> None:
+    """Errors refuse the job; notes (what only the cluster can check, the memory estimate) are said either way."""
     if as_json:
-        print(json.dumps({"valid": not problems, "problems": [p.to_dict() for p in problems]}, indent=2))
+        print(json.dumps({"valid": not report.errors, "problems": [p.to_dict() for p in report.errors],
+                          "notes": [p.to_dict() for p in report.notes]}, indent=2))
         return
-    for p in problems:
+    for p in report.errors:
         print(f"  - {p}", file=sys.stderr)
+    for p in report.notes:
+        print(f"  note: {p}", file=sys.stderr)
 
 
 def cmd_validate(args) -> int:
-    spec, problems = preflight.check_job(args.job, args.overrides, probes=not args.skip_probes)
-    if problems:
+    # `run` needs what `validate` may only note: the driver itself must reach storage and MLflow.
+    report = preflight.check(args.job, args.overrides, probes=not args.skip_probes,
+                             network_required=args.command == "run")
+    if report.errors:
         if not args.json:
-            print(f"{args.job}: {len(problems)} problem(s); nothing was started:", file=sys.stderr)
-        _report(problems, args.json)
+            print(f"{args.job}: {len(report.errors)} problem(s); nothing was started:", file=sys.stderr)
+        _report(report, args.json)
         return EXIT_INVALID
-    if args.json:
-        _report([], True)
-    else:
+    spec = report.spec
+    if not args.json:
         lo, hi = spec.scaling.worker_range
         print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}, workers {lo}..{hi}, "
               f"accumulation {spec.accumulation_steps(hi)}..{spec.accumulation_steps(lo)})")
+    _report(report, args.json)
     return EXIT_OK
 
 
@@ -86,7 +92,8 @@ def cmd_run(args) -> int:
         return EXIT_FAILED
     m = result.metrics
     print(f"[raytrain] done in {result.wall_s:.0f}s: step {m.get('step', '?')} loss {m.get('loss', float('nan')):.4f}; "
-          f"checkpoint {result.checkpoint}; final model {result.run_dir}/final_model; mlflow run {result.run_id}")
+          f"bad rows skipped {int(m.get('bad_rows', 0))}; checkpoint {result.checkpoint}; "
+          f"final model {result.run_dir}/final_model; mlflow run {result.run_id}")
     return EXIT_OK
 
 

@@ -56,6 +56,17 @@ class DataSpec(Section):
     """A row that is empty, of the wrong type, or has invalid chat roles: `skip` counts it (reported in MLflow), `fail` stops the job naming file and row."""
 
 
+# Linear layers LoRA adapts by default, by the names architectures use for them: attention
+# and MLP projections (QLoRA's finding: adapting all of them matters). Here, not in modeling.py,
+# so that pre-flight can check them against a model's weight names without importing torch.
+DEFAULT_LORA_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",  # llama, mistral, qwen, gemma
+    "c_attn", "c_proj", "c_fc",  # gpt2
+    "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",  # gpt-neox, falcon
+    "Wqkv", "out_proj", "fc1", "fc2",  # mpt, phi, opt
+)
+
+
 class LoraSpec(Section):
     rank: int = Field(16, gt=0)
     """LoRA rank r."""
@@ -214,6 +225,22 @@ class JobSpec(Section):
     def _deepspeed_block_needs_zero3(self):
         if self.training.deepspeed is not None and self.training.strategy != "zero3":
             raise ValueError(f"training.deepspeed is only used by strategy zero3, not {self.training.strategy!r}: remove it or set training.strategy: zero3")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_needs_a_sharded_strategy(self):
+        off = self.training.offload
+        if (off.optimizer or off.params) and self.training.strategy == "ddp":
+            raise ValueError("training.offload is used by fsdp2 and zero3 only: ddp keeps everything on the device; "
+                             "set training.strategy: fsdp2 (or zero3), or remove training.offload")
+        return self
+
+    @model_validator(mode="after")
+    def _no_fp16_master_weights(self):
+        # raytrain has no loss scaler, and AdamW state in fp16 underflows (eps=1e-8 is 0 in fp16).
+        if self.model.dtype == "float16" and self.training.finetune == "full":
+            raise ValueError("model.dtype=float16 with training.finetune: full trains fp16 master weights without "
+                             "loss scaling (gradients and AdamW state underflow); use model.dtype: bfloat16 or float32")
         return self
 
     # Derived quantities the launcher and workers share.

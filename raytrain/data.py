@@ -101,8 +101,9 @@ def tokenize_batch(batch: pa.Table, spec: dict) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------- pure encoding (unit-tested)
-def encode_record(tok, data: DataSpec, raw: str) -> tuple[list[int], list[int]]:
-    """One raw jsonl line -> (token ids, labels); ValueError says why the row is unusable."""
+def parse_record(data: DataSpec, raw: str):
+    """One raw jsonl line -> the text (str) or messages (list) the format needs; ValueError
+    says why the row is unusable. No tokenizer: pre-flight checks the first rows with it."""
     if not raw.strip():
         raise ValueError("empty line")
     try:
@@ -112,22 +113,25 @@ def encode_record(tok, data: DataSpec, raw: str) -> tuple[list[int], list[int]]:
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if data.format == "text":
-        return encode_text(tok, record.get(data.text_column, None), data)
-    return encode_chat(tok, record.get(data.messages_column, None), data)
+        return check_text(record.get(data.text_column, None), data)
+    return check_messages(record.get(data.messages_column, None), data)
 
 
-def encode_text(tok, text, data: DataSpec) -> tuple[list[int], list[int]]:
+def encode_record(tok, data: DataSpec, raw: str) -> tuple[list[int], list[int]]:
+    """One raw jsonl line -> (token ids, labels); ValueError says why the row is unusable."""
+    value = parse_record(data, raw)
+    return (encode_text if data.format == "text" else encode_chat)(tok, value, data)
+
+
+def check_text(text, data: DataSpec) -> str:
     if not isinstance(text, str):
         raise ValueError(f"column {data.text_column!r} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise ValueError(f"column {data.text_column!r} is empty")
-    ids = tok(text, add_special_tokens=True)["input_ids"] + [tok.eos_token_id]
-    return _length_checked(ids, list(ids), data)
+    return text
 
 
-def encode_chat(tok, messages, data: DataSpec) -> tuple[list[int], list[int]]:
-    """Loss on assistant tokens only. Each message's tokens are found by rendering the
-    conversation prefix by prefix through the tokenizer's own chat template."""
+def check_messages(messages, data: DataSpec) -> list:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"column {data.messages_column!r} must be a non-empty list of messages")
     for i, m in enumerate(messages):
@@ -135,6 +139,19 @@ def encode_chat(tok, messages, data: DataSpec) -> tuple[list[int], list[int]]:
             raise ValueError(f"message {i} must be {{role: one of {sorted(CHAT_ROLES)}, content: string}}, got {str(m)[:80]}")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant message: nothing to train on")
+    return messages
+
+
+def encode_text(tok, text, data: DataSpec) -> tuple[list[int], list[int]]:
+    check_text(text, data)
+    ids = tok(text, add_special_tokens=True)["input_ids"] + [tok.eos_token_id]
+    return _length_checked(ids, list(ids), data)
+
+
+def encode_chat(tok, messages, data: DataSpec) -> tuple[list[int], list[int]]:
+    """Loss on assistant tokens only. Each message's tokens are found by rendering the
+    conversation prefix by prefix through the tokenizer's own chat template."""
+    check_messages(messages, data)
     ids: list[int] = []
     labels: list[int] = []
     for i, message in enumerate(messages):

@@ -8,14 +8,7 @@ from torch import nn
 
 from .config import JobSpec
 
-# Linear layers that LoRA adapts by default, by the names architectures use for them.
-# Attention and MLP projections (QLoRA's finding: adapting all of them matters).
-DEFAULT_LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",  # llama, mistral, qwen, gemma
-    "c_attn", "c_proj", "c_fc",  # gpt2
-    "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",  # gpt-neox, falcon
-    "Wqkv", "out_proj", "fc1", "fc2",  # mpt, phi, opt
-)
+from .config import DEFAULT_LORA_TARGETS  # torch-free home: pre-flight checks them too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -1,23 +1,51 @@
 """Pre-flight: everything that can be checked on the driver, in seconds, before Ray starts
 or a GPU is allocated. Every problem is collected (not just the first) and names the YAML
-path, the bad value and the fix. No torch import here."""
+path, the bad value and the fix. No torch import here.
+
+The schema is checked whole; when a section is broken, the others are still validated
+one by one and probed, so one typo does not hide a missing dataset. Probes of the world
+(model files, memory, data, storage, MLflow) only look at sections that validated.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from struct import error as StructError
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from . import storage
-from .config import JobSpec, apply_overrides
-from .problems import Problem, from_validation_error
+from . import memory, probes, storage
+from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
+from .problems import ERROR, NOTE, Problem, cross_field, did_you_mean, from_validation_error
 
-SECRET_KEY = re.compile(r"(token|secret|password|passwd|api[_-]?key|access[_-]?key|credential)", re.I)
+# Keys whose values are secrets: whole words of the key, so `tokenizer` is not a token.
+SECRET_KEY = re.compile(r"(^|[_\-.])(tokens?|secrets?|password|passwd|pwd|api[_-]?key|access[_-]?key|credentials?|auth)($|[_\-.])", re.I)
+SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{30,}|A[KS]IA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}|"
+                          r"sk-[A-Za-z0-9_-]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY)")
+URI_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s:]+:[^/@\s]+@", re.I)
 OVERRIDE_ALIASES = {"train.": "training.", "optim.": "optimizer.", "ckpt.": "checkpoint."}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+ROOT_RULE_INPUTS = {"training", "scaling", "model"}  # sections JobSpec's cross-field rules read
+
+
+@dataclass
+class Report:
+    spec: JobSpec | None  # None when there is any error
+    problems: list[Problem]
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == ERROR]
+
+    @property
+    def notes(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == NOTE]
 
 
 def load_raw(path: str, overrides: list[str]) -> tuple[dict | None, list[Problem]]:
@@ -25,35 +53,63 @@ def load_raw(path: str, overrides: list[str]) -> tuple[dict | None, list[Problem
     if not file.is_file():
         return None, [Problem("(job file)", repr(path), "no such file; pass the path of a job YAML, e.g. jobs/quickstart.yaml", "file")]
     try:
-        raw = yaml.safe_load(file.read_text())  # safe_load only: a job file never runs code
-    except yaml.YAMLError as exc:
+        text = file.read_text()
+        raw = yaml.safe_load(text)  # safe_load only: a job file never runs code
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
         return None, [Problem("(job file)", repr(path), f"not valid YAML at {where}: {getattr(exc, 'problem', exc)}", "file")]
     if not isinstance(raw, dict):
         return None, [Problem("(job file)", repr(path), "a job is a YAML mapping with name:, model:, data:, ...", "file")]
     fixed = []
-    for text in overrides:
+    for text_ in overrides:
         for short, full in OVERRIDE_ALIASES.items():
-            text = full + text[len(short):] if text.startswith(short) else text
-        fixed.append(text)
+            text_ = full + text_[len(short):] if text_.startswith(short) else text_
+        fixed.append(text_)
     try:
-        return apply_overrides(raw, fixed), []
-    except ValueError as exc:
-        return None, [Problem("--set", "", str(exc), "file")]
+        return apply_overrides(raw, fixed), duplicate_keys(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        return None, [Problem("--set", "", str(exc).splitlines()[0], "file")]
+
+
+def duplicate_keys(text: str) -> list[Problem]:
+    """safe_load keeps the last of two equal keys silently: a second `training:` block
+    would replace the first. The node tree (composed, never constructed) shows both."""
+    out = []
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key, value in node.value:
+                name = f"{prefix}{key.value}"
+                if name in lines:
+                    out.append(Problem(name, "", f"appears twice (lines {lines[name]} and {key.start_mark.line + 1}); "
+                                       "YAML keeps only the last: merge them into one", "file"))
+                lines[name] = key.start_mark.line + 1
+                walk(value, name + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                walk(item, prefix)
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    return out
 
 
 def secret_problems(tree, prefix: str = "") -> list[Problem]:
     out = []
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            name = f"{prefix}{key}"
-            if SECRET_KEY.search(str(key)) and isinstance(value, (str, int)) and value not in ("", None):
-                out.append(Problem(name, "<redacted>", "secrets do not belong in a job file (it is logged to MLflow "
-                                   "and stored with the run); remove it and export it as an environment variable "
-                                   "(e.g. HF_TOKEN, AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD)", "security"))
-            else:
-                out.extend(secret_problems(value, name + "."))
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    for key, value in items:
+        name = f"{prefix}{key}"
+        secret_key = isinstance(key, str) and SECRET_KEY.search(key) and isinstance(value, (str, int)) and value != ""
+        if secret_key or (isinstance(value, str) and SECRET_VALUE.search(value)):
+            out.append(Problem(name, "<redacted>", "looks like a secret; secrets do not belong in a job file (it is "
+                               "logged to MLflow and stored with the run): remove it and export it as an environment "
+                               "variable (e.g. HF_TOKEN, AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD)", "security"))
+        elif isinstance(value, str) and URI_PASSWORD.search(value):
+            out.append(Problem(name, "<redacted>", "a password in a URI; remove it from the URI and export it "
+                               "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for MLflow)", "security"))
+        else:
+            out.extend(secret_problems(value, name + "."))
     return out
 
 
@@ -70,72 +126,199 @@ def absolutize(raw: dict, base: str) -> dict:
     return raw
 
 
-def check_job(path: str, overrides: list[str] = (), probes: bool = True) -> tuple[JobSpec | None, list[Problem]]:
+def check(path: str, overrides: list[str] = (), probes: bool = True, network_required: bool = False) -> Report:
+    """All problems of a job: errors refuse it, notes are said. `network_required` (run):
+    what this machine cannot reach is an error rather than a note."""
     raw, problems = load_raw(path, list(overrides))
     if raw is None:
-        return None, problems
+        return Report(None, problems)
     problems += secret_problems(raw)
+    flagged = {p.field for p in problems if p.kind == "security"}
     raw = absolutize(raw, os.getcwd())
     try:
-        spec = JobSpec.model_validate(raw)
+        spec, broken = JobSpec.model_validate(raw), set()
     except ValidationError as exc:
-        return None, problems + from_validation_error(exc)
-    if problems:
-        return None, problems
+        problems += [p for p in from_validation_error(exc) if p.field not in flagged]
+        spec, broken = salvage(raw, exc)
+        if broken and not broken & ROOT_RULE_INPUTS:  # rules that did not run because another section failed
+            problems += root_rule_problems(spec)
     if probes:
-        problems += probe(spec)
-    return (None if problems else spec), problems
+        problems += probe(spec, broken, network_required)
+    errors = any(p.severity == ERROR for p in problems)
+    return Report(None if errors else spec, problems)
 
 
-# ---------------------------------------------------------------- probes of the world outside the YAML
-def probe(spec: JobSpec) -> list[Problem]:
-    return model_problems(spec) + data_problems(spec) + storage_problems(spec)
+def check_job(path: str, overrides: list[str] = (), probes: bool = True) -> tuple[JobSpec | None, list[Problem]]:
+    """(spec, errors): the spec is None when there is any error."""
+    report = check(path, overrides, probes)
+    return report.spec, report.errors
 
 
-def _local_model_config(spec: JobSpec) -> dict | None:
-    config = Path(spec.model.path, "config.json")
-    return json.loads(config.read_text()) if config.is_file() else None
+def salvage(raw: dict, exc: ValidationError) -> tuple[JobSpec, set[str]]:
+    """The sections that validate on their own, with placeholders for the broken ones (never probed)."""
+    broken = {"name"} if any(tuple(e["loc"]) == ("name",) for e in exc.errors()) else set()
+    parts = {}
+    for name, info in JobSpec.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            try:
+                parts[name] = ann.model_validate(raw.get(name, info.default))
+                continue
+            except (ValidationError, TypeError):
+                broken.add(name)
+                parts[name] = ann.model_construct(path="(invalid)") if name in ("model", "data") else ann()
+        else:
+            parts[name] = raw.get(name) if name not in broken and isinstance(raw.get(name), str) else "invalid"
+    return JobSpec.model_construct(**parts), broken
 
 
-def model_problems(spec: JobSpec) -> list[Problem]:
-    path = spec.model.path
-    if Path(path).is_absolute() and not Path(path).exists():
-        return [Problem("model.path", repr(path), "no such folder; give a local model folder or a hub id like meta-llama/Llama-3.1-8B", "model")]
-    config = _local_model_config(spec)
-    if config is None:
-        if Path(path).is_dir():
-            return [Problem("model.path", repr(path), "folder has no config.json; point at a Hugging Face model folder", "model")]
-        return []  # a hub id: read on the cluster, where the hub is reachable
+def root_rule_problems(spec: JobSpec) -> list[Problem]:
     out = []
-    archs = config.get("architectures") or []
-    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        out.append(Problem("model.path", repr(path), f"architecture {archs} is not a causal LM (…ForCausalLM)", "model"))
-    if config.get("auto_map") and not spec.model.trust_remote_code:
-        out.append(Problem("model.trust_remote_code", "false", "this model ships its own code (auto_map); "
-                           "set model.trust_remote_code: true if you trust it", "security"))
-    window = config.get("max_position_embeddings") or config.get("n_positions")
-    if window and spec.data.seq_len > window:
-        out.append(Problem("data.seq_len", str(spec.data.seq_len), f"longer than the model's context window ({window}); "
-                           f"use data.seq_len <= {window}", "model"))
+    for decorator in JobSpec.__pydantic_decorators__.model_validators.values():
+        if decorator.info.mode == "after":
+            try:
+                decorator.func(spec)
+            except ValueError as exc:
+                out.append(cross_field((), str(exc), None))
     return out
 
 
-def data_problems(spec: JobSpec) -> list[Problem]:
-    path = spec.data.path
-    if storage.is_remote(path):
-        return []  # probed by storage_problems' reachability on the cluster side
-    p = Path(path)
-    if not p.exists():
-        return [Problem("data.path", repr(path), "no such file or folder; give a .jsonl/.parquet file or a folder of them", "data")]
-    files = sorted(f for f in ([p] if p.is_file() else p.rglob("*")) if f.suffix in (".jsonl", ".json", ".parquet"))
-    if not files:
-        return [Problem("data.path", repr(path), "no .jsonl, .json or .parquet files there", "data")]
+# ---------------------------------------------------------------- probes of the world outside the YAML
+def probe(spec: JobSpec, broken: set[str], network_required: bool) -> list[Problem]:
+    ok = lambda *sections: not broken & set(sections)  # noqa: E731 - reads as the rule it is
+    checks = []
+    if ok("model"):
+        checks.append(("model.path", lambda: model_problems(spec, broken)))
+    if ok("data"):
+        checks.append(("data.path", lambda: probes.data_problems(spec, network_required)))
+    if ok("checkpoint"):
+        checks.append(("checkpoint.storage_path", lambda: probes.storage_problems(spec, network_required)))
+    if ok("checkpoint", "tracking"):
+        checks.append(("tracking.uri", lambda: probes.tracking_problems(spec, network_required)))
+    out = []
+    for field, run in checks:
+        try:
+            out += run()
+        except Exception as exc:  # a probe's own bug must not print a traceback or block a good job
+            out.append(Problem(field, "", f"not checked: the probe failed ({type(exc).__name__}: {exc}); "
+                               "please report this", "internal", NOTE))
+    return out
+
+
+def model_folder(spec: JobSpec) -> tuple[Path | None, bool, list[Problem]]:
+    """(folder, from the cache, problems): a local folder, or the Hugging Face cache snapshot
+    of a hub id (which may hold config.json alone); None for a hub id not in the cache."""
+    path = spec.model.path
+    if Path(path).is_dir():
+        return Path(path), False, []
+    if Path(path).exists() or path.startswith(("/", ".", "~")) or path.count("/") > 1 or not HUB_ID.match(path):
+        return None, False, [Problem("model.path", repr(path), "no such folder, and not a hub id (org/name); give a local "
+                              "Hugging Face model folder or a hub id like meta-llama/Llama-3.1-8B", "model")]
+    from huggingface_hub import try_to_load_from_cache  # the cache on disk only: never the network
+
+    cached = try_to_load_from_cache(path, "config.json")
+    if isinstance(cached, str):
+        return Path(cached).parent, True, []
+    return None, False, [Problem("model.path", repr(path), "a hub id, not in the local Hugging Face cache, and nothing is "
+                          "downloaded here: its architecture, LoRA targets, context window and memory are checked on the "
+                          f"cluster when the workers load it (to check them here first: hf download {path} config.json)",
+                          "model", NOTE)]
+
+
+def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
+    folder, cached, out = model_folder(spec)
+    path = repr(spec.model.path)
+    if folder is None:
+        return out
+    if not (folder / "config.json").is_file():
+        return [Problem("model.path", path, "folder has no config.json; point at a Hugging Face model folder", "model")]
+    try:
+        facts = memory.read_facts(folder)
+    except (OSError, ValueError, KeyError, StructError) as exc:
+        return [Problem("model.path", path, f"cannot read the model's config or weight headers ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0]})", "model")]
+    config = facts.config
+    archs = config.get("architectures") or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        out.append(Problem("model.path", path, f"architecture {archs} is not a causal LM (…ForCausalLM); "
+                           "raytrain fine-tunes decoder-only language models", "model"))
+    out += remote_code_problems(spec, folder, config)
+    window = config.get("max_position_embeddings") or config.get("n_positions")
+    if window and spec.data.seq_len > window and "data" not in broken:
+        out.append(Problem("data.seq_len", str(spec.data.seq_len), f"longer than the model's context window ({window}); "
+                           f"use data.seq_len <= {window}", "model"))
+    if "training" not in broken and spec.training.finetune == "lora" and facts.exact_names:
+        out += lora_problems(spec, facts)
+    if not cached:  # a cache snapshot may hold config.json alone: its tokenizer is the cluster's to load
+        out += tokenizer_problems(spec, folder, broken)
+    if not broken & {"training", "scaling", "data"} and not any(p.severity == ERROR for p in out):
+        out += memory_problems(spec, facts)
+    return out
+
+
+def remote_code_problems(spec: JobSpec, folder: Path, config: dict) -> list[Problem]:
+    """`trust_remote_code` must be explicit: a model that ships code needs a yes written in the job."""
+    tok_config = folder / "tokenizer_config.json"
+    ships_code = bool(config.get("auto_map")) or (tok_config.is_file() and "auto_map" in json.loads(tok_config.read_text()))
+    said = "trust_remote_code" in spec.model.model_fields_set
+    if ships_code and not spec.model.trust_remote_code:
+        how = "is false" if said else "is not set"
+        return [Problem("model.trust_remote_code", str(spec.model.trust_remote_code).lower(), f"this model ships its own "
+                        f"Python code (auto_map) and model.trust_remote_code {how}; set model.trust_remote_code: true "
+                        "if you trust that code (it runs on every worker), or use a model without custom code", "security")]
+    if spec.model.trust_remote_code and not ships_code:
+        return [Problem("model.trust_remote_code", "true", "this model ships no code of its own: set it to false", "security", NOTE)]
     return []
 
 
-def storage_problems(spec: JobSpec) -> list[Problem]:
-    why = storage.probe_writable(spec.checkpoint.storage_path)
-    if why:
-        return [Problem("checkpoint.storage_path", repr(spec.checkpoint.storage_path),
-                        f"not writable ({why}); choose a folder or bucket this job may write to", "storage")]
-    return []
+def lora_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
+    leaves = sorted({m.rsplit(".", 1)[-1] for m in facts.modules})
+    targets = spec.training.lora.target_modules
+    if targets is None:
+        if any(facts.matching(t) for t in DEFAULT_LORA_TARGETS):
+            return []
+        return [Problem("training.lora.target_modules", "", "none of raytrain's default LoRA targets are in this model; "
+                        f"list some of its layers: {', '.join(leaves)}", "model")]
+    return [Problem("training.lora.target_modules", repr(t), f"no module {t!r} in this model; {did_you_mean(t, leaves)}"
+                    f"its linear layers and embeddings: {', '.join(leaves)}", "model")
+            for t in targets if not facts.matching(t)]
+
+
+def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Problem]:
+    tok = spec.model.tokenizer
+    if tok is not None and not Path(tok).is_dir():
+        if Path(tok).exists() or tok.startswith(("/", ".", "~")) or not HUB_ID.match(tok):
+            return [Problem("model.tokenizer", repr(tok), "no such folder, and not a hub id", "model")]
+        return []  # a hub id: loaded on the cluster
+    tok_dir = Path(tok) if tok else folder
+    if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
+        return [Problem("model.tokenizer", repr(tok), f"{tok_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                        "set model.tokenizer to a tokenizer folder or hub id", "model")]
+    if "data" in broken or spec.data.format != "chat":
+        return []
+    config = tok_dir / "tokenizer_config.json"
+    has_template = (tok_dir / "chat_template.jinja").is_file() or (tok_dir / "chat_template.json").is_file() or (
+        config.is_file() and json.loads(config.read_text()).get("chat_template"))
+    if has_template:
+        return []
+    return [Problem("data.format", "'chat'", f"chat data needs a chat template and the tokenizer in {tok_dir} has none; "
+                    "use an instruct/chat model's tokenizer (model.tokenizer) or add chat_template.jinja", "data")]
+
+
+def memory_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
+    workers = spec.scaling.worker_range[0]
+    est = memory.estimate(spec, facts, workers)
+    budget = spec.scaling.accelerator_memory_gb
+    head = (f"≈ {memory.size(est.total)} per device at {workers} worker(s) ({spec.training.strategy}, "
+            f"{spec.training.finetune}, {memory.compute_bytes(spec) * 8}-bit compute; parameters from {facts.source})")
+    if budget is None:
+        unchecked = "; set scaling.accelerator_memory_gb to check it" if spec.scaling.use_gpu else ""
+        return [Problem("scaling.accelerator_memory_gb", "", f"{head}: {est.arithmetic()}{unchecked}", "memory", NOTE)]
+    if est.total <= budget * memory.GiB:
+        return [Problem("scaling.accelerator_memory_gb", str(budget), f"fits: {head}: {est.arithmetic()}", "memory", NOTE)]
+    fix = memory.smallest_fix(spec, facts, budget * memory.GiB)
+    advice = (f"smallest change that fits: {fix[0]} (≈ {memory.size(fix[1].total)})" if fix else
+              "nothing raytrain can change makes it fit: use accelerators with more memory")
+    return [Problem("scaling.accelerator_memory_gb", str(budget), f"does not fit: {head}, more than {budget} GiB: "
+                    f"{est.arithmetic()}; {advice}", "memory")]
+

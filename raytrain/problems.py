@@ -1,14 +1,26 @@
 """Turn pydantic's validation errors into problems a user can act on:
-the YAML path, the bad value, and the fix (with a did-you-mean for unknown keys)."""
+the YAML path, the bad value, and the fix (with a did-you-mean for unknown keys).
+
+A problem is an `error` (the job is refused, exit 2) or a `note` (said, not refused:
+something only the cluster can check, or an estimate worth reading).
+"""
 
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from .config import JobSpec
+
+ERROR, NOTE = "error", "note"
+# Cross-field rules name their field first: "training.global_batch_size=64 is not ...",
+# or, inside a section, "min_workers=3 > ..." / "give either `num_workers` ...".
+_LEADING_FIELD = re.compile(r"^`?(?P<field>[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)`?(?:=(?P<value>\S+?))?[:,]?\s+(?P<rest>.+)$", re.S)
+_BACKTICKED = re.compile(r"`([a-z_][a-z0-9_.]*)`")
 
 
 @dataclass
@@ -16,7 +28,8 @@ class Problem:
     field: str  # dotted YAML path, e.g. training.strategy
     value: str  # the offending value, shown as the YAML had it
     message: str  # what is wrong and how to fix it
-    kind: str = "schema"
+    kind: str = "schema"  # schema | file | security | model | memory | data | storage | tracking
+    severity: str = ERROR
 
     def __str__(self) -> str:
         shown = f" = {self.value}" if self.value != "" else ""
@@ -26,7 +39,13 @@ class Problem:
         return asdict(self)
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
+def did_you_mean(word: str, known: list[str] | set[str]) -> str:
+    """"did you mean 'x'? " or "" (difflib, the same cutoff everywhere)."""
+    close = difflib.get_close_matches(str(word), sorted(known), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def section_at(loc: tuple) -> type[BaseModel] | None:
     """The pydantic section class that holds the key at `loc`."""
     model: type[BaseModel] = JobSpec
     for part in loc[:-1]:
@@ -41,13 +60,11 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
 def _fix(err: dict) -> str:
     kind, loc, ctx = err["type"], tuple(err["loc"]), err.get("ctx") or {}
     if kind == "extra_forbidden":
-        model = _model_at(loc)
+        model = section_at(loc)
         known = list(model.model_fields) if model else []
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        return f"unknown key; {hint}known keys here: {', '.join(known)}"
+        return f"unknown key; {did_you_mean(loc[-1], known)}known keys here: {', '.join(known)}"
     if kind == "missing":
-        model = _model_at(loc)
+        model = section_at(loc)
         doc = model.model_fields[loc[-1]].description if model and loc[-1] in model.model_fields else ""
         return f"required and missing; add it ({doc})" if doc else "required and missing; add it"
     if kind in ("literal_error", "enum"):
@@ -56,18 +73,40 @@ def _fix(err: dict) -> str:
         return f"out of range: {err['msg'].lower()}"
     if kind == "string_pattern_mismatch":
         return "use letters, digits, '_', '.', '-' (start with a letter or digit, at most 100 characters)"
-    if kind == "value_error":
-        return err["msg"].removeprefix("Value error, ")
+    if kind == "model_type" or kind == "dict_type":
+        return "expected a section (a YAML mapping of key: value), got " + type(err.get("input")).__name__
     return f"{err['msg']}"
+
+
+def cross_field(loc: tuple, message: str, given: Any) -> Problem:
+    """A rule over several fields: name the field the message leads with (or the first
+    backticked one), relative to the section at `loc`, so the user is pointed at a key."""
+    prefix = ".".join(str(p) for p in loc)
+    known = set(section_at(loc + ("",)).model_fields) if section_at(loc + ("",)) else set()
+    field, value, rest = "", "", message
+    m = _LEADING_FIELD.match(message)
+    if m and ("." in m["field"] or m["field"] in known):
+        field, value, rest = m["field"], m["value"] or "", m["rest"]
+    else:
+        named = [n for n in _BACKTICKED.findall(message) if "." in n or n in known]
+        field = named[0] if named else ""
+    if field and "." not in field and prefix:
+        field = f"{prefix}.{field}"
+    if field and not value and isinstance(given, dict):
+        leaf = field.rsplit(".", 1)[-1]
+        value = repr(given[leaf]) if leaf in given else ""
+    return Problem(field or prefix or "(job)", value, rest)
 
 
 def from_validation_error(exc: ValidationError) -> list[Problem]:
     problems = []
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+        if err["type"] == "value_error" and isinstance(err.get("input"), dict):
+            problems.append(cross_field(loc, _fix(err).removeprefix("Value error, "), err["input"]))
+            continue
         field = ".".join(str(p) for p in loc) or "(job)"
         value = "" if err["type"] in ("missing",) or not loc else repr(err.get("input"))[:120]
-        if err["type"] == "value_error" and isinstance(err.get("input"), dict):
-            value = ""  # a cross-field rule: its message names the fields
-        problems.append(Problem(field, value, _fix(err)))
+        fix = _fix(err)
+        problems.append(Problem(field, value, fix.removeprefix("Value error, ")))
     return problems

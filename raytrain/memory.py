@@ -1,0 +1,291 @@
+"""Per-device memory estimate for a job, read from the model's files without torch.
+
+The model's parameters come from its safetensors headers (names and shapes, a few KB read
+per file), or, when only config.json is at hand (a hub id in the local Hugging Face
+cache), from its dimensions with a Llama-style layout assumed. The estimate is the usual
+back-of-the-envelope one, written out term by term so a user can check it:
+
+    full fine-tune   (weights + grads + AdamW m, v [+ fp32 master]) x N / P
+    LoRA             weights x N / P + 16 B x N_lora / P    (adapters are fp32 under peft)
+    + gathered layers (sharded: the all-gathered block and the prefetched next one)
+    + activations (Korthikanti et al. 2022: 34·b·s·d bytes per layer at 16 bit; +5·a·s²·b eager)
+    + logits (b·s·V in the compute dtype, its fp32 copy and that copy's gradient)
+    + runtime (CUDA context, NCCL buffers) on GPUs
+
+P is the worker count for fsdp2/zero3 and 1 for ddp. Offload moves terms to host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from .config import JobSpec
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+@dataclass
+class ModelFacts:
+    """What pre-flight knows of a model: its config and its parameter names and shapes."""
+
+    config: dict
+    shapes: dict[str, tuple[int, ...]]
+    source: str  # where the shapes came from, shown with the estimate
+    exact_names: bool  # the model's own weight names (headers), not a layout assumed from config.json
+    _lora_sizes: dict = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def n_params(self) -> int:
+        return sum(math.prod(s) for s in self.shapes.values())
+
+    @cached_property
+    def layer_params(self) -> int:
+        """The largest decoder block: what an all-gather materializes at once."""
+        blocks: dict[str, int] = {}
+        for name, shape in self.shapes.items():
+            m = _LAYER.search(name)
+            if m:
+                blocks[m.group(1)] = blocks.get(m.group(1), 0) + math.prod(shape)
+        return max(blocks.values(), default=self.n_params)
+
+    @cached_property
+    def modules(self) -> dict[str, tuple[int, ...]]:
+        """Modules with a 2-D weight (linear layers, embeddings): what LoRA can adapt."""
+        return {n[: -len(".weight")]: s for n, s in self.shapes.items() if n.endswith(".weight") and len(s) == 2}
+
+    def matching(self, target: str) -> list[str]:
+        """Modules peft would adapt for one `target_modules` entry (exact name or dotted suffix)."""
+        return [m for m in self.modules if m == target or m.endswith("." + target)]
+
+    def lora_params(self, targets: list[str] | tuple[str, ...], rank: int) -> int:
+        key = tuple(sorted(targets))
+        if key not in self._lora_sizes:  # the fix search asks again and again
+            mods = self.modules
+            self._lora_sizes[key] = sum(mods[m][0] + mods[m][1] for m in {m for t in key for m in self.matching(t)})
+        return rank * self._lora_sizes[key]
+
+    def dim(self, *keys: str, default: int | None = None) -> int | None:
+        for key in keys:
+            if isinstance(self.config.get(key), int):
+                return self.config[key]
+        return default
+
+
+def read_safetensors_header(file: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from a safetensors file: 8 bytes of header length, then JSON."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 256 * 2**20:
+            raise ValueError(f"{file.name}: not a safetensors file (header length {size})")
+        header = json.loads(f.read(size))
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def layout_from_config(config: dict) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a Llama-style decoder (GQA attention, gated MLP, optional experts)."""
+    d = config.get("hidden_size") or config.get("n_embd") or config.get("d_model")
+    n_layers = config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers")
+    vocab, heads = config.get("vocab_size"), config.get("num_attention_heads") or config.get("n_head")
+    if not all(isinstance(x, int) for x in (d, n_layers, vocab, heads)):
+        raise ValueError("config.json lacks hidden_size / num_hidden_layers / vocab_size / num_attention_heads")
+    kv = config.get("num_key_value_heads") or heads
+    hd = config.get("head_dim") or d // heads
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size") or config.get("n_inner") or 4 * d
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 1
+    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * hd, d), p + "self_attn.k_proj.weight": (kv * hd, d),
+                       p + "self_attn.v_proj.weight": (kv * hd, d), p + "self_attn.o_proj.weight": (d, heads * hd),
+                       p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+        for e in range(experts):
+            mlp = p + (f"mlp.experts.{e}." if experts > 1 else "mlp.")
+            shapes.update({mlp + "gate_proj.weight": (inter, d), mlp + "up_proj.weight": (inter, d),
+                           mlp + "down_proj.weight": (d, inter)})
+    if not config.get("tie_word_embeddings", False):  # absent: count lm_head (an over- rather than under-estimate)
+        shapes["lm_head.weight"] = (vocab, d)
+    return shapes
+
+
+def read_facts(folder: Path) -> ModelFacts:
+    """Facts from a model folder (or a cache snapshot): headers when the weights are there."""
+    config = json.loads((folder / "config.json").read_text())
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("adapter_"))
+    if files and all(f.is_file() for f in files):
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            shapes.update(read_safetensors_header(f))
+        return ModelFacts(config, shapes, f"safetensors headers ({len(files)} file{'s' * (len(files) > 1)})", True)
+    return ModelFacts(config, layout_from_config(config), "config.json dimensions (Llama-style layout assumed)", False)
+
+
+# ---------------------------------------------------------------- the estimate
+@dataclass
+class Term:
+    label: str
+    formula: str
+    bytes: float
+
+    def __str__(self) -> str:
+        return f"{self.label} {self.formula} = {size(self.bytes)}" if self.formula else f"{self.label} {size(self.bytes)}"
+
+
+@dataclass
+class Estimate:
+    workers: int
+    device: list[Term] = field(default_factory=list)
+    host: list[Term] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(t.bytes for t in self.device)
+
+    def arithmetic(self) -> str:
+        text = " + ".join(str(t) for t in self.device) + f" = {size(self.total)}"
+        if self.host:
+            text += f"; offloaded to host memory per worker: {' + '.join(str(t) for t in self.host)}"
+        return text
+
+
+def size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:.2f} MiB"
+
+
+def _n(x: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g}{unit}"
+    return str(int(x))
+
+
+def compute_bytes(spec: JobSpec) -> int:
+    p = spec.training.precision
+    return 2 if p == "bf16" or (p == "auto" and spec.scaling.use_gpu) else 4
+
+
+def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
+    t, off = spec.training, spec.training.offload
+    sharded = t.strategy in ("fsdp2", "zero3")
+    P, c, w = (workers if sharded else 1), compute_bytes(spec), DTYPE_BYTES[spec.model.dtype]
+    N, per = facts.n_params, f" / {workers}" if sharded and workers > 1 else ""
+    out = Estimate(workers)
+    # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together;
+    # ZeRO-3 offloads the optimizer (with its fp32 master) and the parameters separately.
+    host_opt = off.optimizer or (t.strategy == "fsdp2" and off.params)
+    host_params = off.params or (t.strategy == "fsdp2" and off.optimizer)
+    if t.strategy == "zero3":  # DeepSpeed: 16-bit params and grads with an fp32 master in the optimizer
+        p_b, opt_b, opt_label = (2, 12, "AdamW m, v + fp32 master") if c == 2 else (4, 8, "AdamW m, v")
+    else:
+        p_b, opt_b, opt_label = w, 2 * w, "AdamW m, v"
+    if t.finetune == "full":
+        terms = [(Term("weights", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params),
+                 (Term("gradients", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_opt and t.strategy == "fsdp2"),
+                 (Term(f"optimizer ({opt_label})", f"{opt_b} B × {_n(N)}{per}", opt_b * N / P), host_opt)]
+    else:
+        n_lora = facts.lora_params(_lora_targets(spec, facts), t.lora.rank)
+        base_b = 2 if t.strategy == "zero3" and c == 2 else w
+        terms = [(Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P), host_params),
+                 (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt)]
+    for term, on_host in terms:
+        (out.host if on_host else out.device).append(term)
+    if sharded and P > 1:
+        layer = facts.layer_params
+        out.device.append(Term("gathered layers", f"2 × {_n(layer)} × {c} B", 2 * layer * c))
+    out.device.extend(activation_terms(spec, facts))
+    if spec.scaling.use_gpu:
+        out.device.append(Term("runtime (CUDA context, NCCL) ≈", "", GiB))
+    return out
+
+
+def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
+    b, s, c = spec.training.micro_batch_size, spec.data.seq_len, compute_bytes(spec)
+    d = facts.dim("hidden_size", "n_embd", "d_model")
+    n_layers = facts.dim("num_hidden_layers", "n_layer", "num_layers")
+    vocab, heads = facts.dim("vocab_size"), facts.dim("num_attention_heads", "n_head", default=1)
+    if not (d and n_layers and vocab):
+        return [Term("activations", "unknown (config.json has no hidden_size/num_hidden_layers/vocab_size)", 0)]
+    quad = 5 * heads * s / d if spec.model.attn_implementation == "eager" else 0  # sdpa/flash never store s×s
+    layer = b * s * d * (34 + quad) * c / 2
+    quad_text = f" + 5·{heads}·{s}/{d}" if quad else ""
+    if spec.training.activation_checkpointing:
+        act = Term("activations (checkpointed)", f"{n_layers} × {b}·{s}·{d} × {c} B + one layer 34{quad_text} × {b}·{s}·{d} × {c}/2 B",
+                   n_layers * b * s * d * c + layer)
+    else:
+        act = Term("activations", f"{n_layers} × (34{quad_text}) × {b}·{s}·{d} × {c}/2 B", n_layers * layer)
+    return [act, Term("logits", f"{b}·{s}·{vocab} × ({c} + 4 + 4) B", b * s * vocab * (c + 8))]
+
+
+def _lora_targets(spec: JobSpec, facts: ModelFacts) -> list[str]:
+    from .config import DEFAULT_LORA_TARGETS
+
+    return spec.training.lora.target_modules or [t for t in DEFAULT_LORA_TARGETS if facts.matching(t)]
+
+
+# ---------------------------------------------------------------- the smallest change that fits
+@dataclass
+class Change:
+    text: str  # as the user writes it: "training.activation_checkpointing: true"
+    training: dict = field(default_factory=dict)  # field updates of the training section
+    workers: int | None = None
+
+    def apply(self, spec: JobSpec) -> JobSpec:
+        t = dict(self.training)
+        if "offload" in t:
+            t["offload"] = spec.training.offload.model_copy(update=t["offload"])
+        return spec.model_copy(update={"training": spec.training.model_copy(update=t)})
+
+
+def _options(spec: JobSpec, n: int):
+    """Lists of alternative single changes, in the usual order of their cost to throughput;
+    within a list, from the mildest to the strongest."""
+    t, (lo, hi) = spec.training, spec.scaling.worker_range
+    gbs = t.global_batch_size
+    smaller = [m for m in range(t.micro_batch_size - 1, 0, -1) if all(gbs % (m * k) == 0 for k in range(lo, hi + 1))]
+    yield [Change(f"training.micro_batch_size: {m}", {"micro_batch_size": m}) for m in smaller]
+    if not t.activation_checkpointing:
+        yield [Change("training.activation_checkpointing: true", {"activation_checkpointing": True})]
+    if compute_bytes(spec) == 4:
+        yield [Change("training.precision: bf16", {"precision": "bf16"})]
+    if t.strategy == "ddp":
+        yield [Change("training.strategy: fsdp2", {"strategy": "fsdp2"})]
+    elif not t.offload.optimizer:
+        yield [Change("training.offload.optimizer: true", {"offload": {"optimizer": True}})]
+    if t.strategy == "zero3" and not t.offload.params:
+        yield [Change("training.offload.params: true", {"offload": {"params": True}})]
+    if t.finetune == "full":
+        yield [Change("training.finetune: lora", {"finetune": "lora"})]
+    if t.strategy != "ddp":  # more devices: the last resort, it costs money rather than speed
+        key = "num_workers" if spec.scaling.num_workers else "min_workers"
+        yield [Change(f"scaling.{key}: {k}" + (f" and scaling.max_workers: {k}" if k > hi else "")
+                      + ("" if gbs % (t.micro_batch_size * k) == 0 else " (and a training.global_batch_size that splits over it)"),
+                      workers=k) for k in range(n + 1, max(64, 8 * n) + 1)]
+
+
+def smallest_fix(spec: JobSpec, facts: ModelFacts, budget: float) -> tuple[str, Estimate] | None:
+    """The first single change that fits; else the cheapest changes combined; else None."""
+    n = spec.scaling.worker_range[0]
+    for alternatives in _options(spec, n):
+        for change in alternatives:
+            e = estimate(change.apply(spec), facts, change.workers or n)
+            if e.total <= budget:
+                return change.text, e
+    texts, current = [], spec
+    for alternatives in _options(spec, n):
+        if alternatives and alternatives[-1].workers is None:  # combinations stay on the same devices
+            current, texts = alternatives[-1].apply(current), texts + [alternatives[-1].text]
+            e = estimate(current, facts, n)
+            if e.total <= budget:
+                return " + ".join(texts), e
+    return None

@@ -1,0 +1,223 @@
+"""Probes of the world outside the job file: the dataset's first rows, the checkpoint
+storage (a probe write and delete), the MLflow tracking server.
+
+Each probe is quick (short timeouts, a few KB read) and honest about what it could not
+reach: a host that does not resolve from here (a laptop validating a job whose bucket or
+MLflow server lives inside the cluster) is a note under `raytrain validate`. Under
+`raytrain run` (`network_required`) it is an error: the driver itself writes the run
+directory, lists the dataset and opens the MLflow run, so it must reach all three.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from . import storage
+from .config import JobSpec
+from .problems import ERROR, NOTE, Problem, did_you_mean
+
+TIMEOUT_S = 3.0
+SAMPLE_FILES, SAMPLE_ROWS = 8, 20
+# Failures that mean "could not get there", as opposed to "got there and was refused".
+_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|resolve host|curlCode: (6|7|28)|timed out|Name or service not known|"
+                          r"name resolution|Network is unreachable", re.I)
+
+
+def _resolve_error(host: str) -> str | None:
+    """None if `host` resolves; else why not. In a thread: a slow resolver must not hang validate."""
+    result: dict = {}
+
+    def lookup():
+        try:
+            socket.getaddrinfo(host, None)
+        except OSError as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=lookup, daemon=True)
+    thread.start()
+    thread.join(TIMEOUT_S)
+    if thread.is_alive():
+        return f"looking up {host} took over {TIMEOUT_S:.0f}s"
+    return f"{host} does not resolve here ({result['error']})" if "error" in result else None
+
+
+def _object_store_host(uri: str) -> str | None:
+    if uri.startswith("s3://"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        return urllib.parse.urlparse(endpoint).hostname if endpoint else "s3.amazonaws.com"
+    if uri.startswith(("gs://", "gcs://")):
+        return "storage.googleapis.com"
+    return None
+
+
+def unreachable(field: str, value: str, why: str, network_required: bool, kind: str) -> Problem:
+    if network_required:
+        return Problem(field, repr(value), f"cannot be reached from this machine ({why}); the driver of a run must "
+                       "reach it: fix the address or the network, or run from inside the cluster", kind)
+    return Problem(field, repr(value), f"not checked: cannot be reached from this machine ({why}); "
+                   "`raytrain run` checks it again from the driver and refuses the job if it is unreachable there",
+                   kind, NOTE)
+
+
+# ---------------------------------------------------------------- dataset
+def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
+    from .data import FILE_EXTENSIONS
+
+    path = spec.data.path
+    host = _object_store_host(path)
+    why = _resolve_error(host) if host else None
+    if why:
+        return [unreachable("data.path", path, why, network_required, "data")]
+    try:
+        fs, root = storage.filesystem(path)
+        info = fs.get_file_info(root)
+        if info.type == pafs.FileType.NotFound:
+            return [Problem("data.path", repr(path), "no such file or folder; give a .jsonl/.json/.parquet file or a folder of them", "data")]
+        if info.type == pafs.FileType.File:
+            files = [root]
+        else:
+            found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+            files = sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.rsplit(".", 1)[-1] in FILE_EXTENSIONS)
+        if not files or files[0].rsplit(".", 1)[-1] not in FILE_EXTENSIONS:
+            return [Problem("data.path", repr(path), f"no .{', .'.join(FILE_EXTENSIONS)} files there "
+                            "(the only formats raytrain reads); convert the data or point at the right folder", "data")]
+        rows = [(f, n, raw) for f in files[:SAMPLE_FILES] for n, raw in first_rows(fs, f)]
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not parquet, ...: a message, not a traceback
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if host and _UNREACHABLE.search(text):
+            return [unreachable("data.path", path, text, network_required, "data")]
+        return [Problem("data.path", repr(path), f"cannot read it ({text})", "data")]
+    return row_problems(spec, rows, path)
+
+
+def first_rows(fs, file: str) -> list[tuple[int, str]]:
+    """(row number, raw JSON text) of a file's first rows, numbered as the run numbers them."""
+    if file.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        with fs.open_input_file(file) as f:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=SAMPLE_ROWS), None)
+        rows = batch.to_pylist() if batch is not None else []
+        return [(i + 1, json.dumps(r, default=str)) for i, r in enumerate(rows)]
+    with fs.open_input_stream(file) as f:
+        head = f.read(1 << 20)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    lines = text.splitlines()
+    if len(head) == 1 << 20:
+        lines = lines[:-1]  # the last line may be cut by the read
+    return list(enumerate(lines[:SAMPLE_ROWS], start=1))
+
+
+def row_problems(spec: JobSpec, rows: list[tuple[str, int, str]], path: str) -> list[Problem]:
+    """The first rows against the format, with the same checks the run applies per row."""
+    from .data import parse_record
+
+    d = spec.data
+    column, key = (d.text_column, "data.text_column") if d.format == "text" else (d.messages_column, "data.messages_column")
+    if not rows:
+        return [Problem("data.path", repr(path), "the files hold no rows", "data")]
+    seen, with_column, bad = set(), 0, []
+    for file, n, raw in rows:
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            seen |= set(record)
+            with_column += column in record
+        try:
+            parse_record(d, raw)
+        except ValueError as why:
+            bad.append(f"{file} row {n}: {why}")
+    if seen and not with_column:
+        other, other_column = ("chat", "messages") if d.format == "text" else ("text", "text")
+        hint = f"; it looks like {other} data: set data.format: {other}" if other_column in seen else ""
+        return [Problem(key, repr(column), f"no such column in the first {len(rows)} rows (columns there: "
+                        f"{', '.join(sorted(seen))}); {did_you_mean(column, seen)}set {key} to one of them{hint}", "data")]
+    if len(bad) == len(rows):
+        return [Problem("data.path", repr(path), f"none of the first {len(rows)} rows is usable as {d.format} data, "
+                        f"e.g. {bad[0]}", "data")]
+    if bad and d.bad_rows == "fail":
+        return [Problem("data.bad_rows", "'fail'", f"{bad[0]}: the run would stop there; fix the row or set data.bad_rows: skip", "data")]
+    if bad:
+        return [Problem("data.bad_rows", "'skip'", f"{len(bad)} of the first {len(rows)} rows will be skipped "
+                        f"(and counted in MLflow's bad_rows), e.g. {bad[0]}", "data", NOTE)]
+    return []
+
+
+# ---------------------------------------------------------------- checkpoint storage and MLflow
+def storage_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
+    uri = spec.checkpoint.storage_path
+    host = _object_store_host(uri)
+    why = _resolve_error(host) if host else None
+    if why:
+        return [unreachable("checkpoint.storage_path", uri, why, network_required, "storage")]
+    why = storage.probe_writable(uri)
+    if why and host and _UNREACHABLE.search(why):
+        return [unreachable("checkpoint.storage_path", uri, why, network_required, "storage")]
+    if why:
+        return [Problem("checkpoint.storage_path", repr(uri), f"not writable ({why}); choose a folder or bucket this "
+                        "job may write to", "storage")]
+    return []
+
+
+def tracking_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
+    from .tracking import tracking_uri
+
+    uri, given = tracking_uri(spec), spec.tracking.uri
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if scheme == "sqlite":
+        return [] if given is None and not storage.is_remote(spec.checkpoint.storage_path) else _sqlite(uri)
+    if scheme in ("http", "https"):
+        return _http(uri, network_required)
+    if scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
+        return [Problem("tracking.uri", repr(given), "MLflow 3 refuses file stores by default; use "
+                        "sqlite:///<folder>/mlflow.db (or an http:// tracking server)", "tracking")]
+    if scheme not in ("file", "databricks"):
+        return [Problem("tracking.uri", repr(given), f"not checked: raytrain does not probe {scheme}:// stores", "tracking", NOTE)]
+    return []
+
+
+def _sqlite(uri: str) -> list[Problem]:
+    db = Path(uri[len("sqlite:///"):]).expanduser()
+    folder = next((p for p in [db.parent, *db.parent.parents] if p.exists()), Path("/"))
+    if db.exists() and not db.is_file():
+        why = f"{db} exists and is not a file"
+    elif not folder.is_dir():
+        why = f"{folder} is a file, so {db.parent} cannot be a folder"
+    elif not os.access(folder, os.W_OK):
+        why = f"{folder} is not writable"
+    else:
+        return []
+    return [Problem("tracking.uri", repr(uri), f"the sqlite database needs a writable folder: {why}", "tracking")]
+
+
+def _http(uri: str, network_required: bool) -> list[Problem]:
+    host = urllib.parse.urlparse(uri).hostname or ""
+    why = _resolve_error(host)
+    if not why:
+        try:  # any HTTP answer (even 401/404) means a server is there; /health is MLflow's own
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=TIMEOUT_S).close()
+            return []
+        except urllib.error.HTTPError:
+            return []
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            if not _UNREACHABLE.search(str(reason)):
+                return [Problem("tracking.uri", repr(uri), f"no MLflow server answers there ({reason}); start it or "
+                                "fix the host and port", "tracking")]
+            why = str(reason)
+    return [unreachable("tracking.uri", uri, why, network_required, "tracking")]
