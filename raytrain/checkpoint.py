@@ -2,6 +2,9 @@
 folders and commits the checkpoint only when every rank's part is uploaded; a restarted
 worker group gets the latest committed one from `ray.train.get_checkpoint()`.
 
+A folder gets a COMMITTED marker once Ray has registered it; a folder without one (a
+crash during the write) is never loaded, neither by a restart nor by `raytrain export`.
+
 Besides the strategy's model/optimizer shards, rank 0 writes `train_state.json`: the step
 (which fixes the LR, since the schedule is a function of the step), the data position,
 the MLflow run id and the world size it was written with. Randomness needs no saved
@@ -15,9 +18,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import faults
 from .data import DataPosition
 
 STATE_FILE = "train_state.json"
+COMMITTED_FILE = "COMMITTED"  # written after Ray Train registered the checkpoint: only then is it real
 
 
 @dataclass
@@ -28,9 +33,12 @@ class TrainState:
     bad_rows: int = 0
     world_size: int = 0
     run_id: str | None = None
+    stopped: bool = False  # a stop was requested on the driver; not part of the saved state
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        raw = asdict(self)
+        raw.pop("stopped")
+        return json.dumps(raw, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "TrainState":
@@ -45,10 +53,20 @@ def save_and_report(strategy, state: TrainState, metrics: dict) -> None:
 
     with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
         strategy.save(tmp)
+        faults.maybe_fire("save", state.step, strategy.rank)
         if strategy.rank == 0:
             Path(tmp, STATE_FILE).write_text(state.to_json())
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=f"step_{state.step:08d}")
+    # Block until the controller has registered it: a worker that dies right after `report`
+    # must find this checkpoint on restart, and metrics up to this step may now go to MLflow.
+    from ray.train import CheckpointConsistencyMode
+
+    committed = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+    if strategy.rank == 0 and committed:
+        latest = committed[-1].checkpoint
+        with latest.filesystem.open_output_stream(f"{latest.path}/{COMMITTED_FILE}") as marker:
+            marker.write(str(state.step).encode())
 
 
 def restore(strategy) -> TrainState | None:

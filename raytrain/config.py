@@ -176,6 +176,10 @@ class CheckpointSpec(Section):
 class FailureSpec(Section):
     max_failures: int = Field(0, ge=-1)
     """Restarts from the latest checkpoint before the job fails; -1 retries forever."""
+    checkpoint_on_preemption: bool = True
+    """Commit a checkpoint at the next step boundary on Ray's preemption/drain notice (checked every step)."""
+    preemption_grace_s: float = Field(120.0, gt=0)
+    """After SIGTERM, a worker finishes its step and checkpoint, and is killed at this deadline at the latest; keep it below the pod's terminationGracePeriodSeconds."""
 
 
 class TrackingSpec(Section):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import modeling, storage
-from .checkpoint import STATE_FILE
+from .checkpoint import COMMITTED_FILE, STATE_FILE
 from .config import JobSpec
 
 JOB_FILE = "job.json"
@@ -36,9 +36,9 @@ def base_fingerprint(state: dict[str, torch.Tensor]) -> str:
 
 
 def latest_checkpoint(run_dir: str) -> str:
-    steps = sorted(p for p in Path(run_dir).glob("step_*") if (p / STATE_FILE).is_file() and (p / ".metadata").is_file())
+    steps = sorted(p for p in Path(run_dir).glob("step_*") if (p / COMMITTED_FILE).is_file() and (p / STATE_FILE).is_file())
     if not steps:
-        raise FileNotFoundError(f"no committed checkpoint (step_*/ with {STATE_FILE}) under {run_dir}")
+        raise FileNotFoundError(f"no committed checkpoint (step_*/ with {COMMITTED_FILE}) under {run_dir}")
     return str(steps[-1])
 
 

@@ -4,10 +4,12 @@ MLflow run, build the dataset, run the TorchTrainer, close the run."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
-from . import tracking
+from . import control, faults, preemption, tracking
 from .export import write_job_file
 from .config import JobSpec
 from .errors import JobError, user_message
@@ -20,6 +22,7 @@ class JobResult:
     checkpoint: str | None
     metrics: dict
     wall_s: float
+    goodput: dict
 
 
 def connect(spec: JobSpec, address: str | None = None) -> None:
@@ -39,14 +42,16 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
 
 
 def runtime_env(spec: JobSpec) -> dict:
-    env = {"TOKENIZERS_PARALLELISM": "false"}
+    env = {"TOKENIZERS_PARALLELISM": "false", preemption.GRACE_ENV: str(spec.failure.preemption_grace_s)}
     if not spec.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "HF_TOKEN",
-                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "TORCH_EXTENSIONS_DIR", "RAYTRAIN_SAMPLE_LOG"):
+                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "TORCH_EXTENSIONS_DIR", "RAYTRAIN_SAMPLE_LOG",
+                faults.ENV):
         if key in os.environ:  # secrets travel in the environment, never in the spec or MLflow
             env[key] = os.environ[key]
-    return {"env_vars": env}
+    # Runs in each worker's main thread at start-up: SIGTERM then means "checkpoint, then go".
+    return {"env_vars": env, "worker_process_setup_hook": "raytrain.preemption.install_sigterm_handler"}
 
 
 def build_trainer(spec: JobSpec, run_id: str):
@@ -69,22 +74,51 @@ def build_trainer(spec: JobSpec, run_id: str):
                         dataset_config=DataConfig(datasets_to_split=[]))
 
 
+def _stop_on_signals(job_control) -> None:
+    """`ray job stop` sends the driver SIGTERM: ask the workers to checkpoint and finish.
+    A second signal falls through to the default (immediate) behaviour."""
+    def on_signal(signum, frame):
+        print(f"[raytrain] {signal.Signals(signum).name}: checkpointing at the next step, then stopping "
+              "(send again to stop at once)", flush=True)
+        job_control.request_stop.remote(signal.Signals(signum).name)
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+
+
 def run(spec: JobSpec, address: str | None = None) -> JobResult:
     started = time.time()
     connect(spec, address)
     run_id = tracking.start_run(spec)
     write_job_file(spec)
+    job_control = control.start_actor(spec.run_dir)
+    _stop_on_signals(job_control)
     print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, "
           f"workers {spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
           flush=True)
     try:
         result = build_trainer(spec, run_id).fit()
     except BaseException as exc:
-        tracking.end_run(spec, run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         message = user_message(exc)
         if message:
             raise JobError(message) from None
         raise
     ckpt = result.checkpoint.path if result.checkpoint else None
-    tracking.end_run(spec, run_id, "FINISHED", {"raytrain.latest_checkpoint": str(ckpt)})
-    return JobResult(run_id, spec.run_dir, ckpt, dict(result.metrics or {}), time.time() - started)
+    goodput = _close(spec, run_id, job_control, "FINISHED", {"raytrain.latest_checkpoint": str(ckpt)})
+    return JobResult(run_id, spec.run_dir, ckpt, dict(result.metrics or {}), time.time() - started, goodput)
+
+
+def _close(spec: JobSpec, run_id: str, job_control, status: str, tags: dict | None = None) -> dict:
+    """Record goodput and the attempts, then end the MLflow run."""
+    import ray
+
+    goodput = ray.get(job_control.goodput.remote())
+    if status == "FINISHED" and ray.get(job_control.stop_requested.remote()):
+        status = "KILLED"  # stopped on request: resumable from its last checkpoint
+    tracking.log_goodput(spec, run_id, goodput)
+    tracking.end_run(spec, run_id, status, tags)
+    ray.kill(job_control)
+    return goodput

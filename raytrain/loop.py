@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import checkpoint
+from . import checkpoint, faults
 from .checkpoint import TrainState
+from .preemption import DRIVER_STOP, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 from .config import JobSpec
 from .data import IGNORE, GlobalBatches
 
@@ -45,10 +46,15 @@ def _all_reduce(value: float, device) -> float:
     return float(t.item())
 
 
-def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logger=None, on_step=None) -> TrainState:
+def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logger=None, control=None,
+        on_step=None) -> TrainState:
+    """Train until max_steps or a stop notice. Step metrics reach MLflow only once their
+    step is in a committed checkpoint, so a rolled-back step is never left in the run."""
     device, rank, world = strategy.device, strategy.rank, strategy.world_size
     t, ck = spec.training, spec.checkpoint
     start, started = state.step, time.perf_counter()
+    stops = StopSignals(control, device, check_ray_notice=spec.failure.checkpoint_on_preemption)
+    pending: list[tuple[int, dict]] = []
     while state.step < t.max_steps:
         step_start = time.perf_counter()
         seed_step(t.seed, state.step, rank)
@@ -79,13 +85,25 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         if on_step:
             on_step(state, batch)
         if rank == 0:
-            if logger and (state.step % spec.tracking.log_every_n_steps == 0 or state.step == t.max_steps):
-                logger.log(state.step, metrics)
+            if state.step % spec.tracking.log_every_n_steps == 0 or state.step == t.max_steps:
+                pending.append((state.step, metrics))
             elapsed = time.perf_counter() - started
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
             print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
                   f"| {metrics['tokens_per_s']:,.0f} tok/s | world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
                   file=sys.stdout, flush=True)
-        if state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
+        faults.maybe_fire("step", state.step, rank)
+        flags = stops.check(state.step, step_time, rank)
+        if flags or state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
             checkpoint.save_and_report(strategy, state, metrics)
+            if logger:
+                logger.log_many(pending)
+            pending.clear()
+        if flags & SIGTERM:
+            raise Preempted(f"SIGTERM: checkpoint committed at step {state.step}; restarting from it")
+        if flags & DRIVER_STOP:
+            state.stopped = True
+            break
+        if flags & RAY_NOTICE and rank == 0:
+            print(f"[raytrain] preemption notice: checkpoint committed at step {state.step}", file=sys.stdout, flush=True)
     return state

@@ -79,6 +79,23 @@ def end_run(spec: JobSpec, run_id: str, status: str, tags: dict | None = None) -
     client.set_terminated(run_id, status=status)
 
 
+def log_goodput(spec: JobSpec, run_id: str, goodput: dict) -> None:
+    """Productive vs wasted time and, per failure, steps lost and recovery time."""
+    import json
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"goodput_{k}", float(goodput[k]), now, 0) for k in ("wall_s", "productive_s", "wasted_s")]
+    metrics.append(Metric("failures", float(len(goodput["failures"])), now, 0))
+    for i, failure in enumerate(goodput["failures"]):
+        metrics += [Metric("failure_steps_lost", float(failure["steps_lost"]), now, i + 1),
+                    Metric("failure_recovery_s", float(failure["recovery_s"]), now, i + 1)]
+    client = _client(spec)
+    client.log_batch(run_id, metrics=metrics)
+    client.set_tag(run_id, "raytrain.goodput", json.dumps(goodput)[:5000])
+
+
 class StepLogger:
     """Rank 0's metric logger: batches of step metrics into the job's run."""
 
@@ -90,6 +107,14 @@ class StepLogger:
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def log_many(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for step, metrics in steps for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):  # MLflow's log_batch limit
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():

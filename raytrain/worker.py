@@ -9,7 +9,7 @@ import tempfile
 
 import torch
 
-from . import checkpoint, loop, modeling, storage, tracking
+from . import checkpoint, control, loop, modeling, storage, tracking
 from .checkpoint import TrainState
 from .config import JobSpec
 from .data import GlobalBatches
@@ -33,17 +33,20 @@ def train_func(config: dict) -> None:
     state = checkpoint.restore(strategy) or TrainState()
     resumed_from = state.step
     state.world_size, state.run_id = world, config["run_id"]
+    job_control = control.find_actor(spec.run_dir)
     logger = tracking.StepLogger(spec, config["run_id"]) if rank == 0 else None
-    if logger:
-        logger.set_tags({f"raytrain.attempt.{config.get('attempt_tag', 'start')}.world_size": str(world)})
+    if rank == 0:
+        attempt = ray.get(job_control.attempt_started.remote(world, resumed_from)) if job_control else 1
+        logger.set_tags({f"raytrain.attempt.{attempt}": f"world_size={world} resumed_from_step={resumed_from}"})
         if resumed_from:
-            print(f"[raytrain] resumed at step {resumed_from} (epoch {state.data.epoch}, row {state.data.offset}) "
-                  f"with {world} workers", file=sys.stdout, flush=True)
+            logger.log(resumed_from, {"restarts": attempt - 1})
+            print(f"[raytrain] attempt {attempt}: resumed at step {resumed_from} (epoch {state.data.epoch}, "
+                  f"row {state.data.offset}) with {world} workers", file=sys.stdout, flush=True)
 
     batches = GlobalBatches(ray.train.get_dataset_shard("train"), spec, rank, world, state.data)
-    state = loop.fit(spec, strategy, batches, state, logger, on_step=_sample_logger(rank))
+    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(rank))
 
-    if spec.checkpoint.export_final:
+    if spec.checkpoint.export_final and not state.stopped:
         export(spec, strategy, tokenizer, logger)
 
 

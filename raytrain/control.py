@@ -1,0 +1,107 @@
+"""The job's control actor: the one piece of state that outlives worker-group restarts
+while the driver lives. Workers report progress to it; the driver asks it to stop the job
+gracefully (ray job stop, Ctrl-C); at the end it gives the goodput accounting.
+
+Goodput: a step counts as productive once it is in the final lineage of the run (it was
+never rolled back). Per failure: the steps lost (reached but not checkpointed) and the
+recovery time (last progress before the failure -> first step finished after it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Attempt:
+    world_size: int
+    resumed_from: int
+    started_at: float
+    first_step_at: float | None = None
+    last_step: int = 0
+    last_step_at: float | None = None
+
+
+@dataclass
+class Goodput:
+    wall_s: float
+    productive_s: float  # time spent on steps that survive in the final model
+    wasted_s: float
+    failures: list[dict] = field(default_factory=list)  # per restart: steps_lost, recovery_s, world sizes
+
+
+class JobControl:
+    """Plain class; `actor_for(run_name)` runs it as a named Ray actor."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.stop_reason: str | None = None
+        self.attempts: list[Attempt] = []
+        self.step_times: dict[int, float] = {}  # step -> seconds, latest attempt wins (rolled-back steps overwritten)
+
+    # --- workers (rank 0) ---
+    def attempt_started(self, world_size: int, resumed_from: int) -> int:
+        self.attempts.append(Attempt(world_size, resumed_from, time.time()))
+        for step in [s for s in self.step_times if s > resumed_from]:
+            del self.step_times[step]  # rolled back: not part of the final lineage
+        return len(self.attempts)
+
+    def step_done(self, step: int, step_time: float) -> str | None:
+        """Record progress; returns a stop reason if the driver asked the job to stop."""
+        now = time.time()
+        attempt = self.attempts[-1]
+        attempt.first_step_at = attempt.first_step_at or now
+        attempt.last_step, attempt.last_step_at = step, now
+        self.step_times[step] = step_time
+        return self.stop_reason
+
+    # --- driver ---
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+    def stop_requested(self) -> str | None:
+        return self.stop_reason
+
+    def goodput(self) -> dict:
+        wall = time.time() - self.started
+        productive = sum(self.step_times.values())
+        failures = []
+        for before, after in zip(self.attempts, self.attempts[1:]):
+            failed_at = before.last_step_at or before.started_at
+            failures.append({
+                "steps_lost": max(0, before.last_step - after.resumed_from),
+                "recovery_s": round((after.first_step_at or time.time()) - failed_at, 3),
+                "world_size_before": before.world_size, "world_size_after": after.world_size,
+                "resumed_from": after.resumed_from,
+            })
+        return asdict(Goodput(round(wall, 3), round(productive, 3), round(max(0.0, wall - productive), 3), failures))
+
+    def attempts_summary(self) -> list[dict]:
+        return [asdict(a) for a in self.attempts]
+
+
+def actor_name(run_dir: str) -> str:
+    return "raytrain-control:" + run_dir
+
+
+def start_actor(run_dir: str):
+    """Driver: the named control actor of this job (replaces a stale one of a dead driver)."""
+    import ray
+
+    name = actor_name(run_dir)
+    try:
+        ray.kill(ray.get_actor(name))
+    except ValueError:
+        pass
+    return ray.remote(num_cpus=0)(JobControl).options(name=name).remote()
+
+
+def find_actor(run_dir: str):
+    """Workers: the job's control actor, or None when run without the launcher."""
+    import ray
+
+    try:
+        return ray.get_actor(actor_name(run_dir))
+    except ValueError:
+        return None

@@ -1,0 +1,85 @@
+"""Exact resume: real worker processes die (os._exit, SIGTERM) at known steps on a real
+Ray cluster; the resumed run's per-step losses must equal the uninterrupted run's bit for
+bit, MLflow must hold each step once, and the goodput record must tell what was lost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_job, metric_history
+from raytrain import launcher
+from raytrain.errors import JobError
+from raytrain.export import export_checkpoint, latest_checkpoint
+
+pytestmark = pytest.mark.slow
+STEPS, EVERY = 12, 4
+
+
+def job(assets, storage, name, **over):
+    over.setdefault("failure", {"max_failures": 2})
+    return make_job(assets, storage, name=name, training={"max_steps": STEPS, "finetune": "full"},
+                    checkpoint={"every_n_steps": EVERY, "keep_last": 3}, **over)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_address, assets, tmp_path_factory):
+    spec = job(assets, tmp_path_factory.mktemp("ref"), "ref")
+    result = launcher.run(spec)
+    return metric_history(spec, result.run_id)
+
+
+def run_with_faults(monkeypatch, tmp_path, assets, name, faults, **over):
+    monkeypatch.setenv("RAYTRAIN_FAULTS", json.dumps({"dir": str(tmp_path), "faults": faults}))
+    spec = job(assets, tmp_path / "runs", name, **over)
+    return spec, launcher.run(spec)
+
+
+@pytest.mark.parametrize("rank,step", [(1, 6), (0, 5), (1, 8)], ids=["mid-interval", "just-after-ckpt", "just-before-ckpt"])
+def test_worker_killed_resumes_bit_identical(reference, monkeypatch, tmp_path, assets, rank, step):
+    spec, result = run_with_faults(monkeypatch, tmp_path, assets, f"kill-{rank}-{step}",
+                                   [{"at": "step", "step": step, "rank": rank, "action": "exit"}])
+    assert metric_history(spec, result.run_id) == reference  # every step once, bit-identical
+    [failure] = result.goodput["failures"]
+    last_commit = (step // EVERY) * EVERY if step % EVERY else step - EVERY  # the kill fires before step's own save
+    assert failure["resumed_from"] == last_commit
+    assert failure["steps_lost"] == step - last_commit
+
+
+def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, monkeypatch, tmp_path, assets):
+    # Rank 1 dies after writing its shards of step 8 but before the checkpoint is reported:
+    # the step-8 checkpoint must stay invisible and the run resumes from step 4.
+    spec, result = run_with_faults(monkeypatch, tmp_path, assets, "torn",
+                                   [{"at": "save", "step": 8, "rank": 1, "action": "exit"}])
+    [failure] = result.goodput["failures"]
+    assert failure["resumed_from"] == 4
+    assert metric_history(spec, result.run_id) == reference
+
+
+def test_sigterm_checkpoints_at_the_notice_and_loses_no_step(reference, monkeypatch, tmp_path, assets):
+    spec, result = run_with_faults(monkeypatch, tmp_path, assets, "sigterm",
+                                   [{"at": "step", "step": 6, "rank": 1, "action": "sigterm"}])
+    [failure] = result.goodput["failures"]
+    assert failure["resumed_from"] == 6 and failure["steps_lost"] == 0
+    assert metric_history(spec, result.run_id) == reference
+
+
+def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, monkeypatch, tmp_path, assets):
+    from mlflow.tracking import MlflowClient
+
+    from raytrain.tracking import tracking_uri
+
+    monkeypatch.setenv("RAYTRAIN_FAULTS", json.dumps({"dir": str(tmp_path), "faults": [
+        {"at": "step", "step": 6, "rank": 0, "action": "exit"}]}))
+    spec = job(assets, tmp_path / "runs", "exhausted", failure={"max_failures": 0})
+    with pytest.raises(Exception) as failed:
+        launcher.run(spec)
+    assert not isinstance(failed.value, JobError) or "step" in str(failed.value)
+    runs = MlflowClient(tracking_uri(spec)).search_runs(
+        [MlflowClient(tracking_uri(spec)).get_experiment_by_name("tests").experiment_id],
+        f"tags.`raytrain.run_dir` = '{spec.run_dir}'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+    assert latest_checkpoint(spec.run_dir).endswith("step_00000004")
+    export_checkpoint(spec.run_dir, str(tmp_path / "out"))  # the last committed checkpoint still loads
+    assert (tmp_path / "out" / "model.safetensors").is_file()
