@@ -30,8 +30,33 @@ def user_message(exc: BaseException) -> str | None:
 
 
 def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
+    """The exception, its causes, and the per-worker failures Ray Train keeps beside its own
+    (truncated) message: the worker's error text is where a JobError's line survives."""
+    seen, todo = set(), [exc]
+    while todo:
+        exc = todo.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
         seen.add(id(exc))
         yield exc
-        exc = exc.__cause__ or exc.__context__
+        failures = getattr(exc, "worker_failures", None) or {}
+        todo += [exc.__cause__, exc.__context__, getattr(exc, "controller_failure", None), *failures.values()]
+
+
+def forward_worker_stdout_only() -> None:
+    """After ray.init: print workers' stdout (raytrain's progress lines) on the driver, and
+    leave their stderr in the Ray logs. Ray Train and Ray Data log a failing task's whole
+    stack on stderr before the driver sees the error; the driver says it in one line.
+    RAYTRAIN_WORKER_STDERR=1 keeps Ray's forwarding of both streams (debugging)."""
+    import os
+
+    if os.environ.get("RAYTRAIN_WORKER_STDERR") == "1":
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # another Ray layout: its default forwarding stays
+        return
+    for name, handler in list(dispatcher.handlers):
+        if name == "ray_print_logs":
+            dispatcher.remove_handler(name)
+            dispatcher.add_handler(name, lambda data, show=handler: None if data.get("is_err") else show(data))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import control, faults, preemption, tracking
 from .export import write_job_file
 from .config import JobSpec
-from .errors import JobError, user_message
+from .errors import JobError, forward_worker_stdout_only, user_message
 
 
 @dataclass
@@ -35,10 +35,12 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
+        forward_worker_stdout_only()
         return
     lo, hi = spec.scaling.worker_range
     cpus = max(os.cpu_count() or 1, int(hi * spec.scaling.cpus_per_worker)) + 2  # +2 logical CPUs for Ray Data
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 
 
 def runtime_env(spec: JobSpec) -> dict:
@@ -62,7 +64,8 @@ def build_trainer(spec: JobSpec, run_id: str):
 
     lo, hi = spec.scaling.worker_range
     scaling = ScalingConfig(num_workers=lo if lo == hi else (lo, hi), use_gpu=spec.scaling.use_gpu,
-                            resources_per_worker={"CPU": spec.scaling.cpus_per_worker})
+                            resources_per_worker={"CPU": spec.scaling.cpus_per_worker, **spec.scaling.resources_per_worker},
+                            elastic_resize_monitor_interval_s=spec.scaling.resize_check_interval_s)
     run = RunConfig(name=spec.name, storage_path=spec.checkpoint.storage_path,
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
                     failure_config=FailureConfig(max_failures=spec.failure.max_failures),

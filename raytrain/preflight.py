@@ -315,10 +315,10 @@ def memory_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
         unchecked = "; set scaling.accelerator_memory_gb to check it" if spec.scaling.use_gpu else ""
         return [Problem("scaling.accelerator_memory_gb", "", f"{head}: {est.arithmetic()}{unchecked}", "memory", NOTE)]
     if est.total <= budget * memory.GiB:
-        return [Problem("scaling.accelerator_memory_gb", str(budget), f"fits: {head}: {est.arithmetic()}", "memory", NOTE)]
+        return [Problem("scaling.accelerator_memory_gb", f"{budget:g}", f"fits: {head}: {est.arithmetic()}", "memory", NOTE)]
     fix = memory.smallest_fix(spec, facts, budget * memory.GiB)
     advice = (f"smallest change that fits: {fix[0]} (≈ {memory.size(fix[1].total)})" if fix else
               "nothing raytrain can change makes it fit: use accelerators with more memory")
-    return [Problem("scaling.accelerator_memory_gb", str(budget), f"does not fit: {head}, more than {budget} GiB: "
+    return [Problem("scaling.accelerator_memory_gb", f"{budget:g}", f"does not fit: {head}, more than {budget:g} GiB: "
                     f"{est.arithmetic()}; {advice}", "memory")]
 

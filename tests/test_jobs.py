@@ -1,0 +1,78 @@
+"""Every job file in jobs/ validates, with its probes (litgpt's config hub: a shipped recipe
+that does not validate is a bug). Run from a fresh directory holding the quickstart's
+demo assets where `raytrain quickstart` puts them.
+
+What this machine cannot reach offline is skipped honestly, never passed silently: a hub
+id that is not in the local Hugging Face cache, an s3:// bucket or an MLflow host that does
+not resolve here must each come back as a note naming its field (`raytrain run` turns
+the unreachable ones into errors). With the model's config.json in the cache, the memory
+estimate is checked against the job's declared accelerator memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain import storage
+from test_validate import LLAMA_31_8B, cli
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = sorted((REPO / "jobs").glob("*.yaml"))
+KNOWN_CONFIGS = {"meta-llama/Llama-3.1-8B": LLAMA_31_8B}  # hub ids whose config.json the tests can put in a cache
+
+
+@pytest.fixture
+def workdir(assets, tmp_path) -> Path:
+    (tmp_path / ".raytrain").mkdir()
+    (tmp_path / ".raytrain" / "quickstart").symlink_to(assets)
+    return tmp_path
+
+
+def unreachable_here(job: dict, workdir: Path) -> set[str]:
+    """The fields of a job that point outside this offline machine."""
+    out = set()
+    model = job["model"]["path"]
+    if not (workdir / model).exists() and not Path(model).exists():
+        out.add("model.path")
+    if storage.is_remote(job["data"]["path"]):
+        out.add("data.path")
+    if storage.is_remote((job.get("checkpoint") or {}).get("storage_path", "")):
+        out.add("checkpoint.storage_path")
+    if str((job.get("tracking") or {}).get("uri") or "").startswith("http"):
+        out.add("tracking.uri")
+    return out
+
+
+def test_there_are_jobs():
+    assert {"quickstart.yaml", "llama3-8b-lora-fsdp2.yaml"} <= {p.name for p in JOBS}
+
+
+@pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
+def test_job_file_validates_and_says_what_it_could_not_check(job, workdir):
+    code, out, err = cli("validate", str(job), "--json", cwd=workdir, env={"HF_HUB_CACHE": str(workdir / "empty-cache")})
+    report = json.loads(out)
+    assert code == 0 and report["valid"], report["problems"] or err
+    noted = {n["field"] for n in report["notes"]}
+    assert unreachable_here(yaml.safe_load(job.read_text()), workdir) <= noted, report["notes"]
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("job", [p for p in JOBS if yaml.safe_load(p.read_text())["model"]["path"] in KNOWN_CONFIGS],
+                         ids=lambda p: p.name)
+def test_hub_model_job_fits_its_declared_memory(job, workdir):
+    raw = yaml.safe_load(job.read_text())
+    hub_id = raw["model"]["path"]
+    snapshot = workdir / "hf-cache" / f"models--{hub_id.replace('/', '--')}" / "snapshots" / "main0"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(KNOWN_CONFIGS[hub_id]))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("main0")
+    code, out, err = cli("validate", str(job), "--json", cwd=workdir, env={"HF_HUB_CACHE": str(workdir / "hf-cache")})
+    report = json.loads(out)
+    assert code == 0, report["problems"] or err
+    [memory] = [n for n in report["notes"] if n["field"] == "scaling.accelerator_memory_gb"]
+    assert memory["message"].startswith("fits: ") and memory["value"] == f"{raw['scaling']['accelerator_memory_gb']:g}"

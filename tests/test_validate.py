@@ -1,0 +1,549 @@
+"""`raytrain validate` on bad jobs and bad datasets: the real CLI in a subprocess, as a
+user or a CI script runs it. Each bad job exits 2 and names the field (or file and row)
+on a problem line of its own; nothing prints a traceback; valid jobs exit 0.
+
+Plus the `--json` shape, "never imports torch", and unit tests of the memory estimate
+against what torch and peft count on the demo model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_31_8B = {  # the published config.json of meta-llama/Llama-3.1-8B (what `hf download ... config.json` fetches)
+    "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+
+
+def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> tuple[int, str, str]:
+    proc = subprocess.run([sys.executable, "-m", "raytrain", *args], cwd=cwd or REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def base_job(assets: Path, tmp: Path) -> dict:
+    return {"name": "t", "model": {"path": str(assets / "model")},
+            "data": {"path": str(assets / "text.jsonl"), "seq_len": 32},
+            "training": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 5, "lora": {"rank": 4, "alpha": 8}},
+            "scaling": {"num_workers": 2}, "checkpoint": {"storage_path": str(tmp / "runs")},
+            "tracking": {"experiment": "tests"}}
+
+
+def write_job(tmp: Path, job: dict | str, name: str = "job.yaml") -> Path:
+    path = tmp / name
+    path.write_text(job if isinstance(job, str) else yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def copy_model(assets: Path, tmp: Path, drop: tuple = (), **config) -> str:
+    out = tmp / "model"
+    shutil.copytree(assets / "model", out)
+    for name in drop:
+        (out / name).unlink()
+    if config:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, **config}))
+    return str(out)
+
+
+def lines(tmp: Path, rows: list, name: str = "d.jsonl") -> str:
+    (tmp / name).write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(tmp / name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CHAT_OK = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+# ---------------------------------------------------------------- the bad jobs
+# Each case edits a valid job (and may write files); it returns extra CLI args or a YAML
+# text to use instead. `field` must lead a problem line, `text` must be on that line.
+CASES: dict = {}
+
+
+def case(field: str, text: str):
+    def register(fn):
+        CASES[fn.__name__] = (fn, field, text)
+        return fn
+    return register
+
+
+@case("(job file)", "no such file")
+def job_file_missing(job, tmp, assets):
+    return {"path": tmp / "nope.yaml"}
+
+@case("(job file)", "not valid YAML at line 3")
+def yaml_syntax_error(job, tmp, assets):
+    return {"text": "name: t\nmodel: [unclosed\n"}
+
+@case("(job file)", "a job is a YAML mapping")
+def job_is_a_list(job, tmp, assets):
+    return {"text": "- name: t\n"}
+
+@case("training", "appears twice")
+def duplicate_section(job, tmp, assets):
+    return {"text": yaml.safe_dump(job, sort_keys=False) + "training:\n  max_steps: 3\n"}
+
+@case("data.seq_len", "valid integer")
+def override_with_bad_value(job, tmp, assets):
+    return {"args": ["--set", "data.seq_len=long"]}
+
+@case("--set", "expected KEY.PATH=VALUE")
+def override_without_value(job, tmp, assets):
+    return {"args": ["--set", "training.max_steps"]}
+
+@case("trainng", "did you mean 'training'?")
+def unknown_section(job, tmp, assets):
+    job["trainng"] = job.pop("training")
+
+@case("training.max_step", "did you mean 'max_steps'?")
+def unknown_nested_key(job, tmp, assets):
+    job["training"]["max_step"] = 10
+
+@case("training.strategy", "use one of 'fsdp2', 'zero3' or 'ddp'")
+def unknown_strategy(job, tmp, assets):
+    job["training"]["strategy"] = "fsdp"
+
+@case("data.format", "use one of 'text' or 'chat'")
+def unknown_data_format(job, tmp, assets):
+    job["data"]["format"] = "sharegpt"
+
+@case("optimizer.lr", "greater than 0")
+def zero_learning_rate(job, tmp, assets):
+    job["optimizer"] = {"lr": 0}
+
+@case("training.lora.dropout", "less than 1")
+def lora_dropout_one(job, tmp, assets):
+    job["training"]["lora"]["dropout"] = 1.0
+
+@case("training.max_steps", "valid integer")
+def steps_not_a_number(job, tmp, assets):
+    job["training"]["max_steps"] = "ten"
+
+@case("data", "required and missing")
+def data_section_missing(job, tmp, assets):
+    del job["data"]
+
+@case("model.path", "required and missing")
+def model_path_missing(job, tmp, assets):
+    job["model"] = {"dtype": "bfloat16"}
+
+@case("training", "expected a section")
+def section_not_a_mapping(job, tmp, assets):
+    job["training"] = 5
+
+@case("name", "use letters, digits")
+def bad_name(job, tmp, assets):
+    job["name"] = "my job!"
+
+@case("training.global_batch_size = 30", "workers=[2]; use global_batch_size=")
+def batch_does_not_split(job, tmp, assets):
+    job["training"]["global_batch_size"] = 30
+
+@case("training.global_batch_size = 8", "workers=[3]")
+def elastic_batch_does_not_split(job, tmp, assets):
+    job["scaling"] = {"min_workers": 2, "max_workers": 4}
+
+@case("training.deepspeed", "only used by strategy zero3")
+def deepspeed_block_under_fsdp2(job, tmp, assets):
+    job["training"]["deepspeed"] = {"zero_optimization": {"stage": 3}}
+
+@case("scaling.num_workers = 2", "not both")
+def fixed_and_elastic_workers(job, tmp, assets):
+    job["scaling"] = {"num_workers": 2, "min_workers": 1, "max_workers": 4}
+
+@case("scaling.min_workers = 4", "swap them")
+def min_workers_above_max(job, tmp, assets):
+    job["scaling"] = {"min_workers": 4, "max_workers": 2}
+
+@case("training.offload", "fsdp2 and zero3 only")
+def offload_under_ddp(job, tmp, assets):
+    job["training"].update(strategy="ddp", offload={"optimizer": True})
+
+@case("model.dtype = float16", "use model.dtype: bfloat16")
+def fp16_full_finetune(job, tmp, assets):
+    job["model"]["dtype"] = "float16"
+    job["training"]["finetune"] = "full"
+
+@case("model.hf_token = <redacted>", "environment variable")
+def token_in_job(job, tmp, assets):
+    job["model"]["hf_token"] = "hf_abcdefghijklmnopqrstuvwxyzABCDEFGH"
+
+@case("training.deepspeed.aws = <redacted>", "looks like a secret")
+def token_shaped_value(job, tmp, assets):
+    job["training"].update(strategy="zero3", deepspeed={"aws": "AKIAIOSFODNN7EXAMPLE"})
+
+@case("tracking.uri = <redacted>", "password in a URI")
+def password_in_tracking_uri(job, tmp, assets):
+    job["tracking"]["uri"] = "http://alice:s3cret@127.0.0.1:5000"
+
+@case("model.trust_remote_code = false", "ships its own")
+def remote_code_not_explicit(job, tmp, assets):
+    job["model"]["path"] = copy_model(assets, tmp, auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+
+@case("model.path", "no such folder, and not a hub id")
+def model_folder_missing(job, tmp, assets):
+    job["model"]["path"] = "./models/nope"
+
+@case("model.path", "has no config.json")
+def model_folder_without_config(job, tmp, assets):
+    (tmp / "empty").mkdir()
+    job["model"]["path"] = str(tmp / "empty")
+
+@case("model.path", "is not a causal LM")
+def masked_lm(job, tmp, assets):
+    job["model"]["path"] = copy_model(assets, tmp, architectures=["BertForMaskedLM"])
+
+@case("model.path", "cannot read the model's config")
+def config_not_json(job, tmp, assets):
+    job["model"]["path"] = copy_model(assets, tmp)
+    (tmp / "model" / "config.json").write_text("{not json")
+
+@case("training.lora.target_modules = 'q_porj'", "did you mean 'q_proj'?")
+def lora_target_typo(job, tmp, assets):
+    job["training"]["lora"]["target_modules"] = ["q_proj", "q_porj"]
+
+@case("data.seq_len = 4096", "context window (2048)")
+def seq_len_over_window(job, tmp, assets):
+    job["data"]["seq_len"] = 4096
+
+@case("model.tokenizer", "no tokenizer files")
+def model_without_tokenizer(job, tmp, assets):
+    job["model"]["path"] = copy_model(assets, tmp, drop=("tokenizer.json", "tokenizer_config.json"))
+
+@case("data.format = 'chat'", "needs a chat template")
+def chat_without_template(job, tmp, assets):
+    job["model"]["path"] = copy_model(assets, tmp, drop=("chat_template.jinja",))
+    job["data"].update(path=str(assets / "chat.jsonl"), format="chat", seq_len=48)
+
+@case("scaling.accelerator_memory_gb = 0.0013", "smallest change that fits: training.")
+def does_not_fit(job, tmp, assets):
+    job["scaling"]["accelerator_memory_gb"] = 0.0013  # GiB: the demo model needs about 1.5 MiB
+
+@case("data.path", "no such file or folder")
+def data_missing(job, tmp, assets):
+    job["data"]["path"] = str(tmp / "nope.jsonl")
+
+@case("data.path", "no .jsonl, .json, .parquet files")
+def data_folder_of_csv(job, tmp, assets):
+    (tmp / "csv").mkdir()
+    (tmp / "csv" / "a.csv").write_text("text\nhello\n")
+    job["data"]["path"] = str(tmp / "csv")
+
+@case("data.text_column = 'text'", "columns there: content")
+def text_column_missing(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [{"content": "a fox"}] * 5)
+
+@case("data.messages_column = 'messages'", "set data.format: text")
+def chat_format_on_text_data(job, tmp, assets):
+    job["data"]["format"] = "chat"
+
+@case("data.bad_rows = 'fail'", "d.jsonl row 3: message 1 must be {role")
+def invalid_chat_role(job, tmp, assets):
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}
+    job["data"].update(path=lines(tmp, [CHAT_OK, CHAT_OK, bad, CHAT_OK]), format="chat", bad_rows="fail")
+
+@case("data.bad_rows = 'fail'", "d.jsonl row 2: column 'text' must be a string, got int")
+def text_of_wrong_type(job, tmp, assets):
+    job["data"].update(path=lines(tmp, [{"text": "a"}, {"text": 5}, {"text": "b"}]), bad_rows="fail")
+
+@case("data.bad_rows = 'fail'", "d.jsonl row 2: empty line")
+def empty_line(job, tmp, assets):
+    job["data"].update(path=lines(tmp, [{"text": "a"}, "", {"text": "b"}]), bad_rows="fail")
+
+@case("data.path", "row 1: not valid JSON")
+def csv_named_jsonl(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, ["text,label", "a fox,1"])
+
+@case("data.path", "hold no rows")
+def empty_data_file(job, tmp, assets):
+    (tmp / "empty.jsonl").write_text("")
+    job["data"]["path"] = str(tmp / "empty.jsonl")
+
+@case("data.path", "not UTF-8")
+def data_not_utf8(job, tmp, assets):
+    (tmp / "latin.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    job["data"]["path"] = str(tmp / "latin.jsonl")
+
+@case("data.text_column = 'text'", "columns there: body")
+def parquet_without_column(job, tmp, assets):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a fox", "a dog"]}), tmp / "d.parquet")
+    job["data"]["path"] = str(tmp / "d.parquet")
+
+@case("checkpoint.storage_path", "not writable")
+def storage_under_a_file(job, tmp, assets):
+    (tmp / "file").write_text("x")
+    job["checkpoint"]["storage_path"] = str(tmp / "file" / "runs")
+
+@case("tracking.uri", "no MLflow server answers")
+def mlflow_not_listening(job, tmp, assets):
+    job["tracking"]["uri"] = f"http://127.0.0.1:{free_port()}"
+
+@case("tracking.uri", "refuses file stores")
+def mlflow_file_store(job, tmp, assets):
+    job["tracking"]["uri"] = f"file://{tmp}/mlruns"
+
+@case("tracking.uri", "needs a writable folder")
+def sqlite_under_a_file(job, tmp, assets):
+    (tmp / "file").write_text("x")
+    job["tracking"]["uri"] = f"sqlite:///{tmp}/file/mlflow.db"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_job_exits_2_naming_the_field(name, assets, tmp_path):
+    fn, field, text = CASES[name]
+    job = base_job(assets, tmp_path)
+    extra = fn(job, tmp_path, assets) or {}
+    path = extra.get("path") or write_job(tmp_path, extra.get("text", job))
+    code, out, err = cli("validate", str(path), *extra.get("args", []))
+    assert code == 2, out + err
+    problem_lines = [ln for ln in err.splitlines() if ln.startswith(f"  - {field}")]
+    assert any(text in ln for ln in problem_lines), err
+    assert "Traceback" not in out + err
+
+
+def test_there_are_at_least_30_distinct_bad_jobs():
+    assert len(CASES) >= 30 and len({(f, t) for _, f, t in CASES.values()}) == len(CASES)
+
+
+# ---------------------------------------------------------------- valid jobs, --json, every problem at once
+def test_valid_job_exits_0_and_shows_the_memory_arithmetic(assets, tmp_path):
+    code, out, err = cli("validate", str(write_job(tmp_path, base_job(assets, tmp_path))))
+    assert code == 0, err
+    assert "valid (fsdp2, lora, workers 2..2, accumulation 2..2)" in out
+    memory_note = next(ln for ln in err.splitlines() if ln.startswith("  note: scaling.accelerator_memory_gb"))
+    assert "frozen weights 4 B × 148K / 2" in memory_note and "safetensors headers" in memory_note
+    assert "Traceback" not in out + err
+
+
+def test_json_lists_problems_with_field_value_message(assets, tmp_path):
+    job = base_job(assets, tmp_path)
+    job["training"]["strategy"] = "fsdp"
+    code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json")
+    report = json.loads(out)
+    assert code == 2 and report["valid"] is False
+    assert report["problems"] == [{"field": "training.strategy", "value": "'fsdp'", "kind": "schema", "severity": "error",
+                                   "message": "not allowed; use one of 'fsdp2', 'zero3' or 'ddp'"}]
+
+
+def test_json_of_a_valid_job_has_no_problems_and_its_notes(assets, tmp_path):
+    code, out, _ = cli("validate", str(write_job(tmp_path, base_job(assets, tmp_path))), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["valid"] is True and report["problems"] == []
+    assert [n["field"] for n in report["notes"]] == ["scaling.accelerator_memory_gb"]
+
+
+def test_every_problem_is_reported_at_once(assets, tmp_path):
+    """A broken section does not hide the others' problems, nor the probes of the sound ones."""
+    job = base_job(assets, tmp_path)
+    job["optimizer"] = {"lr": -1}
+    job["training"]["global_batch_size"] = 30
+    job["data"]["path"] = str(tmp_path / "missing.jsonl")
+    job["tracking"]["uri"] = f"http://127.0.0.1:{free_port()}"
+    code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json")
+    fields = {p["field"] for p in json.loads(out)["problems"]}
+    assert code == 2 and fields == {"optimizer.lr", "training.global_batch_size", "data.path", "tracking.uri"}
+
+
+def test_validate_never_imports_torch_ray_or_deepspeed(assets, tmp_path):
+    job = write_job(tmp_path, base_job(assets, tmp_path))
+    script = ("import sys; from raytrain.cli import main; code = main(['validate', sys.argv[1]]); "
+              "heavy = sorted(m for m in ('torch', 'ray', 'deepspeed', 'transformers', 'mlflow', 'peft') if m in sys.modules); "
+              "print('heavy', heavy, 'code', code)")
+    proc = subprocess.run([sys.executable, "-c", script, str(job)], capture_output=True, text=True, timeout=120)
+    assert "heavy [] code 0" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_run_refuses_an_invalid_job_before_ray(assets, tmp_path):
+    job = base_job(assets, tmp_path)
+    job["training"]["global_batch_size"] = 30
+    script = ("import sys; from raytrain.cli import main; code = main(['run', sys.argv[1]]); "
+              "print('ray imported' if 'ray' in sys.modules else 'no ray', code)")
+    proc = subprocess.run([sys.executable, "-c", script, str(write_job(tmp_path, job))], capture_output=True, text=True,
+                          timeout=120)
+    assert "no ray 2" in proc.stdout and "training.global_batch_size = 30" in proc.stderr
+    assert "nothing was started" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- hub ids and what cannot be reached
+def test_hub_id_is_a_note_checked_on_the_cluster(assets, tmp_path):
+    job = base_job(assets, tmp_path)
+    job["model"]["path"] = "meta-llama/Llama-3.1-8B"
+    code, out, err = cli("validate", str(write_job(tmp_path, job)), env={"HF_HUB_CACHE": str(tmp_path / "empty-cache")})
+    assert code == 0, err
+    assert "note: model.path = 'meta-llama/Llama-3.1-8B': a hub id" in err and "checked on the cluster" in err
+
+
+@pytest.fixture
+def hf_cache(tmp_path) -> dict:
+    """A Hugging Face cache holding only Llama 3.1 8B's config.json, laid out as the hub client lays it out."""
+    repo = tmp_path / "hf-cache" / "models--meta-llama--Llama-3.1-8B"
+    (repo / "snapshots" / "0e9e39f").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0e9e39f")
+    (repo / "snapshots" / "0e9e39f" / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    return {"HF_HUB_CACHE": str(tmp_path / "hf-cache")}
+
+
+def test_cached_hub_config_gets_the_memory_check(assets, tmp_path, hf_cache):
+    job = base_job(assets, tmp_path)
+    job["model"] = {"path": "meta-llama/Llama-3.1-8B", "tokenizer": str(assets / "model"), "dtype": "bfloat16"}
+    job["data"]["seq_len"] = 4096
+    job["training"].update(finetune="full", precision="bf16", global_batch_size=64, micro_batch_size=8)
+    job["scaling"] = {"num_workers": 8, "use_gpu": True, "accelerator_memory_gb": 80}
+    code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json", env=hf_cache)
+    [problem] = json.loads(out)["problems"]
+    assert code == 2 and problem["field"] == "scaling.accelerator_memory_gb" and problem["value"] == "80"
+    assert "weights 2 B × 8.03B / 8" in problem["message"] and "config.json dimensions" in problem["message"]
+    assert "smallest change that fits: training.micro_batch_size: 2" in problem["message"]
+
+
+def test_unreachable_hosts_are_notes_for_validate_and_errors_for_run(assets, tmp_path):
+    from raytrain import preflight
+
+    job = base_job(assets, tmp_path)
+    job["tracking"]["uri"] = "http://mlflow.invalid:5000"  # .invalid never resolves (RFC 2606)
+    path = str(write_job(tmp_path, job))
+    noted = preflight.check(path)
+    assert noted.spec is not None and [p.field for p in noted.notes if p.kind == "tracking"] == ["tracking.uri"]
+    refused = preflight.check(path, network_required=True)
+    assert refused.spec is None and [p.field for p in refused.errors] == ["tracking.uri"]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3 API (moto's server) with one bucket holding a dataset."""
+    import boto3
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    for _ in range(100):
+        try:
+            client.create_bucket(Bucket="runs")
+            break
+        except Exception:  # not up yet
+            import time
+
+            time.sleep(0.2)
+    client.put_object(Bucket="runs", Key="data/prompts.jsonl", Body=b'{"prompt": "a fox"}\n')
+    yield env
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)
+
+
+def test_s3_storage_is_probed_with_a_write_and_delete(assets, tmp_path, s3):
+    job = base_job(assets, tmp_path)
+    job["checkpoint"]["storage_path"] = "s3://runs/raytrain"
+    job["tracking"]["uri"] = f"sqlite:///{tmp_path}/mlflow.db"
+    code, _, err = cli("validate", str(write_job(tmp_path, job)), env=s3)
+    assert code == 0, err
+    job["checkpoint"]["storage_path"] = "s3://no-such-bucket/raytrain"
+    code, _, err = cli("validate", str(write_job(tmp_path, job)), env=s3)
+    assert code == 2 and "  - checkpoint.storage_path = 's3://no-such-bucket/raytrain': not writable" in err
+
+
+def test_s3_dataset_first_rows_are_read(assets, tmp_path, s3):
+    job = base_job(assets, tmp_path)
+    job["data"]["path"] = "s3://runs/data/"
+    code, _, err = cli("validate", str(write_job(tmp_path, job)), env=s3)
+    assert code == 2 and "  - data.text_column = 'text': no such column" in err and "columns there: prompt" in err
+
+
+@pytest.mark.slow
+def test_a_live_mlflow_server_passes(assets, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(["mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/db.sqlite", "--host",
+                             "127.0.0.1", "--port", str(port), "--workers", "1"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        import time
+        import urllib.request
+
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        job = base_job(assets, tmp_path)
+        job["tracking"]["uri"] = f"http://127.0.0.1:{port}"
+        code, _, err = cli("validate", str(write_job(tmp_path, job)))
+        assert code == 0, err
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------- the memory estimate's parts, against torch and peft
+def test_parameter_count_and_names_match_torch(assets):
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.memory import layout_from_config, read_facts
+
+    facts = read_facts(assets / "model")
+    model = AutoModelForCausalLM.from_pretrained(str(assets / "model"))
+    torch_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert facts.shapes == torch_shapes and facts.n_params == sum(p.numel() for p in model.parameters())
+    assert layout_from_config(facts.config) == torch_shapes  # the config-only path lays out the same model
+
+
+def test_lora_parameter_count_matches_peft(assets):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.memory import read_facts
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(assets / "model")),
+                           LoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert read_facts(assets / "model").lora_params(targets, 4) == trainable
+
+
+def test_llama_8b_from_config_is_8_03b_parameters():
+    from raytrain.memory import ModelFacts, layout_from_config
+
+    facts = ModelFacts(LLAMA_31_8B, layout_from_config(LLAMA_31_8B), "config", False)
+    assert facts.n_params == 8_030_261_248  # the published count
+    assert facts.layer_params == 218_112_000
+
+
+def test_the_suggested_change_fits_and_the_job_did_not(assets, tmp_path):
+    from conftest import make_job
+    from raytrain.memory import GiB, ModelFacts, estimate, layout_from_config, smallest_fix
+
+    facts = ModelFacts(LLAMA_31_8B, layout_from_config(LLAMA_31_8B), "config", False)
+    for budget_gb, over in ((80, {"finetune": "full", "micro_batch_size": 8}), (24, {"finetune": "full"}),
+                            (40, {"strategy": "ddp", "finetune": "lora", "micro_batch_size": 2})):
+        spec = make_job(assets, tmp_path, data={"seq_len": 4096}, model={"dtype": "bfloat16"},
+                        training={"global_batch_size": 64, "micro_batch_size": 2, **over},
+                        scaling={"num_workers": 8, "use_gpu": True})
+        assert estimate(spec, facts, 8).total > budget_gb * GiB
+        text, fitted = smallest_fix(spec, facts, budget_gb * GiB)
+        assert fitted.total <= budget_gb * GiB, text
