@@ -64,8 +64,7 @@ def build_trainer(spec: JobSpec, run_id: str):
 
     lo, hi = spec.scaling.worker_range
     scaling = ScalingConfig(num_workers=lo if lo == hi else (lo, hi), use_gpu=spec.scaling.use_gpu,
-                            resources_per_worker={"CPU": spec.scaling.cpus_per_worker, **spec.scaling.resources_per_worker},
-                            elastic_resize_monitor_interval_s=spec.scaling.resize_check_interval_s)
+                            resources_per_worker={"CPU": spec.scaling.cpus_per_worker})
     run = RunConfig(name=spec.name, storage_path=spec.checkpoint.storage_path,
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
                     failure_config=FailureConfig(max_failures=spec.failure.max_failures),
