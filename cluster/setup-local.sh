@@ -15,8 +15,11 @@ if ! command -v g++ >/dev/null 2>&1; then
   echo "setup: install one first, e.g. 'apt-get install -y g++' (Debian/Ubuntu)." >&2
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==${TORCH_VERSION}" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+pip_install() {  # quiet, minus the noise of this image's local index; a failed install still fails
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
+pip_install "torch==${TORCH_VERSION}"
+pip_install -e ".[dev]"
 .venv/bin/python - <<'PY'
 import torch, ray, deepspeed, transformers, peft, mlflow  # noqa: F401  (fails loudly if the install is broken)
 print(f"setup: ok (torch {torch.__version__}, cuda {torch.cuda.is_available()}, ray {ray.__version__}, "

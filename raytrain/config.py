@@ -140,6 +140,10 @@ class ScalingSpec(Section):
     """One GPU per worker (NCCL); otherwise CPU workers on gloo."""
     cpus_per_worker: float = Field(1.0, gt=0)
     """CPUs reserved per training worker."""
+    resources_per_worker: dict[str, float] = {}
+    """Extra Ray resources each worker needs (e.g. {"spot-gpu": 1} to pin workers to a node pool)."""
+    resize_check_interval_s: float = Field(60.0, gt=0)
+    """Elastic jobs: how often Ray Train checks whether more workers fit (growing restarts from the latest checkpoint)."""
     accelerator_memory_gb: float | None = Field(None, gt=0)
     """Memory of one accelerator, for the pre-flight memory estimate (e.g. 80 for an H100)."""
 

@@ -52,8 +52,13 @@ def runtime_env(spec: JobSpec) -> dict:
                 faults.ENV):
         if key in os.environ:  # secrets travel in the environment, never in the spec or MLflow
             env[key] = os.environ[key]
-    # Runs in each worker's main thread at start-up: SIGTERM then means "checkpoint, then go".
-    return {"env_vars": env, "worker_process_setup_hook": "raytrain.preemption.install_sigterm_handler"}
+    # A worker-process setup hook runs in each worker's main thread at start-up, so that
+    # SIGTERM means "checkpoint, then go". Ray turns a job-level `worker_process_setup_hook`
+    # into this variable only in ray.init; for the train workers' own env we set it directly.
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+    env[WORKER_PROCESS_SETUP_HOOK_ENV_VAR] = "raytrain.preemption.install_sigterm_handler"
+    return {"env_vars": env}
 
 
 def build_trainer(spec: JobSpec, run_id: str):
@@ -64,7 +69,8 @@ def build_trainer(spec: JobSpec, run_id: str):
 
     lo, hi = spec.scaling.worker_range
     scaling = ScalingConfig(num_workers=lo if lo == hi else (lo, hi), use_gpu=spec.scaling.use_gpu,
-                            resources_per_worker={"CPU": spec.scaling.cpus_per_worker})
+                            resources_per_worker={"CPU": spec.scaling.cpus_per_worker, **spec.scaling.resources_per_worker},
+                            elastic_resize_monitor_interval_s=spec.scaling.resize_check_interval_s)
     run = RunConfig(name=spec.name, storage_path=spec.checkpoint.storage_path,
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
                     failure_config=FailureConfig(max_failures=spec.failure.max_failures),

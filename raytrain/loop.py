@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import checkpoint, faults
+from . import checkpoint, faults, telemetry
 from .checkpoint import TrainState
 from .preemption import DRIVER_STOP, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 from .config import JobSpec
@@ -55,6 +55,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
     start, started = state.step, time.perf_counter()
     stops = StopSignals(control, device, check_ray_notice=spec.failure.checkpoint_on_preemption)
     pending: list[tuple[int, dict]] = []
+    flops = telemetry.StepFlops(strategy.model, spec, device)
+    checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
     while state.step < t.max_steps:
         step_start = time.perf_counter()
         seed_step(t.seed, state.step, rank)
@@ -63,7 +65,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         data_wait = time.perf_counter() - step_start
         local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in batch.micro_batches)
         global_tokens = max(1.0, _all_reduce(local_tokens, device))
-        loss_sum = 0.0
+        loss_sum, compute_start = 0.0, time.perf_counter()
         for i, mb in enumerate(batch.micro_batches):
             ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
             with strategy.autocast():
@@ -72,16 +74,21 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                                  ignore_index=IGNORE, reduction="sum")
             strategy.backward(ce * (world / global_tokens), sync=i == len(batch.micro_batches) - 1)
             loss_sum += float(ce.detach())
+        optimizer_start = time.perf_counter()
         grad_norm = strategy.optimizer_step(lr)
+        optimizer_s = time.perf_counter() - optimizer_start
         loss = _all_reduce(loss_sum, device) / global_tokens
         state.step += 1
         state.data = batches.position
         state.tokens_seen += int(t.global_batch_size * spec.data.seq_len)
         state.bad_rows += batch.bad_rows
         step_time = time.perf_counter() - step_start
+        tokens_per_s = t.global_batch_size * spec.data.seq_len / step_time
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
-                   "data_wait_s": data_wait, "tokens_per_s": t.global_batch_size * spec.data.seq_len / step_time,
-                   "tokens_seen": state.tokens_seen, "bad_rows": state.bad_rows, "world_size": world}
+                   "data_wait_s": data_wait, "forward_backward_s": optimizer_start - compute_start,
+                   "optimizer_s": optimizer_s, "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
+                   "peak_memory_gb": telemetry.peak_memory_gb(device), "tokens_seen": state.tokens_seen,
+                   "bad_rows": state.bad_rows, "world_size": world, **flops.metrics(tokens_per_s, world)}
         if on_step:
             on_step(state, batch)
         if rank == 0:
@@ -89,13 +96,18 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                 pending.append((state.step, metrics))
             elapsed = time.perf_counter() - started
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
+            mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
             print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
-                  f"| {metrics['tokens_per_s']:,.0f} tok/s | world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
+                  f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem {metrics['peak_memory_gb']:.1f}G "
+                  f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
                   file=sys.stdout, flush=True)
-        faults.maybe_fire("step", state.step, rank)
         flags = stops.check(state.step, step_time, rank)
+        faults.maybe_fire("step", state.step, rank)
+        checkpoint_s = 0.0
         if flags or state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
+            save_start = time.perf_counter()
             checkpoint.save_and_report(strategy, state, metrics)
+            checkpoint_s = time.perf_counter() - save_start
             if logger:
                 logger.log_many(pending)
             pending.clear()

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -44,7 +45,7 @@ def train_func(config: dict) -> None:
                   f"row {state.data.offset}) with {world} workers", file=sys.stdout, flush=True)
 
     batches = GlobalBatches(ray.train.get_dataset_shard("train"), spec, rank, world, state.data)
-    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(rank))
+    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(rank, world))
 
     if spec.checkpoint.export_final and not state.stopped:
         export(spec, strategy, tokenizer, logger)
@@ -59,13 +60,16 @@ def export(spec: JobSpec, strategy, tokenizer, logger) -> None:
             print(f"[raytrain] exported final model to {spec.run_dir}/final_model", file=sys.stdout, flush=True)
 
 
-def _sample_logger(rank: int):
+def _sample_logger(rank: int, world: int):
+    """Tests and the chaos script: which samples each rank trained on at each step, per attempt."""
     folder = os.environ.get(SAMPLE_LOG_ENV)
     if not folder:
         return None
+    attempt = f"{time.time():.6f}-{world}"
 
     def on_step(state, batch) -> None:
         with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"step": state.step, "samples": batch.sample_ids}) + "\n")
+            f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": state.step,
+                                "samples": batch.sample_ids}) + "\n")
 
     return on_step

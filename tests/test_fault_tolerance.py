@@ -58,10 +58,11 @@ def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, mon
 
 
 def test_sigterm_checkpoints_at_the_notice_and_loses_no_step(reference, monkeypatch, tmp_path, assets):
+    # SIGTERM lands after step 6 (during step 7): every rank finishes step 7, commits it, leaves.
     spec, result = run_with_faults(monkeypatch, tmp_path, assets, "sigterm",
                                    [{"at": "step", "step": 6, "rank": 1, "action": "sigterm"}])
     [failure] = result.goodput["failures"]
-    assert failure["resumed_from"] == 6 and failure["steps_lost"] == 0
+    assert failure["resumed_from"] == 7 and failure["steps_lost"] == 0
     assert metric_history(spec, result.run_id) == reference
 
 

@@ -1,0 +1,179 @@
+"""Chaos for raytrain: break a running job for real and check what a user relies on.
+
+    python tests/chaos.py kill   [--kills 3] [--steps 32] [--seed 0]
+    python tests/chaos.py resize [--steps 24]
+
+`kill` SIGKILLs a random training worker every few seconds during a run on a local Ray
+cluster. `resize` runs an elastic job (1..2 workers) on a two-node local cluster, removes
+a node (the job continues on 1 worker), then adds one back (it grows to 2 again).
+
+Both compare with an uninterrupted run of the same job: the samples trained on at each
+step of the final lineage (steps rolled back by a restart are replaced by their re-run)
+must be the same, none twice, the global batch constant, and the per-step losses equal
+(bit for bit at a fixed world size; to fp32 rounding across world sizes, where the
+reduction order changes). Prints a JSON summary; exit 0 when every check holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def final_lineage(log_dir: Path) -> dict[int, dict]:
+    """step -> {"world", "samples"} of the last attempt that ran that step."""
+    by_step: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for file in log_dir.glob("rank*.jsonl"):
+        for line in file.read_text().splitlines():
+            rec = json.loads(line)
+            by_step[rec["step"]][rec["attempt"]].append(rec)
+    lineage = {}
+    for step, attempts in by_step.items():
+        latest = max(attempts, key=lambda a: float(a.split("-")[0]))
+        records = attempts[latest]
+        world = records[0]["world"]
+        assert sorted(r["rank"] for r in records) == list(range(world)), f"step {step}: ranks missing {records}"
+        lineage[step] = {"world": world, "samples": [tuple(s) for r in sorted(records, key=lambda r: r["rank"])
+                                                     for s in r["samples"]]}
+    return lineage
+
+
+def compare(reference: dict, lineage: dict, global_batch: int) -> list[str]:
+    """Problems with the sample accounting of `lineage` against `reference` (empty: all good)."""
+    problems = []
+    if sorted(lineage) != sorted(reference):
+        problems.append(f"steps differ: {sorted(set(reference) ^ set(lineage))}")
+    seen = [s for step in sorted(lineage) for s in lineage[step]["samples"]]
+    if len(seen) != len(set(seen)):
+        problems.append(f"{len(seen) - len(set(seen))} samples trained on twice")
+    for step in sorted(set(reference) & set(lineage)):
+        if len(lineage[step]["samples"]) != global_batch:
+            problems.append(f"step {step}: {len(lineage[step]['samples'])} samples, not {global_batch}")
+        if sorted(lineage[step]["samples"]) != sorted(reference[step]["samples"]):
+            problems.append(f"step {step}: different samples than the uninterrupted run")
+    return problems
+
+
+def _job(assets: Path, storage: Path, name: str, steps: int, **over):
+    from conftest import make_job
+
+    return make_job(assets, storage, name=name, training={"max_steps": steps, "finetune": "full"},
+                    checkpoint={"every_n_steps": 4, "keep_last": 2}, **over)
+
+
+def _run_logged(spec, log_dir: Path):
+    from conftest import metric_history
+    from raytrain import launcher
+
+    log_dir.mkdir(parents=True)
+    os.environ["RAYTRAIN_SAMPLE_LOG"] = str(log_dir)
+    result = launcher.run(spec)
+    return result, metric_history(spec, result.run_id), final_lineage(log_dir)
+
+
+def _steps_done(log_dir: Path, world: int | None = None) -> int:
+    steps = [json.loads(line) for f in log_dir.glob("rank*.jsonl") for line in f.read_text().splitlines()]
+    return max((r["step"] for r in steps if world is None or r["world"] == world), default=0)
+
+
+def _in_thread(fn):
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(value=fn()), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def chaos_kill(args, root: Path, assets: Path) -> dict:
+    import psutil
+    import ray
+
+    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+    ref_spec = _job(assets, root / "ref", "ref", args.steps)
+    _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
+    spec = _job(assets, root / "chaos", "chaos", args.steps, failure={"max_failures": args.kills + 2})
+    thread, box = _in_thread(lambda: _run_logged(spec, root / "chaos-log"))
+    rng, kills = random.Random(args.seed), []
+    while len(kills) < args.kills and thread.is_alive():
+        time.sleep(rng.uniform(3, 8))
+        alive = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+        if len(alive) == 2 and _steps_done(root / "chaos-log") < args.steps - 2:
+            victim = rng.choice(alive)
+            os.kill(victim.pid, signal.SIGKILL)  # a real, unannounced process death
+            kills.append({"pid": victim.pid, "after_step": _steps_done(root / "chaos-log")})
+    thread.join()
+    result, losses, lineage = box["value"]
+    problems = compare(ref_lineage, lineage, spec.training.global_batch_size)
+    if losses != ref_losses:
+        problems.append("per-step losses differ from the uninterrupted run")
+    return {"mode": "kill", "kills": kills, "failures": result.goodput["failures"], "problems": problems}
+
+
+def chaos_resize(args, root: Path, assets: Path) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Two nodes with one training slot each; the head keeps spare CPUs for Ray Data.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"slot": 1}})
+    node_b = cluster.add_node(num_cpus=1, resources={"slot": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    per_worker = {"resources_per_worker": {"slot": 1}}
+    ref_spec = _job(assets, root / "ref", "ref", args.steps, scaling={"num_workers": 2, **per_worker})
+    _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
+
+    spec = _job(assets, root / "elastic", "elastic", args.steps, failure={"max_failures": 3},
+                scaling={"num_workers": None, "min_workers": 1, "max_workers": 2, "resize_check_interval_s": 5,
+                         **per_worker})
+    log = root / "elastic-log"
+    thread, box = _in_thread(lambda: _run_logged(spec, log))
+    events = []
+    while thread.is_alive() and _steps_done(log) < 6:
+        time.sleep(0.5)
+    cluster.remove_node(node_b, allow_graceful=False)
+    events.append({"removed_node_after_step": _steps_done(log)})
+    while thread.is_alive() and _steps_done(log, world=1) < _steps_done(log, world=2) + 5:
+        time.sleep(0.5)
+    cluster.add_node(num_cpus=1, resources={"slot": 1})
+    events.append({"added_node_after_step": _steps_done(log)})
+    thread.join()
+    result, losses, lineage = box["value"]
+    problems = compare(ref_lineage, lineage, spec.training.global_batch_size)
+    worlds = [lineage[s]["world"] for s in sorted(lineage)]
+    if 1 not in worlds or worlds[-1] != 2:
+        problems.append(f"expected to shrink to 1 worker and grow back to 2, saw {worlds}")
+    worst = max(abs(losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in ref_losses)
+    if sorted(losses) != sorted(ref_losses) or worst > 1e-5:
+        problems.append(f"losses differ from the uninterrupted run (max relative {worst:.2e})")
+    return {"mode": "resize", "events": events, "worlds_per_step": worlds, "max_rel_loss_diff": worst,
+            "failures": result.goodput["failures"], "problems": problems}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["kill", "resize"])
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="folder for runs and logs (default: a temp dir)")
+    args = parser.parse_args(argv)
+    from raytrain.demo_assets import make_all
+
+    root = Path(args.out or tempfile.mkdtemp(prefix="raytrain-chaos-"))
+    assets = make_all(root / "assets")
+    summary = (chaos_kill if args.mode == "kill" else chaos_resize)(args, root, assets)
+    print("CHAOS-SUMMARY " + json.dumps(summary))
+    return 1 if summary["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
