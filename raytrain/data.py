@@ -155,7 +155,10 @@ def encode_chat(tok, messages, data: DataSpec) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     labels: list[int] = []
     for i, message in enumerate(messages):
-        prefix = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        try:
+            prefix = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        except Exception as exc:  # the template's own refusal (jinja's raise_exception): this row is unusable
+            raise ValueError(f"the chat template rejects message {i} ({type(exc).__name__}: {exc})") from None
         full = tok(prefix, add_special_tokens=False)["input_ids"]
         new = full[len(ids):]
         ids.extend(new)

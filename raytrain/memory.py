@@ -95,7 +95,7 @@ def layout_from_config(config: dict) -> dict[str, tuple[int, ...]]:
     n_layers = config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers")
     vocab, heads = config.get("vocab_size"), config.get("num_attention_heads") or config.get("n_head")
     if not all(isinstance(x, int) for x in (d, n_layers, vocab, heads)):
-        raise ValueError("config.json lacks hidden_size / num_hidden_layers / vocab_size / num_attention_heads")
+        return {}  # not a layout this estimate knows (nested text_config, ...): no estimate rather than a wrong one
     kv = config.get("num_key_value_heads") or heads
     hd = config.get("head_dim") or d // heads
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size") or config.get("n_inner") or 4 * d

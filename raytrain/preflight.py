@@ -21,13 +21,9 @@ from pydantic import BaseModel, ValidationError
 
 from . import memory, probes, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
-from .problems import ERROR, NOTE, Problem, cross_field, did_you_mean, from_validation_error
+from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
+                       secret_problems)
 
-# Keys whose values are secrets: whole words of the key, so `tokenizer` is not a token.
-SECRET_KEY = re.compile(r"(^|[_\-.])(tokens?|secrets?|password|passwd|pwd|api[_-]?key|access[_-]?key|credentials?|auth)($|[_\-.])", re.I)
-SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{30,}|A[KS]IA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}|"
-                          r"sk-[A-Za-z0-9_-]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY)")
-URI_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s:]+:[^/@\s]+@", re.I)
 OVERRIDE_ALIASES = {"train.": "training.", "optim.": "optimizer.", "ckpt.": "checkpoint."}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -72,47 +68,6 @@ def load_raw(path: str, overrides: list[str]) -> tuple[dict | None, list[Problem
         return None, [Problem("--set", "", str(exc).splitlines()[0], "file")]
 
 
-def duplicate_keys(text: str) -> list[Problem]:
-    """safe_load keeps the last of two equal keys silently: a second `training:` block
-    would replace the first. The node tree (composed, never constructed) shows both."""
-    out = []
-
-    def walk(node, prefix):
-        if isinstance(node, yaml.MappingNode):
-            lines: dict[str, int] = {}
-            for key, value in node.value:
-                name = f"{prefix}{key.value}"
-                if name in lines:
-                    out.append(Problem(name, "", f"appears twice (lines {lines[name]} and {key.start_mark.line + 1}); "
-                                       "YAML keeps only the last: merge them into one", "file"))
-                lines[name] = key.start_mark.line + 1
-                walk(value, name + ".")
-        elif isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                walk(item, prefix)
-
-    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
-    return out
-
-
-def secret_problems(tree, prefix: str = "") -> list[Problem]:
-    out = []
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
-    for key, value in items:
-        name = f"{prefix}{key}"
-        secret_key = isinstance(key, str) and SECRET_KEY.search(key) and isinstance(value, (str, int)) and value != ""
-        if secret_key or (isinstance(value, str) and SECRET_VALUE.search(value)):
-            out.append(Problem(name, "<redacted>", "looks like a secret; secrets do not belong in a job file (it is "
-                               "logged to MLflow and stored with the run): remove it and export it as an environment "
-                               "variable (e.g. HF_TOKEN, AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD)", "security"))
-        elif isinstance(value, str) and URI_PASSWORD.search(value):
-            out.append(Problem(name, "<redacted>", "a password in a URI; remove it from the URI and export it "
-                               "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for MLflow)", "security"))
-        else:
-            out.extend(secret_problems(value, name + "."))
-    return out
-
-
 def absolutize(raw: dict, base: str) -> dict:
     """Workers run in another directory: local paths become absolute on the driver. A model
     path that is not a local folder is left alone (a hub id)."""
@@ -142,8 +97,8 @@ def check(path: str, overrides: list[str] = (), probes: bool = True, network_req
         spec, broken = salvage(raw, exc)
         if broken and not broken & ROOT_RULE_INPUTS:  # rules that did not run because another section failed
             problems += root_rule_problems(spec)
-    if probes:
-        problems += probe(spec, broken, network_required)
+    if probes:  # a section holding a secret is not probed: a URI with a password is not used, even to knock
+        problems += probe(spec, broken | {f.split(".")[0] for f in flagged}, network_required)
     errors = any(p.severity == ERROR for p in problems)
     return Report(None if errors else spec, problems)
 
@@ -306,6 +261,9 @@ def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Pr
 
 
 def memory_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
+    if not facts.shapes:
+        return [Problem("scaling.accelerator_memory_gb", "", "not estimated: no safetensors weights, and config.json lacks "
+                        "hidden_size/num_hidden_layers/vocab_size/num_attention_heads", "memory", NOTE)]
     workers = spec.scaling.worker_range[0]
     est = memory.estimate(spec, facts, workers)
     budget = spec.scaling.accelerator_memory_gb

@@ -1,5 +1,6 @@
-"""Turn pydantic's validation errors into problems a user can act on:
-the YAML path, the bad value, and the fix (with a did-you-mean for unknown keys).
+"""Problems a user can act on: the YAML path, the bad value, and the fix. Pydantic's
+validation errors (with a did-you-mean for unknown keys), cross-field rules pointed at
+their field, and what the schema cannot see: duplicate keys and secrets in the file.
 
 A problem is an `error` (the job is refused, exit 2) or a `note` (said, not refused:
 something only the cluster can check, or an estimate worth reading).
@@ -12,11 +13,17 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ValidationError
 
 from .config import JobSpec
 
 ERROR, NOTE = "error", "note"
+# Keys whose values are secrets: whole words of the key, so `tokenizer` or `max_tokens` is not a token.
+SECRET_KEY = re.compile(r"(^|[_\-.])(token|secrets?|password|passwd|pwd|api[_-]?key|access[_-]?key|credentials?|auth)($|[_\-.])", re.I)
+SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{30,}|A[KS]IA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}|"
+                          r"sk-[A-Za-z0-9_-]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY)")
+URI_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s:]+:[^/@\s]+@", re.I)
 # Cross-field rules name their field first: "training.global_batch_size=64 is not ...",
 # or, inside a section, "min_workers=3 > ..." / "give either `num_workers` ...".
 _LEADING_FIELD = re.compile(r"^`?(?P<field>[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)`?(?:=(?P<value>\S+?))?[:,]?\s+(?P<rest>.+)$", re.S)
@@ -110,3 +117,46 @@ def from_validation_error(exc: ValidationError) -> list[Problem]:
         fix = _fix(err)
         problems.append(Problem(field, value, fix.removeprefix("Value error, ")))
     return problems
+
+
+# ---------------------------------------------------------------- problems of the file itself
+def duplicate_keys(text: str) -> list[Problem]:
+    """safe_load keeps the last of two equal keys silently: a second `training:` block
+    would replace the first. The node tree (composed, never constructed) shows both."""
+    out = []
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key, value in node.value:
+                name = f"{prefix}{key.value}"
+                if name in lines:
+                    out.append(Problem(name, "", f"appears twice (lines {lines[name]} and {key.start_mark.line + 1}); "
+                                       "YAML keeps only the last: merge them into one", "file"))
+                lines[name] = key.start_mark.line + 1
+                walk(value, name + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                walk(item, prefix)
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    return out
+
+
+def secret_problems(tree, prefix: str = "") -> list[Problem]:
+    out = []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    for key, value in items:
+        name = f"{prefix}{key}"
+        scalar = isinstance(value, (str, int)) and not isinstance(value, bool) and value != ""
+        secret_key = isinstance(key, str) and SECRET_KEY.search(key) and scalar
+        if secret_key or (isinstance(value, str) and SECRET_VALUE.search(value)):
+            out.append(Problem(name, "<redacted>", "looks like a secret; secrets do not belong in a job file (it is "
+                               "logged to MLflow and stored with the run): remove it and export it as an environment "
+                               "variable (e.g. HF_TOKEN, AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD)", "security"))
+        elif isinstance(value, str) and URI_PASSWORD.search(value):
+            out.append(Problem(name, "<redacted>", "a password in a URI; remove it from the URI and export it "
+                               "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for MLflow)", "security"))
+        else:
+            out.extend(secret_problems(value, name + "."))
+    return out
