@@ -233,6 +233,11 @@ class JobSpec(Section):
     def _deepspeed_block_needs_zero3(self):
         if self.training.deepspeed is not None and self.training.strategy != "zero3":
             raise ValueError(f"training.deepspeed is only used by strategy zero3, not {self.training.strategy!r}: remove it or set training.strategy: zero3")
+        from .strategies.deepspeed_config import override_problems  # pure: no torch import
+
+        problems = override_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @model_validator(mode="after")

@@ -1,11 +1,26 @@
-"""Parallelism strategies behind one interface; `build_strategy` picks one by the job's field."""
+"""Parallelism strategies behind one interface; `build_strategy` picks one by the job's field.
+
+Importing the package does not import torch: `deepspeed_config` is pure and the driver's
+`raytrain validate` uses it; `Strategy` and `build_strategy` load torch when first used.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from ..config import JobSpec
-from .base import Strategy
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import JobSpec
+    from .base import Strategy
+
+
+def __getattr__(name: str):
+    if name == "Strategy":
+        from .base import Strategy
+
+        return Strategy
+    raise AttributeError(name)
 
 
 def build_strategy(spec: JobSpec, device: torch.device) -> Strategy:

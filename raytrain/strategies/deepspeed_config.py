@@ -1,0 +1,168 @@
+"""The DeepSpeed config of a `zero3` job: generated from the job spec, with the job's optional
+`training.deepspeed` block merged over it and checked.
+
+Every value is concrete: no `"auto"` (that is a Hugging Face Trainer convention, resolved by
+the Trainer, not by DeepSpeed), so the config a worker hands to `deepspeed.initialize` is the
+config a test can read field by field. The fields that mean something the job already says
+(batch sizes, accumulation, clipping, precision, optimizer, schedule, offload on/off) are
+owned by the job spec: an override may not contradict them, it must change the YAML field.
+
+Pure Python, no torch or deepspeed import: `raytrain validate` checks an override on the
+driver in milliseconds, before any cluster exists.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+# Override path -> the job field that owns it. An override of these is an error naming the field,
+# because a second source of truth for, e.g., the batch size would silently break resume and parity.
+OWNED = {
+    "train_batch_size": "training.global_batch_size",
+    "train_micro_batch_size_per_gpu": "training.micro_batch_size",
+    "gradient_accumulation_steps": "training.global_batch_size (accumulation = global / (micro x workers))",
+    "gradient_clipping": "training.grad_clip",
+    "optimizer": "the optimizer section (lr, betas, eps, weight_decay)",
+    "scheduler": "optimizer.schedule / optimizer.warmup_steps (raytrain sets the LR every step)",
+    "bf16": "training.precision",
+    "fp16": "training.precision (fp16 is not offered: bf16 or fp32)",
+    "amp": "training.precision",
+    "data_types": "training.precision (gradients accumulate in fp32)",
+    "zero_optimization.stage": "training.strategy (zero3 is stage 3; use fsdp2/ddp for other layouts)",
+    "checkpoint": "nothing: raytrain chooses how checkpoints are loaded",
+    "managed_gradient_accumulation": "nothing: the training loop owns accumulation",
+}
+OFFLOAD = {"offload_optimizer": "training.offload.optimizer", "offload_param": "training.offload.params"}
+
+
+def compute_bf16(spec) -> bool:
+    """The one reading of `training.precision` every strategy shares: auto is bf16 on GPU."""
+    p = spec.training.precision
+    return p == "bf16" or (p == "auto" and spec.scaling.use_gpu)
+
+
+def generate(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
+    """The config raytrain derives from the job, before expert overrides.
+
+    Bucket sizes follow the Hugging Face integration's rule for its "auto" values
+    (hidden^2 for reduce, 0.9 hidden^2 for prefetch, 10 hidden for parameters kept whole),
+    computed here so the config is explicit.
+    """
+    t, o, gpu = spec.training, spec.optimizer, spec.scaling.use_gpu
+    bf16 = compute_bf16(spec)
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "overlap_comm": gpu,  # a side stream for comms exists on GPU only
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+        "sub_group_size": 1_000_000_000,
+        # Exports gather parameters themselves (GatheredParameters), not at every checkpoint.
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    if t.offload.optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": gpu}
+    if t.offload.params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": gpu}
+    config: dict[str, Any] = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": spec.accumulation_steps(world_size),
+        "gradient_clipping": float(t.grad_clip) if t.grad_clip else 0.0,  # 0 disables clipping in DeepSpeed
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000_000,  # raytrain logs steps; DeepSpeed's own progress lines are noise
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        # bf16 compute, fp32 master weights (DeepSpeed's bf16 mode), and gradients reduced and
+        # accumulated in fp32: what FSDP2's MixedPrecisionPolicy(reduce_dtype=float32) does.
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"
+    if t.offload.optimizer and gpu:
+        # Offloaded optimizer steps run on the CPU: DeepSpeedCPUAdam (AdamW mode), not torch AdamW.
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                                           "weight_decay": o.weight_decay}}
+    elif t.offload.optimizer:
+        # On a CPU-only machine "offload to CPU" moves nothing; keep torch AdamW (the same math as
+        # FSDP2/DDP, and no cpu_adam build) and tell DeepSpeed that is deliberate.
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+def uses_client_optimizer(config: dict) -> bool:
+    """True when the strategy passes torch AdamW (no `optimizer` block in the config)."""
+    return "optimizer" not in config
+
+
+def override_problems(spec) -> list[str]:
+    """What is wrong with `training.deepspeed`, as messages naming the path and the fix."""
+    block = spec.training.deepspeed
+    if block is None:
+        return []
+    problems = [f"training.deepspeed.{path}: \"auto\" is a Hugging Face Trainer placeholder; give a value "
+                f"(raytrain computes every field it owns)" for path in _auto_paths(block)]
+    flat = dict(_leaves(block))
+    for owned, field in OWNED.items():
+        if any(p == owned or p.startswith(owned + ".") for p in flat):
+            problems.append(f"training.deepspeed.{owned}: set by raytrain from {field}; change that instead")
+    zero = block.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        return problems + ["training.deepspeed.zero_optimization: must be a mapping of ZeRO settings"]
+    for key, field in OFFLOAD.items():
+        if key not in zero:
+            continue
+        section = zero[key]
+        enabled = getattr(spec.training.offload, field.rsplit(".", 1)[1])
+        if not isinstance(section, dict):
+            problems.append(f"training.deepspeed.zero_optimization.{key}: must be a mapping (device, pin_memory, ...)")
+        elif not enabled:
+            problems.append(f"training.deepspeed.zero_optimization.{key}: offload is off; set {field}: true "
+                            f"(this block only tunes it)")
+        elif section.get("device", "cpu") not in ("cpu", "nvme"):
+            problems.append(f"training.deepspeed.zero_optimization.{key}.device = {section['device']!r}: use cpu or "
+                            f"nvme; to turn offload off set {field}: false")
+        elif section.get("device") == "nvme" and not section.get("nvme_path"):
+            problems.append(f"training.deepspeed.zero_optimization.{key}: device nvme needs nvme_path (a local NVMe folder)")
+    return problems
+
+
+def build(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
+    """The final config: generated, overrides merged, validated. Raises ValueError on a bad override."""
+    problems = override_problems(spec)
+    if problems:
+        raise ValueError("; ".join(problems))
+    config = merge(generate(spec, world_size, hidden_size), spec.training.deepspeed or {})
+    left = _auto_paths(config)
+    if left:  # cannot happen from generate(); a guard so "no auto" is a property, not a hope
+        raise ValueError(f"DeepSpeed config still has \"auto\" at {left}")
+    return config
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Deep merge: mappings merge key by key, anything else in `over` replaces."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        yield path, value
+        if isinstance(value, dict):
+            yield from _leaves(value, path + ".")
+
+
+def _auto_paths(tree: dict) -> list[str]:
+    return [p for p, v in _leaves(tree) if isinstance(v, str) and v.strip().lower() == "auto"]

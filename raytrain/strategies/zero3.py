@@ -1,0 +1,216 @@
+"""ZeRO-3: DeepSpeed shards parameters, gradients and optimizer state over the workers.
+
+The loop is the same as for FSDP2 and DDP: it hands over a loss already normalized over the
+whole global batch (times world size, since gradient reduction averages over ranks). DeepSpeed
+would divide it again by its accumulation steps, so `backward` passes `scale_wrt_gas=False`
+and says explicitly which micro-batch ends the step (`set_gradient_accumulation_boundary`):
+the gradient DeepSpeed steps on is then the one FSDP2 and DDP step on, and the optimizer
+(torch AdamW, unless optimizer state is offloaded on GPU) the same math.
+
+Build: the DeepSpeed config is registered with transformers (`HfDeepSpeedConfig`) before
+`from_pretrained`, which then creates every layer under `deepspeed.zero.Init` (partitioned
+as it is built) and copies rank 0's weights in one gathered layer at a time: no rank ever
+holds the whole model. LoRA adapters are created after, whole, and partitioned by
+`deepspeed.initialize`.
+
+Checkpoints are DeepSpeed's own `save_checkpoint` folders (tag `ds`), one file pair per rank,
+merged by Ray like FSDP2's DCP shards. A checkpoint written at another world size is
+converted to DeepSpeed's universal format first and loaded from that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import modeling
+from ..errors import JobError
+from . import deepspeed_config
+from .base import Strategy, write_hf_export
+
+TAG = "ds"  # the checkpoint's subfolder; fixed, so every committed step_* folder has the same layout
+SHM_OP = "deepspeed_shm_comm"
+
+
+class Zero3Strategy(Strategy):
+    def setup(self) -> None:
+        init_deepspeed_comm(self.device)
+        import deepspeed
+        from transformers import AutoConfig
+        from transformers.integrations import HfDeepSpeedConfig
+
+        s = self.spec
+        model_config = AutoConfig.from_pretrained(s.model.path, trust_remote_code=s.model.trust_remote_code)
+        hidden = model_config.get_text_config().hidden_size
+        try:
+            self.ds_config = deepspeed_config.build(s, self.world_size, hidden)
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
+        self.bf16 = self.ds_config["bf16"]["enabled"]
+        self.lora = s.training.finetune == "lora"
+        # Held for the life of the strategy: transformers looks it up through a weak reference.
+        self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        self.hf_model = modeling.load_model(s)
+        if s.training.activation_checkpointing:
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        params = [p for p in self.hf_model.parameters() if p.requires_grad]
+        optimizer = None
+        if deepspeed_config.uses_client_optimizer(self.ds_config):
+            o = s.optimizer
+            optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        try:
+            self.engine, *_ = deepspeed.initialize(model=self.hf_model, model_parameters=params, optimizer=optimizer,
+                                                   config=self.ds_config)
+        except Exception as exc:
+            if type(exc).__name__ == "ValidationError" and s.training.deepspeed:  # pydantic: a bad override key/value
+                raise JobError(f"training.deepspeed: DeepSpeed rejected the merged config: {exc}") from None
+            raise
+        self.model = self.engine
+
+    def backward(self, loss: torch.Tensor, sync: bool) -> None:
+        # The boundary flag decides whether ZeRO finalizes (and, offloaded, copies out) gradients.
+        self.engine.set_gradient_accumulation_boundary(sync)
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loop's loss is already normalized
+
+    def optimizer_step(self, lr: float) -> float:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()  # clips to gradient_clipping with the global norm, then steps
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    # --- checkpoints: DeepSpeed's own layout, each rank writes its partition ---
+    def save(self, directory: str) -> None:
+        # LoRA: the frozen base comes from model.path again, as with FSDP2; only adapters are saved.
+        self.engine.save_checkpoint(directory, tag=TAG, exclude_frozen_parameters=self.lora)
+
+    def load(self, directory: str) -> None:
+        saved = saved_world_size(directory)
+        if saved == self.world_size:
+            path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_module_strict=not self.lora,
+                                                  load_lr_scheduler_states=False)
+            if path is None:
+                raise JobError(f"could not load the DeepSpeed checkpoint in {directory}")
+            return
+        self._load_universal(directory, saved)
+
+    def _load_universal(self, directory: str, saved: int) -> None:
+        """Another world size: convert to DeepSpeed's universal checkpoint, once per node, and load that."""
+        box = [tempfile.mkdtemp(prefix="raytrain-universal-") if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)  # the same path on every node; each node converts locally
+        root = box[0]
+        converter = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+        if converter:
+            if self.rank == 0:
+                print(f"[raytrain] zero3 checkpoint written by {saved} workers, loading with {self.world_size}: "
+                      f"converting to a universal checkpoint", file=sys.stdout, flush=True)
+            to_universal(str(Path(directory, TAG)), str(Path(root, TAG)))
+        dist.barrier()
+        self.engine._config.load_universal_checkpoint = True  # read only inside load_checkpoint
+        try:
+            self.engine.load_checkpoint(root, tag=TAG, load_module_strict=not self.lora, load_lr_scheduler_states=False)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        dist.barrier()
+        if converter:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def export(self, directory: str, tokenizer) -> None:
+        full = gathered_state_dict(self.hf_model, self.rank, fp32_master=self.bf16,
+                                   dtype=modeling.DTYPES[self.spec.model.dtype])
+        if self.rank == 0:
+            write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
+        dist.barrier()
+
+
+def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dtype: torch.dtype) -> dict:
+    """The whole state dict on rank 0 (empty elsewhere), gathered one module at a time (collective).
+
+    With bf16 training the module holds bf16 copies; trainable weights then come from the fp32
+    master partitions instead, so an export loses nothing to the compute precision.
+    """
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    keys_of: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():  # tied weights: one tensor, two keys
+        keys_of.setdefault(id(tensor), []).append(key)
+    full: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            for tensor in params + list(module.buffers(recurse=False)):
+                value = tensor
+                if fp32_master and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                    value = safe_get_full_fp32_param(tensor)  # collective too
+                if rank == 0:
+                    for key in keys_of.get(id(tensor), []):
+                        full[key] = value.detach().to("cpu", dtype=dtype if value.is_floating_point() else None, copy=True)
+    return full
+
+
+def saved_world_size(directory: str) -> int:
+    """How many data-parallel ranks wrote the checkpoint: one optimizer-state file each."""
+    files = list(Path(directory, TAG).glob("*zero_pp_rank_*_optim_states.pt"))
+    if not files:
+        raise JobError(f"{directory} is not a zero3 checkpoint (no {TAG}/*optim_states.pt); was it written by "
+                       f"another training.strategy? A job resumes with the strategy that wrote its checkpoints")
+    return len(files)
+
+
+def to_universal(input_folder: str, output_folder: str) -> None:
+    """DeepSpeed's ds_to_universal, in process, with one worker per stage (it is called per node)."""
+    from deepspeed.checkpoint.ds_to_universal import main
+
+    main(argparse.Namespace(input_folder=input_folder, output_folder=output_folder, num_extract_workers=1,
+                            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+
+
+# --- the CPU communication op: compiled with the machine's C++ compiler at first use ---
+def init_deepspeed_comm(device: torch.device) -> None:
+    """Attach DeepSpeed to the process group Ray Train made; on CPU that builds `deepspeed_shm_comm`."""
+    import deepspeed
+
+    try:
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+    except Exception as exc:
+        if device.type == "cpu" and ("Error building extension" in str(exc) or "ninja" in str(exc).lower()):
+            raise JobError(op_build_message(str(exc).splitlines()[-1] if str(exc) else type(exc).__name__)) from exc
+        raise
+
+
+def toolchain_problems(env: dict | None = None) -> list[str]:
+    """What a JIT build of a DeepSpeed op needs and this machine lacks (empty: nothing missing)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    env = os.environ if env is None else env
+    path = env.get("PATH", "")
+    compiler = env.get("CXX", "c++")
+    missing = []
+    if not shutil.which(compiler, path=path):
+        missing.append(f"a C++ compiler (`{compiler}` is not on PATH): apt-get install g++ (Debian/Ubuntu) "
+                       f"or dnf install gcc-c++ (RHEL/Fedora)")
+    if not is_ninja_available():
+        missing.append("ninja: pip install ninja")
+    if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
+        missing.append(f"the Python headers (Python.h): apt-get install python{sys.version_info.major}."
+                       f"{sys.version_info.minor}-dev")
+    return missing
+
+
+def op_build_message(error: str) -> str:
+    missing = toolchain_problems()
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
+    what = ("; missing: " + "; ".join(missing)) if missing else f" (the compiler is there; the build said: {error})"
+    return (f"training.strategy zero3 on CPU needs DeepSpeed's {SHM_OP} op, compiled on first use with the "
+            f"machine's C++ toolchain, and the build failed{what}. Install what is missing on every node "
+            f"(see README, 'DeepSpeed on CPU'), or use training.strategy: fsdp2. Built ops are cached in {cache}; "
+            f"set TORCH_EXTENSIONS_DIR to a persistent folder to compile once")

@@ -1,0 +1,152 @@
+"""The DeepSpeed config a zero3 job generates, field by field, for a realistic GPU job
+(Qwen2.5 7B full fine-tune on 8 GPUs, optimizer offloaded) and for the CPU test job; and the
+rules for expert overrides in `training.deepspeed`. Pure: no process group, no Ray."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from pydantic import ValidationError
+
+from conftest import REPO, make_job
+from raytrain import cli, preflight
+from raytrain.config import JobSpec, load_yaml
+from raytrain.strategies import deepspeed_config as dsc
+
+GPU_JOB = REPO / "jobs" / "qwen-7b-full-zero3.yaml"
+QWEN_7B_HIDDEN = 3584  # Qwen/Qwen2.5-7B config.json hidden_size
+
+
+def gpu_spec(**training) -> JobSpec:
+    raw = load_yaml(GPU_JOB)
+    raw["training"].update(training)
+    return JobSpec.model_validate(raw)
+
+
+def test_realistic_gpu_job_config_field_by_field():
+    config = dsc.build(gpu_spec(), world_size=8, hidden_size=QWEN_7B_HIDDEN)
+    # Batch arithmetic: 128 sequences per step = 8 GPUs x micro 2 x accumulation 8.
+    assert config["train_batch_size"] == 128
+    assert config["train_micro_batch_size_per_gpu"] == 2
+    assert config["gradient_accumulation_steps"] == 8
+    assert config["train_batch_size"] == 8 * 2 * 8
+    assert config["gradient_clipping"] == 1.0
+    # bf16 compute with fp32 master weights; gradients reduced and accumulated in fp32 (as FSDP2 reduces).
+    assert config["bf16"] == {"enabled": True}
+    assert config["fp16"] == {"enabled": False}
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert config["communication_data_type"] == "fp32"
+    # Offloaded optimizer: DeepSpeed's CPU AdamW with the job's hyperparameters; no scheduler (raytrain sets the LR).
+    assert config["optimizer"] == {"type": "AdamW",
+                                   "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    assert "scheduler" not in config
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "offload_param" not in zero  # training.offload.params: false
+    assert zero["overlap_comm"] is True and zero["contiguous_gradients"] is True and zero["reduce_scatter"] is True
+    assert zero["reduce_bucket_size"] == 3584 * 3584 == 12_845_056
+    assert zero["stage3_prefetch_bucket_size"] == 11_560_550  # int(0.9 * 3584^2)
+    assert zero["stage3_param_persistence_threshold"] == 35_840
+    # The job's expert overrides won over the generated 1e9.
+    assert zero["stage3_max_live_parameters"] == 300_000_000
+    assert zero["stage3_max_reuse_distance"] == 300_000_000
+    assert zero["sub_group_size"] == 1_000_000_000
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is False
+    assert config["steps_per_print"] == 1_000_000_000 and config["wall_clock_breakdown"] is False
+    # Nothing else: every top-level key is one of the above, and no "auto" anywhere.
+    assert set(config) == {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                           "gradient_clipping", "bf16", "fp16", "data_types", "communication_data_type", "optimizer",
+                           "zero_optimization", "steps_per_print", "wall_clock_breakdown"}
+    assert "auto" not in repr(config).lower()
+
+
+def test_deepspeed_itself_accepts_the_gpu_config():
+    """DeepSpeed's own parser and pydantic models (unknown keys are errors there). Without a
+    process group it assumes one rank, so it is given the per-rank batch; 8x is checked above."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = dsc.build(gpu_spec(), world_size=8, hidden_size=QWEN_7B_HIDDEN)
+    one_rank = dict(config, train_batch_size=config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"])
+    parsed = DeepSpeedConfig(one_rank)
+    assert parsed.zero_optimization_stage == 3 and parsed.bfloat16_config.enabled and parsed.grad_accum_dtype == "fp32"
+    assert parsed.zero_config.offload_optimizer.device == "cpu"
+    assert parsed.zero_config.max_live_parameters == 300_000_000
+    assert parsed.gradient_accumulation_steps == 8 and parsed.gradient_clipping == 1.0
+    assert parsed.optimizer_name == "adamw"
+
+
+def test_cpu_test_job_config(tmp_path):
+    """The parity job: fp32 on CPU, torch AdamW passed in (no optimizer block), no overlap stream."""
+    spec = make_job(REPO, tmp_path, training={"strategy": "zero3", "finetune": "full", "grad_clip": None})
+    config = dsc.build(spec, world_size=2, hidden_size=64)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (8, 2, 2)
+    assert config["gradient_clipping"] == 0.0  # grad_clip: null disables clipping
+    assert config["bf16"] == {"enabled": False} and "data_types" not in config and "communication_data_type" not in config
+    assert dsc.uses_client_optimizer(config)
+    assert config["zero_optimization"]["overlap_comm"] is False
+    assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    # Elastic: accumulation follows the world size, the global batch does not.
+    assert dsc.build(spec, world_size=1, hidden_size=64)["gradient_accumulation_steps"] == 4
+
+
+def test_offload_on_cpu_keeps_torch_adamw(tmp_path):
+    spec = make_job(REPO, tmp_path, training={"strategy": "zero3", "offload": {"optimizer": True, "params": True}})
+    config = dsc.build(spec, world_size=2, hidden_size=64)
+    zero = config["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": False}
+    assert "optimizer" not in config and config["zero_force_ds_cpu_optimizer"] is False
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ({"train_batch_size": 256}, "train_batch_size: set by raytrain from training.global_batch_size"),
+    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps: set by raytrain"),
+    ({"optimizer": {"type": "Adam"}}, "optimizer: set by raytrain from the optimizer section"),
+    ({"scheduler": {"type": "WarmupLR"}}, "scheduler: set by raytrain from optimizer.schedule"),
+    ({"bf16": {"enabled": False}}, "bf16: set by raytrain from training.precision"),
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage: set by raytrain from training.strategy"),
+    ({"zero_optimization": {"reduce_bucket_size": "auto"}}, "zero_optimization.reduce_bucket_size: \"auto\" is a Hugging Face"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload is off; set training.offload.params: true"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, "use cpu or nvme; to turn offload off set training.offload.optimizer: false"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "device nvme needs nvme_path"),
+])
+def test_bad_overrides_are_rejected_naming_the_fix(override, fragment):
+    # The job spec refuses it (so `raytrain validate` does, before anything starts)...
+    with pytest.raises(ValidationError) as info:
+        gpu_spec(deepspeed=override)
+    assert fragment in str(info.value)
+    # ...and build() refuses it too, for a spec that skipped validation.
+    valid = gpu_spec()
+    unchecked = valid.model_copy(update={"training": valid.training.model_copy(update={"deepspeed": override})})
+    assert any(fragment in p for p in dsc.override_problems(unchecked))
+    with pytest.raises(ValueError, match="training.deepspeed"):
+        dsc.build(unchecked, world_size=8, hidden_size=QWEN_7B_HIDDEN)
+
+
+def test_good_overrides_merge_deeply():
+    spec = gpu_spec(deepspeed={"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+                                                     "reduce_bucket_size": 50_000_000},
+                               "communication_data_type": "bf16"})
+    assert dsc.override_problems(spec) == []
+    config = dsc.build(spec, world_size=8, hidden_size=QWEN_7B_HIDDEN)
+    zero = config["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}
+    assert zero["reduce_bucket_size"] == 50_000_000 and zero["stage"] == 3 and zero["overlap_comm"] is True
+    assert config["communication_data_type"] == "bf16"
+
+
+def test_merge_does_not_mutate_inputs():
+    base, over = {"a": {"b": 1, "c": [1]}}, {"a": {"b": 2}}
+    before = copy.deepcopy(base)
+    assert dsc.merge(base, over) == {"a": {"b": 2, "c": [1]}} and base == before
+
+
+def test_gpu_job_validates_and_a_bad_override_fails_validate(tmp_path, capsys):
+    assert cli.main(["validate", str(GPU_JOB), "--skip-probes"]) == cli.EXIT_OK
+    assert cli.main(["validate", str(GPU_JOB), "--skip-probes", "--set", "training.deepspeed.gradient_clipping=0.5"]) == cli.EXIT_INVALID
+    assert "set by raytrain from training.grad_clip" in capsys.readouterr().err
+    # The block is zero3's only: under fsdp2 it is an error too.
+    _, problems = preflight.check_job(str(GPU_JOB), ["training.strategy=fsdp2"], probes=False)
+    assert any("only used by strategy zero3" in p.message for p in problems)
