@@ -1,0 +1,294 @@
+"""Deploying for real, on loopback: a head started by cluster/local-cluster.sh (`ray start
+--head`), jobs sent with the real `ray job submit` / `ray job stop` CLI, a real `mlflow server`
+for tracking, and a real S3-compatible server (moto's server mode) for data and checkpoints.
+
+1. `ray job submit --working-dir . -- python -m raytrain run job.yaml` runs to SUCCEEDED; its
+   checkpoints and its MLflow run (read back from the server) are all there.
+2. `ray job stop` on a running job: the job commits a final checkpoint before it ends.
+3. Data and checkpoints on s3://: a training worker is SIGKILLed mid-run; the job resumes
+   from the checkpoint on S3 (never from scratch) and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from conftest import REPO, make_job
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+BUCKET = "raytrain-test"
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{proc.args[0]} exited with {proc.returncode}"
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- real servers on 127.0.0.1
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """moto in server mode: a real HTTP S3 endpoint; credentials are dummies it accepts."""
+    import boto3
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
+    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
+    wait_http(f"http://127.0.0.1:{port}/moto-api/", proc)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    yield env, client
+    stop(proc)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+                             "--artifacts-destination", str(root / "artifacts")], stdout=log, stderr=log)
+    wait_http(f"http://127.0.0.1:{port}/health", proc)
+    yield f"http://127.0.0.1:{port}"
+    stop(proc)
+    log.close()
+
+
+@dataclass
+class Cluster:
+    env: dict
+    state: Path
+
+    def ray(self, *args: str, timeout: float = 180, check: bool = True) -> str:
+        proc = subprocess.run([str(BIN / "ray"), *args], cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # the CLI colours some lines
+        assert not check or proc.returncode == 0, out
+        return out
+
+    def status(self, job_id: str) -> str:
+        """`ray job status`: 'Status for job ...: RUNNING' while it runs, a sentence once it ended."""
+        text = self.ray("job", "status", job_id)
+        if match := re.search(r"Status for job '[^']+': (\w+)", text):
+            return match.group(1)
+        for words, status in (("succeeded", "SUCCEEDED"), ("was stopped", "STOPPED"), ("failed", "FAILED")):
+            if f"Job '{job_id}' {words}" in text:
+                return status
+        raise AssertionError(f"unexpected `ray job status` output:\n{text}")
+
+    def wait(self, job_id: str, timeout: float = 600) -> str:
+        deadline = time.monotonic() + timeout
+        while (status := self.status(job_id)) not in TERMINAL:
+            assert time.monotonic() < deadline, f"job {job_id} still {status}:\n{self.ray('job', 'logs', job_id)[-3000:]}"
+            time.sleep(3)
+        return status
+
+    def train_workers(self) -> set[int]:
+        """PIDs of the Ray Train worker processes of this cluster (children of its raylet)."""
+        pids = set()
+        for proc in psutil.process_iter(["name", "cmdline"]):
+            if proc.info["name"] == "raylet" and str(self.state) in " ".join(proc.info["cmdline"] or []):
+                for child in proc.children():
+                    with _gone_ok():
+                        if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):
+                            pids.add(child.pid)
+        return pids
+
+
+class _gone_ok:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        return kind is not None and issubclass(kind, psutil.Error)
+
+
+@pytest.fixture(scope="module")
+def cluster(s3):
+    """The local cluster script, exactly as the README uses it, on free ports and a short state
+    dir (Ray's socket paths must stay under 107 characters). The S3 endpoint and its dummy
+    credentials are in the head's environment, as a Secret's would be in a pod's."""
+    state = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env.update(s3[0], RAYTRAIN_CLUSTER_DIR=str(state), RAYTRAIN_NUM_CPUS="6", RAYTRAIN_STOP_WAIT_S="120",
+               RAYTRAIN_GCS_PORT=str(free_port()), RAYTRAIN_DASHBOARD_PORT=str(free_port()),
+               RAYTRAIN_CLIENT_PORT=str(free_port()), RAYTRAIN_AGENT_PORT=str(free_port()), RAY_DEDUP_LOGS="0",
+               PATH=f"{BIN}:{env.get('PATH', '')}")
+    script = str(REPO / "cluster" / "local-cluster.sh")
+    started = subprocess.run([script, "start"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stdout + started.stderr
+    for line in started.stdout.splitlines():  # `export KEY=VALUE` lines: how a user's shell gets them via eval
+        key, value = line.removeprefix("export ").split("=", 1)
+        env[key] = value
+    yield Cluster(env, state)
+    subprocess.run([script, "stop"], cwd=REPO, env=env, capture_output=True, timeout=120)
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def write_job(path: Path, assets: Path, storage: str, **over) -> Path:
+    spec = make_job(assets, storage, **over)  # the conftest's tiny job, as a YAML file a user would write
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def submission_id(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def mlflow_run(server: str, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+    return client, run, history
+
+
+# ---------------------------------------------------------------- 1. ray job submit
+def test_ray_job_submit_runs_a_job_yaml_to_success(cluster, mlflow_server, assets, tmp_path):
+    job = write_job(tmp_path / "job.yaml", assets, str(tmp_path / "runs"), name="submitted",
+                    training={"max_steps": 6}, checkpoint={"every_n_steps": 3},
+                    tracking={"uri": mlflow_server, "experiment": "deploy-submit"})
+    job_id = submission_id("submitted")
+    out = cluster.ray("job", "submit", "--submission-id", job_id, "--working-dir", ".", "--",
+                      "python", "-m", "raytrain", "run", str(job), timeout=600)
+    assert f"Job '{job_id}' succeeded" in out, out[-3000:]
+    assert cluster.status(job_id) == "SUCCEEDED"
+    assert "[raytrain] done" in cluster.ray("job", "logs", job_id)
+
+    run_dir = tmp_path / "runs" / "submitted"
+    for step in (3, 6):
+        ckpt = run_dir / f"step_{step:08d}"
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"} <= {p.name for p in ckpt.iterdir()}
+        assert json.loads((ckpt / "train_state.json").read_text())["step"] == step
+    assert (run_dir / "final_model" / "adapter_config.json").is_file()
+
+    client, run, history = mlflow_run(mlflow_server, "deploy-submit")
+    assert run.info.status == "FINISHED" and run.info.run_name == "submitted"
+    assert sorted(step for step, _ in history) == [1, 2, 3, 4, 5, 6]
+    assert run.data.params["training.strategy"] == "fsdp2" and run.data.tags["raytrain.run_dir"] == str(run_dir)
+    assert "final_model" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+# ---------------------------------------------------------------- 2. ray job stop
+def test_ray_job_stop_commits_a_final_checkpoint(cluster, mlflow_server, assets, tmp_path):
+    # every_n_steps beyond max_steps: the only checkpoint there can be is the one the stop commits.
+    job = write_job(tmp_path / "job.yaml", assets, str(tmp_path / "runs"), name="stopped",
+                    training={"max_steps": 400}, checkpoint={"every_n_steps": 1000, "export_final": False},
+                    tracking={"uri": mlflow_server, "experiment": "deploy-stop"})
+    job_id = submission_id("stopped")
+    cluster.ray("job", "submit", "--no-wait", "--submission-id", job_id, "--working-dir", ".", "--",
+                "python", "-m", "raytrain", "run", str(job))
+    deadline = time.monotonic() + 300
+    while not re.search(r"step ([3-9]|\d\d+)/400", logs := cluster.ray("job", "logs", job_id)):
+        assert cluster.status(job_id) not in TERMINAL and time.monotonic() < deadline, logs[-3000:]
+        time.sleep(2)
+
+    cluster.ray("job", "stop", job_id, timeout=300)
+    assert cluster.wait(job_id) == "STOPPED"
+    run_dir = tmp_path / "runs" / "stopped"
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    committed = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]  # registered by Ray Train
+    state = json.loads((run_dir / committed / "train_state.json").read_text())
+    assert 3 <= state["step"] < 400 and (run_dir / committed / ".metadata").is_file()
+
+
+# ---------------------------------------------------------------- 3. S3 + a worker killed mid-run
+def test_s3_data_and_checkpoints_resume_after_a_worker_is_killed(cluster, s3, mlflow_server, assets, tmp_path):
+    _, client = s3
+    client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")
+    job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="on-s3",
+                    data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": 30},
+                    checkpoint={"every_n_steps": 5}, failure={"max_failures": 1},
+                    tracking={"uri": mlflow_server, "experiment": "deploy-s3"})
+    job_id = submission_id("on-s3")
+    cluster.ray("job", "submit", "--no-wait", "--submission-id", job_id, "--working-dir", ".", "--",
+                "python", "-m", "raytrain", "run", str(job))
+
+    def committed_step() -> int:
+        try:
+            body = client.get_object(Bucket=BUCKET, Key="runs/on-s3/checkpoint_manager_snapshot.json")["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return 0
+        latest = json.loads(body)["latest_checkpoint_result"]
+        return int(latest["checkpoint_dir_name"].removeprefix("step_")) if latest else 0
+
+    deadline = time.monotonic() + 420
+    while (before := committed_step()) < 5:  # a checkpoint on S3, committed by Ray Train
+        assert cluster.status(job_id) not in TERMINAL and time.monotonic() < deadline, \
+            cluster.ray("job", "logs", job_id)[-3000:]
+        time.sleep(0.5)
+    old = cluster.train_workers()
+    assert old, "no Ray Train worker process found"
+    victim = psutil.Process(min(old))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+
+    restarted = False
+    while (status := cluster.status(job_id)) not in TERMINAL:
+        restarted = restarted or bool(cluster.train_workers() - old)
+        assert time.monotonic() < deadline + 300, cluster.ray("job", "logs", job_id)[-3000:]
+        time.sleep(1)
+    logs = cluster.ray("job", "logs", job_id)
+    assert status == "SUCCEEDED", logs[-3000:]
+    assert restarted, "the worker group was never restarted after the kill"
+
+    # The run finished on S3: last checkpoint committed there, the final model exported there.
+    assert committed_step() == 30
+    state = json.loads(client.get_object(Bucket=BUCKET, Key="runs/on-s3/step_00000030/train_state.json")["Body"].read())
+    assert state["step"] == 30
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="runs/on-s3/")["Contents"]}
+    assert "runs/on-s3/step_00000030/.metadata" in keys
+    assert any(k.startswith("runs/on-s3/final_model/") for k in keys)
+
+    # One MLflow run saw every step; the steps up to the checkpoint committed before the kill
+    # ran once: the restart resumed from S3, not from scratch.
+    _, run, history = mlflow_run(mlflow_server, "deploy-s3")
+    steps = [step for step, _ in history]
+    assert run.info.status == "FINISHED" and set(steps) == set(range(1, 31))
+    assert all(steps.count(s) == 1 for s in range(1, before + 1)), (before, sorted(steps))
