@@ -164,10 +164,11 @@ def size(n: float) -> str:
 
 
 def _n(x: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if x >= size:
-            return f"{x / size:.3g}{unit}"
-    return str(int(x))
+    """A parameter count: 8.03B params."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit} params"
+    return f"{int(x)} params"
 
 
 def compute_bytes(spec: JobSpec) -> int:

@@ -333,7 +333,7 @@ def test_valid_job_exits_0_and_shows_the_memory_arithmetic(assets, tmp_path):
     assert code == 0, err
     assert "valid (fsdp2, lora, workers 2..2, accumulation 2..2)" in out
     memory_note = next(ln for ln in err.splitlines() if ln.startswith("  note: scaling.accelerator_memory_gb"))
-    assert "frozen weights 4 B × 148K / 2" in memory_note and "safetensors headers" in memory_note
+    assert "frozen weights 4 B × 148K params / 2" in memory_note and "safetensors headers" in memory_note
     assert "Traceback" not in out + err
 
 
@@ -415,7 +415,7 @@ def test_cached_hub_config_gets_the_memory_check(assets, tmp_path, hf_cache):
     code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json", env=hf_cache)
     [problem] = json.loads(out)["problems"]
     assert code == 2 and problem["field"] == "scaling.accelerator_memory_gb" and problem["value"] == "80"
-    assert "weights 2 B × 8.03B / 8" in problem["message"] and "config.json dimensions" in problem["message"]
+    assert "weights 2 B × 8.03B params / 8" in problem["message"] and "config.json dimensions" in problem["message"]
     assert "smallest change that fits: training.micro_batch_size: 2" in problem["message"]
 
 
