@@ -197,7 +197,7 @@ def _sqlite(uri: str) -> list[Problem]:
     if db.exists() and not db.is_file():
         why = f"{db} exists and is not a file"
     elif not folder.is_dir():
-        why = f"{folder} is a file, so {db.parent} cannot be a folder"
+        why = f"{folder} is a file, not a folder"
     elif not os.access(folder, os.W_OK):
         why = f"{folder} is not writable"
     else:

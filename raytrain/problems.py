@@ -93,7 +93,8 @@ def cross_field(loc: tuple, message: str, given: Any) -> Problem:
     field, value, rest = "", "", message
     m = _LEADING_FIELD.match(message)
     if m and ("." in m["field"] or m["field"] in known):
-        field, value, rest = m["field"], m["value"] or "", m["rest"]
+        field, value = m["field"], m["value"] or ""
+        rest = m["rest"] if m["rest"][:1].isalpha() else message  # "min_workers=4 > max_workers=2" reads whole
     else:
         named = [n for n in _BACKTICKED.findall(message) if "." in n or n in known]
         field = named[0] if named else ""
