@@ -46,6 +46,7 @@ class Zero3Strategy(Strategy):
         import deepspeed
         from transformers import AutoConfig
         from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         s = self.spec
         model_config = AutoConfig.from_pretrained(s.model.path, trust_remote_code=s.model.trust_remote_code)
@@ -56,9 +57,14 @@ class Zero3Strategy(Strategy):
             raise JobError(str(exc)) from None
         self.bf16 = self.ds_config["bf16"]["enabled"]
         self.lora = s.training.finetune == "lora"
-        # Held for the life of the strategy: transformers looks it up through a weak reference.
-        self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        self.hf_model = modeling.load_model(s)
+        # While this object lives, transformers builds every model under zero.Init (a collective):
+        # on for from_pretrained (and peft), off after, or rank 0's plain export copy would hang.
+        hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        try:
+            self.hf_model = modeling.load_model(s)
+        finally:
+            unset_hf_deepspeed_config()
+            del hf_ds_config
         if s.training.activation_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in self.hf_model.parameters() if p.requires_grad]
