@@ -10,6 +10,7 @@ import copy
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -23,6 +24,7 @@ from raytrain.config import JobSpec
 
 CONFIGS = {"aws": REPO / "cluster" / "aws.yaml", "gcp": REPO / "cluster" / "gcp.yaml"}
 RAY_SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, whatever PATH says
 GPU_JOBS = [s for s in (JobSpec.model_validate(yaml.safe_load(p.read_text())) for p in sorted((REPO / "jobs").glob("*.yaml")))
             if s.scaling.use_gpu]
 
@@ -78,7 +80,7 @@ def test_private_dashboard_token_auth_and_spot_notices_become_ray_drains(cloud):
     assert "RAY_AUTH_MODE=token" in head_start and "RAY_AUTH_MODE=token" in worker_start
     assert "~/.ray/auth_token" in config["file_mounts"]
     assert "RAY_JOB_STOP_WAIT_TIME_S=" in head_start  # `ray job stop` leaves time for a checkpoint
-    help_text = subprocess.run(["ray", "drain-node", "--help"], capture_output=True, text=True, check=True).stdout
+    help_text = subprocess.run([RAY, "drain-node", "--help"], capture_output=True, text=True, check=True).stdout
     (drain,) = re.findall(r"ray drain-node[^']*", worker_start)
     for flag in (w for w in drain.split() if w.startswith("--")):
         assert flag in help_text, flag

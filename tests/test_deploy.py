@@ -243,7 +243,7 @@ def test_s3_data_and_checkpoints_resume_after_a_worker_is_killed(cluster, s3, ml
     _, client = s3
     client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")
     job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="on-s3",
-                    data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": 30},
+                    data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": 20},
                     checkpoint={"every_n_steps": 5}, failure={"max_failures": 1},
                     tracking={"uri": mlflow_server, "experiment": "deploy-s3"})
     job_id = submission_id("on-s3")
@@ -279,16 +279,16 @@ def test_s3_data_and_checkpoints_resume_after_a_worker_is_killed(cluster, s3, ml
     assert restarted, "the worker group was never restarted after the kill"
 
     # The run finished on S3: last checkpoint committed there, the final model exported there.
-    assert committed_step() == 30
-    state = json.loads(client.get_object(Bucket=BUCKET, Key="runs/on-s3/step_00000030/train_state.json")["Body"].read())
-    assert state["step"] == 30
+    assert committed_step() == 20
+    state = json.loads(client.get_object(Bucket=BUCKET, Key="runs/on-s3/step_00000020/train_state.json")["Body"].read())
+    assert state["step"] == 20
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="runs/on-s3/")["Contents"]}
-    assert "runs/on-s3/step_00000030/.metadata" in keys
+    assert "runs/on-s3/step_00000020/.metadata" in keys
     assert any(k.startswith("runs/on-s3/final_model/") for k in keys)
 
     # One MLflow run saw every step; the steps up to the checkpoint committed before the kill
     # ran once: the restart resumed from S3, not from scratch.
     _, run, history = mlflow_run(mlflow_server, "deploy-s3")
     steps = [step for step, _ in history]
-    assert run.info.status == "FINISHED" and set(steps) == set(range(1, 31))
+    assert run.info.status == "FINISHED" and set(steps) == set(range(1, 21))
     assert all(steps.count(s) == 1 for s in range(1, before + 1)), (before, sorted(steps))

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,6 +30,7 @@ CRDS = {("ray.io/v1", "RayJob"): "ray.io_rayjobs.yaml", ("ray.io/v1", "RayCluste
 K8S_VERSIONS = ("1.30", "1.37")  # the oldest Kubernetes we expect on EKS/GKE, and the newest schema shipped
 MANIFESTS = sorted(p for p in (REPO / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
+RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, whatever PATH says
 SECRETISH = re.compile(r"(token|secret|password|passwd|api[_-]?key|access[_-]?key|credential)", re.I)
 
 
@@ -324,7 +326,7 @@ def test_spot_workers_drain_on_termination_within_the_grace_period(job):
 
 def test_prestop_scripts_are_valid_shell_using_real_ray_cli_options():
     _, _, rayjob = rendered(str(JOBS[0]))
-    help_text = subprocess.run(["ray", "drain-node", "--help"], capture_output=True, text=True, check=True).stdout
+    help_text = subprocess.run([RAY, "drain-node", "--help"], capture_output=True, text=True, check=True).stdout
     for pod in ray_pods(rayjob):
         script = pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1]
         subprocess.run(["sh", "-n", "-c", script], check=True)
