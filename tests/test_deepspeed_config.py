@@ -150,3 +150,32 @@ def test_gpu_job_validates_and_a_bad_override_fails_validate(tmp_path, capsys):
     # The block is zero3's only: under fsdp2 it is an error too.
     _, problems = preflight.check_job(str(GPU_JOB), ["training.strategy=fsdp2"], probes=False)
     assert any("only used by strategy zero3" in p.message for p in problems)
+
+
+def test_toolchain_check_names_what_to_install():
+    from raytrain.strategies.zero3 import toolchain_problems
+
+    assert toolchain_problems({"PATH": "/nonexistent", "CXX": "c++"})[0].startswith("a C++ compiler (`c++` not found): apt-get install g++")
+
+
+def test_a_failed_op_build_is_a_job_error_naming_the_compiler(tmp_path):
+    """A real JIT build of deepspeed_shm_comm with no usable compiler (CXX points nowhere, empty
+    extension cache), in a 1-process gloo group: the worker's error says what to install."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "from raytrain.errors import JobError\n"
+        "from raytrain.strategies.zero3 import init_deepspeed_comm\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/pg', rank=0, world_size=1)\n"
+        "try:\n    init_deepspeed_comm(torch.device('cpu'))\n"
+        "except JobError as exc:\n    print('JOBERROR', exc)\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+               DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300).stdout
+    [line] = [ln for ln in out.splitlines() if ln.startswith("JOBERROR")]
+    assert "deepspeed_shm_comm" in line and "the build failed; missing: a C++ compiler" in line
+    assert "apt-get install g++" in line and str(tmp_path / "ext") in line

@@ -163,6 +163,18 @@ def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dt
     return full
 
 
+def is_zero3_checkpoint(directory: str) -> bool:
+    return Path(directory, TAG).is_dir()
+
+
+def consolidated_state_dict(directory: str, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """fp32 weights of a committed zero3 checkpoint in one process, no process group (DeepSpeed's
+    zero_to_fp32): what `raytrain export` needs. LoRA checkpoints hold the adapters only."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(directory, tag=TAG, exclude_frozen_parameters=trainable_only)
+
+
 def saved_world_size(directory: str) -> int:
     """How many data-parallel ranks wrote the checkpoint: one optimizer-state file each."""
     files = list(Path(directory, TAG).glob("*zero_pp_rank_*_optim_states.pt"))
@@ -202,7 +214,7 @@ def toolchain_problems(env: dict | None = None) -> list[str]:
     compiler = env.get("CXX", "c++")
     missing = []
     if not shutil.which(compiler, path=path):
-        missing.append(f"a C++ compiler (`{compiler}` is not on PATH): apt-get install g++ (Debian/Ubuntu) "
+        missing.append(f"a C++ compiler (`{compiler}` not found): apt-get install g++ (Debian/Ubuntu) "
                        f"or dnf install gcc-c++ (RHEL/Fedora)")
     if not is_ninja_available():
         missing.append("ninja: pip install ninja")
@@ -218,5 +230,5 @@ def op_build_message(error: str) -> str:
     what = ("; missing: " + "; ".join(missing)) if missing else f" (the compiler is there; the build said: {error})"
     return (f"training.strategy zero3 on CPU needs DeepSpeed's {SHM_OP} op, compiled on first use with the "
             f"machine's C++ toolchain, and the build failed{what}. Install what is missing on every node "
-            f"(see README, 'DeepSpeed on CPU'), or use training.strategy: fsdp2. Built ops are cached in {cache}; "
+            f"(cluster/setup-local.sh checks), or use training.strategy: fsdp2. Built ops are cached in {cache}; "
             f"set TORCH_EXTENSIONS_DIR to a persistent folder to compile once")
