@@ -11,6 +11,7 @@ for tracking, and a real S3-compatible server (moto's server mode) for data and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -134,18 +135,10 @@ class Cluster:
         for proc in psutil.process_iter(["name", "cmdline"]):
             if proc.info["name"] == "raylet" and str(self.state) in " ".join(proc.info["cmdline"] or []):
                 for child in proc.children():
-                    with _gone_ok():
+                    with contextlib.suppress(psutil.Error):  # it may exit meanwhile
                         if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):
                             pids.add(child.pid)
         return pids
-
-
-class _gone_ok:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        return kind is not None and issubclass(kind, psutil.Error)
 
 
 @pytest.fixture(scope="module")
