@@ -47,26 +47,41 @@ class TrainState:
         return cls(**raw)
 
 
-def save_and_report(strategy, state: TrainState, metrics: dict) -> None:
-    """Collective: every rank saves its part and reports it; Ray commits the merged folder."""
-    import ray.train
+def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = True) -> str | None:
+    """Collective: every rank saves its part and reports it; Ray commits the merged folder.
 
-    with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
-        strategy.save(tmp)
-        faults.maybe_fire("save", state.step, strategy.rank)
-        if strategy.rank == 0:
-            Path(tmp, STATE_FILE).write_text(state.to_json())
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=f"step_{state.step:08d}")
-    # Block until the controller has registered it: a worker that dies right after `report`
-    # must find this checkpoint on restart, and metrics up to this step may now go to MLflow.
+    wait=True blocks until the checkpoint is committed and returns its path. wait=False
+    (`checkpoint.async_upload`) returns once the shards are on local disk: Ray uploads them
+    in the background, and `confirm()` at the next save (which finds it long done) commits it.
+    """
+    import ray.train
+    from ray.train import CheckpointUploadMode
+
+    tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # Ray deletes it after the upload
+    strategy.save(tmp)
+    faults.maybe_fire("save", state.step, strategy.rank)
+    if strategy.rank == 0:
+        Path(tmp, STATE_FILE).write_text(state.to_json())
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                     checkpoint_dir_name=f"step_{state.step:08d}", delete_local_checkpoint_after_upload=True,
+                     checkpoint_upload_mode=CheckpointUploadMode.SYNC if wait else CheckpointUploadMode.ASYNC)
+    return confirm(strategy) if wait else None
+
+
+def confirm(strategy) -> str | None:
+    """Block until every reported checkpoint is registered by the controller (a worker that
+    dies right after must find it on restart; its steps' metrics may now go to MLflow), then
+    mark the latest COMMITTED. Returns its path on rank 0."""
+    import ray.train
     from ray.train import CheckpointConsistencyMode
 
     committed = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
-    if strategy.rank == 0 and committed:
-        latest = committed[-1].checkpoint
-        with latest.filesystem.open_output_stream(f"{latest.path}/{COMMITTED_FILE}") as marker:
-            marker.write(str(state.step).encode())
+    if strategy.rank != 0 or not committed:
+        return None
+    latest = committed[-1].checkpoint
+    with latest.filesystem.open_output_stream(f"{latest.path}/{COMMITTED_FILE}") as marker:
+        marker.write(latest.path.rstrip("/").rsplit("_", 1)[-1].encode())
+    return latest.path
 
 
 def restore(strategy) -> TrainState | None:

@@ -94,7 +94,11 @@ def start_actor(run_dir: str):
         ray.kill(ray.get_actor(name))
     except ValueError:
         pass
-    return ray.remote(num_cpus=0)(JobControl).options(name=name).remote()
+    # Pinned to the driver's node: it must not die with a spot worker node it happened to land on.
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(JobControl).options(name=name, scheduling_strategy=here).remote()
 
 
 def find_actor(run_dir: str):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 ENV = "RAYTRAIN_FAULTS"
@@ -23,7 +24,12 @@ def maybe_fire(at: str, step: int, rank: int) -> None:
         return
     plan = json.loads(plan)
     for i, fault in enumerate(plan["faults"]):
-        if fault["at"] != at or fault["step"] != step or fault["rank"] != rank:
+        if fault["at"] != at or fault["rank"] != rank:
+            continue
+        if fault["step"] == "*" and fault["action"] == "pause":
+            time.sleep(fault["seconds"])  # slow every step: gives a chaos run time to be broken
+            continue
+        if fault["step"] != step:
             continue
         marker = Path(plan["dir"], f"fault-{i}")
         if marker.exists():

@@ -46,6 +46,12 @@ def _all_reduce(value: float, device) -> float:
     return float(t.item())
 
 
+def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> None:
+    if logger:
+        logger.log_many(steps)
+        logger.set_tags({"raytrain.latest_checkpoint": str(path)})
+
+
 def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logger=None, control=None,
         on_step=None) -> TrainState:
     """Train until max_steps or a stop notice. Step metrics reach MLflow only once their
@@ -54,7 +60,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
     t, ck = spec.training, spec.checkpoint
     start, started = state.step, time.perf_counter()
     stops = StopSignals(control, device, check_ray_notice=spec.failure.checkpoint_on_preemption)
-    pending: list[tuple[int, dict]] = []
+    pending: list[tuple[int, dict]] = []  # step metrics not yet in a committed checkpoint
+    uploading: list[tuple[int, dict]] = []  # ...of the checkpoint being uploaded asynchronously
     flops = telemetry.StepFlops(strategy.model, spec, device)
     checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
     while state.step < t.max_steps:
@@ -106,11 +113,16 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         checkpoint_s = 0.0
         if flags or state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
             save_start = time.perf_counter()
-            checkpoint.save_and_report(strategy, state, metrics)
+            if uploading:  # the previous asynchronous checkpoint: long uploaded by now
+                _log_committed(logger, uploading, checkpoint.confirm(strategy))
+            urgent = bool(flags) or state.step == t.max_steps or not ck.async_upload
+            committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)
             checkpoint_s = time.perf_counter() - save_start
-            if logger:
-                logger.log_many(pending)
-            pending.clear()
+            done = pending + [(state.step, {"checkpoint_step": state.step})]
+            uploading = [] if urgent else done
+            if urgent:
+                _log_committed(logger, done, committed)
+            pending = []
         if flags & SIGTERM:
             raise Preempted(f"SIGTERM: checkpoint committed at step {state.step}; restarting from it")
         if flags & DRIVER_STOP:

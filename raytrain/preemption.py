@@ -67,8 +67,11 @@ class StopSignals:
 
         flags = SIGTERM if _sigterm.is_set() else 0
         if rank == 0 and self.control is not None:
-            if ray.get(self.control.step_done.remote(step, step_time)):
-                flags |= DRIVER_STOP
+            try:
+                if ray.get(self.control.step_done.remote(step, step_time), timeout=30):
+                    flags |= DRIVER_STOP
+            except (ray.exceptions.RayError, TimeoutError):
+                self.control = None  # the driver is gone; training needs no bookkeeping to go on
         if self.check_ray_notice and not self.ray_notice_seen:
             if ray.train.get_preemption_info() is not None:  # a barrier: every rank calls it each step
                 flags |= RAY_NOTICE

@@ -65,7 +65,11 @@ def _sample_logger(rank: int, world: int):
     folder = os.environ.get(SAMPLE_LOG_ENV)
     if not folder:
         return None
-    attempt = f"{time.time():.6f}-{world}"
+    import torch.distributed as dist
+
+    stamp = [f"{time.time():.6f}-{world}"]
+    dist.broadcast_object_list(stamp, src=0)  # one id for the whole worker group of this attempt
+    attempt = stamp[0]
 
     def on_step(state, batch) -> None:
         with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:

@@ -1,7 +1,7 @@
 """Chaos for raytrain: break a running job for real and check what a user relies on.
 
     python tests/chaos.py kill   [--kills 3] [--steps 32] [--seed 0]
-    python tests/chaos.py resize [--steps 24]
+    python tests/chaos.py resize [--steps 48]
 
 `kill` SIGKILLs a random training worker every few seconds during a run on a local Ray
 cluster. `resize` runs an elastic job (1..2 workers) on a two-node local cluster, removes
@@ -72,6 +72,13 @@ def _job(assets: Path, storage: Path, name: str, steps: int, **over):
                     checkpoint={"every_n_steps": 4, "keep_last": 2}, **over)
 
 
+def _throttle(seconds: float) -> None:
+    """Slow every step (rank 0 pauses; the others wait at the next collective) so that a
+    tiny model's run lasts long enough to be broken and to recover on any machine."""
+    os.environ["RAYTRAIN_FAULTS"] = json.dumps({"dir": tempfile.mkdtemp(), "faults": [
+        {"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": seconds}]})
+
+
 def _run_logged(spec, log_dir: Path):
     from conftest import metric_history
     from raytrain import launcher
@@ -101,6 +108,7 @@ def chaos_kill(args, root: Path, assets: Path) -> dict:
     ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
     ref_spec = _job(assets, root / "ref", "ref", args.steps)
     _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
+    _throttle(0.4)
     spec = _job(assets, root / "chaos", "chaos", args.steps, failure={"max_failures": args.kills + 2})
     thread, box = _in_thread(lambda: _run_logged(spec, root / "chaos-log"))
     rng, kills = random.Random(args.seed), []
@@ -131,6 +139,7 @@ def chaos_resize(args, root: Path, assets: Path) -> dict:
     ref_spec = _job(assets, root / "ref", "ref", args.steps, scaling={"num_workers": 2, **per_worker})
     _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
 
+    _throttle(0.5)
     spec = _job(assets, root / "elastic", "elastic", args.steps, failure={"max_failures": 3},
                 scaling={"num_workers": None, "min_workers": 1, "max_workers": 2, "resize_check_interval_s": 5,
                          **per_worker})
@@ -141,7 +150,7 @@ def chaos_resize(args, root: Path, assets: Path) -> dict:
         time.sleep(0.5)
     cluster.remove_node(node_b, allow_graceful=False)
     events.append({"removed_node_after_step": _steps_done(log)})
-    while thread.is_alive() and _steps_done(log, world=1) < _steps_done(log, world=2) + 5:
+    while thread.is_alive() and _steps_done(log, world=1) < _steps_done(log, world=2) + 2:
         time.sleep(0.5)
     cluster.add_node(num_cpus=1, resources={"slot": 1})
     events.append({"added_node_after_step": _steps_done(log)})

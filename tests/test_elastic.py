@@ -28,14 +28,14 @@ def run_chaos(tmp_path, *args) -> dict:
 
 
 def test_shrink_to_one_worker_and_grow_back(tmp_path):
-    summary = run_chaos(tmp_path, "resize", "--steps", "24")
+    summary = run_chaos(tmp_path, "resize", "--steps", "48")
     worlds = summary["worlds_per_step"]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2
     assert len(summary["failures"]) >= 2  # the node loss and the grow-back restart
 
 
 def test_random_worker_kills(tmp_path):
-    summary = run_chaos(tmp_path, "kill", "--kills", "2", "--steps", "24")
+    summary = run_chaos(tmp_path, "kill", "--kills", "2", "--steps", "40")
     assert len(summary["failures"]) == len(summary["kills"]) >= 1
 
 

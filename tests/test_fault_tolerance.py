@@ -84,3 +84,15 @@ def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, mon
     assert latest_checkpoint(spec.run_dir).endswith("step_00000004")
     export_checkpoint(spec.run_dir, str(tmp_path / "out"))  # the last committed checkpoint still loads
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_async_upload_resumes_exactly_from_a_committed_checkpoint(reference, monkeypatch, tmp_path, assets):
+    # Periodic checkpoints upload in the background; a kill soon after one resumes from it if
+    # it committed, else from the one before: either way exactly, with each step logged once.
+    spec, result = run_with_faults(monkeypatch, tmp_path, assets, "async",
+                                   [{"at": "step", "step": 9, "rank": 1, "action": "exit"}],
+                                   checkpoint={"every_n_steps": EVERY, "keep_last": 3, "async_upload": True})
+    [failure] = result.goodput["failures"]
+    assert failure["resumed_from"] in (4, 8)
+    assert metric_history(spec, result.run_id) == reference
+    assert latest_checkpoint(spec.run_dir).endswith(f"step_{STEPS:08d}")
