@@ -50,7 +50,12 @@ def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str) -> torch.nn.Module
     trainable = modeling.trainable_names(model)
     full = model.state_dict()
     wanted = {k: v for k, v in full.items() if spec.training.finetune == "full" or k in trainable}
-    dcp.load({"model": wanted}, checkpoint_id=checkpoint_dir)
+    from .strategies import zero3
+
+    if zero3.is_zero3_checkpoint(checkpoint_dir):  # DeepSpeed's own layout: its consolidation, not DCP
+        wanted = zero3.consolidated_state_dict(checkpoint_dir, trainable_only=spec.training.finetune == "lora")
+    else:
+        dcp.load({"model": wanted}, checkpoint_id=checkpoint_dir)
     model.load_state_dict(wanted, strict=False)
     return model
 
