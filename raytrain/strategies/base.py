@@ -74,7 +74,7 @@ class TorchStrategy(Strategy):
         """Return the parallel model."""
 
     def setup(self) -> None:
-        self.model = self.wrap(self.build_model())
+        self.model = self.wrap(enable_activation_checkpointing(self.spec, self.build_model()))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = self.spec.optimizer
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -115,6 +115,14 @@ class TorchStrategy(Strategy):
         if self.rank == 0:
             write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
         dist.barrier()
+
+
+def enable_activation_checkpointing(spec: JobSpec, hf_model: torch.nn.Module) -> torch.nn.Module:
+    """`training.activation_checkpointing`, the same under every strategy: transformers recomputes
+    each decoder block in backward (non-reentrant: works under fully_shard, DDP and ZeRO-3)."""
+    if spec.training.activation_checkpointing:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return hf_model
 
 
 def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, directory: str, tokenizer) -> None:

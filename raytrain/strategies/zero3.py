@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import modeling
 from ..errors import JobError
 from . import deepspeed_config
-from .base import Strategy, write_hf_export
+from .base import Strategy, enable_activation_checkpointing, write_hf_export
 
 TAG = "ds"  # the checkpoint's subfolder; fixed, so every committed step_* folder has the same layout
 SHM_OP = "deepspeed_shm_comm"
@@ -65,8 +65,7 @@ class Zero3Strategy(Strategy):
         finally:
             unset_hf_deepspeed_config()
             del hf_ds_config
-        if s.training.activation_checkpointing:
-            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(s, self.hf_model)
         params = [p for p in self.hf_model.parameters() if p.requires_grad]
         optimizer = None
         if deepspeed_config.uses_client_optimizer(self.ds_config):
