@@ -161,7 +161,8 @@ def cluster_warnings(spec, namespace: str) -> list[str]:
     if local(spec.data.path):
         out.append(f"data.path={spec.data.path!r} is not in the image: use s3://... or a path under {SHARED_MOUNT}")
     if spec.model.path.startswith((".", "/")) and local(spec.model.path):
-        out.append(f"model.path={spec.model.path!r} is a local folder: use a hub id, s3 is not read by from_pretrained")
+        out.append(f"model.path={spec.model.path!r} is a local folder the pods do not have: use a hub id "
+                   f"(downloaded on the cluster with HF_TOKEN) or a path under {SHARED_MOUNT}")
     if not (spec.tracking.uri or "").startswith(("http://", "https://")):
         out.append(f"tracking.uri is not an MLflow server: runs would be written inside the head pod; use "
                    f"http://mlflow.{namespace}.svc.cluster.local:5000 (k8s/mlflow.yaml)")
