@@ -25,18 +25,21 @@ class FSDP2Strategy(TorchStrategy):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         full_state = model.state_dict() if self.rank == 0 else {}
         offload = self.spec.training.offload
+        # Offload moves shards from the accelerator to host memory; on a CPU worker they are there
+        # already (and CPUOffloadPolicy needs an accelerator to move them back to).
+        cpu_offload = (offload.params or offload.optimizer) and self.device.type != "cpu"
         kwargs = dict(
             mesh=init_device_mesh(self.device.type, (self.world_size,)),
             # bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU.
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.compute_bf16 else None,
                                            reduce_dtype=torch.float32),
-            offload_policy=CPUOffloadPolicy() if (offload.params or offload.optimizer) else OffloadPolicy(),
+            offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         )
         for block in modeling.decoder_blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         if self.rank != 0:
-            model.to_empty(device="cpu" if (offload.params or offload.optimizer) else self.device)
+            model.to_empty(device="cpu" if cpu_offload else self.device)
         set_model_state_dict(model, full_state,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Non-persistent buffers (rotary frequencies) are in no state dict: broadcast them too.
