@@ -31,6 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+_CLUSTER = None  # the resize mode's multi-node local cluster, shut down on exit
+
+
 def final_lineage(log_dir: Path) -> dict[int, dict]:
     """step -> {"world", "samples"} of the last attempt that ran that step."""
     by_step: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
@@ -94,6 +97,10 @@ def _steps_done(log_dir: Path, world: int | None = None) -> int:
     return max((r["step"] for r in steps if world is None or r["world"] == world), default=0)
 
 
+def _records(log_dir: Path) -> int:
+    return sum(len(f.read_text().splitlines()) for f in log_dir.glob("rank*.jsonl"))
+
+
 def _in_thread(fn):
     box = {}
     thread = threading.Thread(target=lambda: box.update(value=fn()), daemon=True)
@@ -111,11 +118,15 @@ def chaos_kill(args, root: Path, assets: Path) -> dict:
     _throttle(0.4)
     spec = _job(assets, root / "chaos", "chaos", args.steps, failure={"max_failures": args.kills + 2})
     thread, box = _in_thread(lambda: _run_logged(spec, root / "chaos-log"))
-    rng, kills = random.Random(args.seed), []
+    rng, kills, records_at_kill = random.Random(args.seed), [], 0
     while len(kills) < args.kills and thread.is_alive():
-        time.sleep(rng.uniform(3, 8))
+        time.sleep(rng.uniform(2, 5))
+        records = _records(root / "chaos-log")
+        if records < records_at_kill + 4:
+            continue  # let the restarted group train at least two steps before the next kill
         alive = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
         if len(alive) == 2 and _steps_done(root / "chaos-log") < args.steps - 2:
+            records_at_kill = records
             victim = rng.choice(alive)
             os.kill(victim.pid, signal.SIGKILL)  # a real, unannounced process death
             kills.append({"pid": victim.pid, "after_step": _steps_done(root / "chaos-log")})
@@ -132,7 +143,8 @@ def chaos_resize(args, root: Path, assets: Path) -> dict:
     from ray.cluster_utils import Cluster
 
     # Two nodes with one training slot each; the head keeps spare CPUs for Ray Data.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"slot": 1}})
+    global _CLUSTER
+    cluster = _CLUSTER = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"slot": 1}})
     node_b = cluster.add_node(num_cpus=1, resources={"slot": 1})
     ray.init(address=cluster.address, log_to_driver=False)
     per_worker = {"resources_per_worker": {"slot": 1}}
@@ -179,10 +191,19 @@ def main(argv=None) -> int:
 
     root = Path(args.out or tempfile.mkdtemp(prefix="raytrain-chaos-"))
     assets = make_all(root / "assets")
-    summary = (chaos_kill if args.mode == "kill" else chaos_resize)(args, root, assets)
-    print("CHAOS-SUMMARY " + json.dumps(summary))
+    import ray
+
+    try:
+        summary = (chaos_kill if args.mode == "kill" else chaos_resize)(args, root, assets)
+    finally:
+        ray.shutdown()
+        if _CLUSTER:
+            _CLUSTER.shutdown()
+    print("CHAOS-SUMMARY " + json.dumps(summary), flush=True)
     return 1 if summary["problems"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # not sys.exit: Ray's atexit hooks on an already shut-down cluster can turn 0 into 1
