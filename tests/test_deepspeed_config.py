@@ -86,7 +86,10 @@ def test_cpu_test_job_config(tmp_path):
     assert config["bf16"] == {"enabled": False} and "data_types" not in config and "communication_data_type" not in config
     assert dsc.uses_client_optimizer(config)
     assert config["zero_optimization"]["overlap_comm"] is False
-    assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    # hidden 64: the hidden^2 rule would give 4096-element buckets; the 4M floor applies.
+    assert config["zero_optimization"]["reduce_bucket_size"] == 4_194_304
+    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == 3_774_873
+    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 640
     # Elastic: accumulation follows the world size, the global batch does not.
     assert dsc.build(spec, world_size=1, hidden_size=64)["gradient_accumulation_steps"] == 4
 

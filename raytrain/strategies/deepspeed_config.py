@@ -33,6 +33,7 @@ OWNED = {
     "checkpoint": "nothing: raytrain chooses how checkpoints are loaded",
     "managed_gradient_accumulation": "nothing: the training loop owns accumulation",
 }
+MIN_BUCKET = 1 << 22  # elements; see generate()
 OFFLOAD = {"offload_optimizer": "training.offload.optimizer", "offload_param": "training.offload.params"}
 
 
@@ -47,17 +48,20 @@ def generate(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
 
     Bucket sizes follow the Hugging Face integration's rule for its "auto" values
     (hidden^2 for reduce, 0.9 hidden^2 for prefetch, 10 hidden for parameters kept whole),
-    computed here so the config is explicit.
+    computed here so the config is explicit, with a floor of 4M elements: below hidden 2048
+    the rule makes buckets so small that per-collective latency dominates (hidden 64 on
+    gloo: 0.56 s a step against 0.12 s with the floor, same losses).
     """
     t, o, gpu = spec.training, spec.optimizer, spec.scaling.use_gpu
     bf16 = compute_bf16(spec)
+    bucket = max(hidden_size * hidden_size, MIN_BUCKET)
     zero: dict[str, Any] = {
         "stage": 3,
         "overlap_comm": gpu,  # a side stream for comms exists on GPU only
         "contiguous_gradients": True,
         "reduce_scatter": True,
-        "reduce_bucket_size": hidden_size * hidden_size,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "reduce_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": int(0.9 * bucket),
         "stage3_param_persistence_threshold": 10 * hidden_size,
         "stage3_max_live_parameters": 1_000_000_000,
         "stage3_max_reuse_distance": 1_000_000_000,
