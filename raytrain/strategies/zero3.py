@@ -112,8 +112,9 @@ class Zero3Strategy(Strategy):
         box = [tempfile.mkdtemp(prefix="raytrain-universal-") if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # the same path on every node; each node converts locally
         root = box[0]
-        converter = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+        converter = int(os.environ.get("LOCAL_RANK", self.rank)) == 0  # Ray Train sets LOCAL_RANK
         if converter:
+            os.makedirs(root, exist_ok=True)  # exists on rank 0's node only
             if self.rank == 0:
                 print(f"[raytrain] zero3 checkpoint written by {saved} workers, loading with {self.world_size}: "
                       f"converting to a universal checkpoint", file=sys.stdout, flush=True)
