@@ -33,6 +33,9 @@ class TrainState:
     bad_rows: int = 0
     world_size: int = 0
     run_id: str | None = None
+    # Step metrics of the steps this checkpoint completes: MLflow gets them after the commit,
+    # and a restart re-sends any that a worker killed right after the commit never sent.
+    metrics: list = field(default_factory=list)
     stopped: bool = False  # a stop was requested on the driver; not part of the saved state
 
     def to_json(self) -> str:

@@ -116,9 +116,10 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             if uploading:  # the previous asynchronous checkpoint: long uploaded by now
                 _log_committed(logger, uploading, checkpoint.confirm(strategy))
             urgent = bool(flags) or state.step == t.max_steps or not ck.async_upload
+            done = pending + [(state.step, {"checkpoint_step": state.step})]
+            state.metrics = done if rank == 0 else []
             committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)
             checkpoint_s = time.perf_counter() - save_start
-            done = pending + [(state.step, {"checkpoint_step": state.step})]
             uploading = [] if urgent else done
             if urgent:
                 _log_committed(logger, done, committed)

@@ -116,6 +116,13 @@ class StepLogger:
         for i in range(0, len(batch), 1000):  # MLflow's log_batch limit
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
+    def log_missing(self, steps: list) -> int:
+        """Log the (step, metrics) pairs whose step MLflow does not have yet; returns how many."""
+        have = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
+        missing = [(step, metrics) for step, metrics in steps if step not in have and "loss" in metrics]
+        self.log_many(missing)
+        return len(missing)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)

@@ -37,6 +37,7 @@ def train_func(config: dict) -> None:
     job_control = control.find_actor(spec.run_dir)
     logger = tracking.StepLogger(spec, config["run_id"]) if rank == 0 else None
     if rank == 0:
+        logger.log_missing(state.metrics)  # the restored checkpoint's steps, if the last attempt died before logging them
         attempt = ray.get(job_control.attempt_started.remote(world, resumed_from)) if job_control else 1
         logger.set_tags({f"raytrain.attempt.{attempt}": f"world_size={world} resumed_from_step={resumed_from}"})
         if resumed_from:
