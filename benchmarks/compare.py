@@ -1,0 +1,202 @@
+"""P1, P2, P7, P8: one framework or strategy against another on the same model, batch and data.
+
+P1  steady step period, raytrain (Ray Train, FSDP2) / bare torchrun FSDP2.   goal <= 1.02
+P2  submit -> first finished step, raytrain / bare torchrun (raytrain cold: it starts its
+    own local Ray cluster, as `raytrain run` does; warm: joins a running one, as on a cluster).
+P7  FSDP2 / FSDP1 tokens/s and peak memory, both bare.
+P8  ZeRO-3 / FSDP2 step period and peak memory, both through raytrain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from . import harness as h
+
+
+def raytrain_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str, env: dict | None = None,
+                 inspect=None, probe: bool = False, **over) -> dict:
+    """One raytrain run; its step timings as seen from outside and as logged to MLflow.
+    `inspect(folder)`, if given, looks at the run's files before they are deleted;
+    `probe` times the workers' per-step stop check (probe.py)."""
+    folder = h.scratch(label)
+    try:
+        job_file = h.write_job(h.job(s, label, folder / "runs", model, data, **over), folder)
+        extra += ("--probe-log", str(folder)) if probe else ()
+        run = h.run_arm(label, h.raytrain_command(job_file, *extra), folder / "steps", env=env, timeout_s=s.timeout_s)
+        series = {k: h.metric_series(folder / "runs", k) for k in
+                  ("step_time_s", "data_wait_s", "loss", "peak_memory_gb", "checkpoint_s")}
+        probes = {int(p.stem.split("rank")[1]): json.loads(p.read_text()) for p in folder.glob("probe-rank*.json")}
+        return {"run": run, "inspected": inspect(folder) if inspect else None, "probe": probes, **series}
+    finally:
+        h.cleanup(folder)
+
+
+def bare_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str) -> dict:
+    folder = h.scratch(label)
+    try:
+        out = folder / "bare.json"
+        run = h.run_arm(label, h.torchrun_command(s, model, data, out, *extra), folder / "steps", env=h.bare_env(s),
+                        timeout_s=s.timeout_s)
+        result = json.loads(out.read_text())
+        return {"run": run, **result}
+    finally:
+        h.cleanup(folder)
+
+
+def steady(values, warmup: int) -> float:
+    """Median of the per-step values after the warm-up steps (values: list or {step: value})."""
+    if isinstance(values, dict):
+        values = [values[k] for k in sorted(values)]
+    return h.median(values[warmup:])
+
+
+# ---------------------------------------------------------------- P1
+P1_ARMS = ["raytrain", "torchrun", "raytrain-fastcheck"]  # the third: raytrain with probe.py's prototype stop check
+
+
+def p1(s: h.Setting) -> dict:
+    h.header("P1 steady step time: raytrain (Ray Train + FSDP2) / bare torchrun FSDP2", s)
+    model, data = h.assets(s)
+    periods, in_loop = {a: [] for a in P1_ARMS}, {a: [] for a in P1_ARMS}
+    first_loss, check = {}, {a: [] for a in P1_ARMS if a != "torchrun"}
+    for arm in h.alternate(s.reps, P1_ARMS):
+        if arm == "torchrun":
+            r = bare_arm(s, "p1-torchrun", model, data)
+            first_loss[arm] = r["loss"][0]
+            note = ""
+        else:
+            r = raytrain_arm(s, f"p1-{arm}", model, data, *(["--fast-check"] if arm.endswith("fastcheck") else []),
+                             probe=True)
+            first_loss[arm] = r["loss"][1]
+            share = steady({k: r["data_wait_s"][k] / r["step_time_s"][k] for k in r["step_time_s"]}, s.warmup)
+            rank0 = {k: steady(v, s.warmup) for k, v in r["probe"].get(0, {}).items() if isinstance(v, list) and v}
+            check[arm].append(rank0.get("stop_check_s", 0.0))
+            note = (f", data wait {share:.1%} of the step; rank-0 stop check after each step {check[arm][-1] * 1e3:.2f} ms"
+                    f" (get_preemption_info {rank0.get('preemption_info_s', 0) * 1e3:.2f} ms)")
+        in_loop[arm].append(steady(r["step_time_s"], s.warmup))
+        periods[arm].append(r["run"].period_s(s.warmup))
+        print(f"    {arm}: period {periods[arm][-1]:.4f} s, in-loop {in_loop[arm][-1]:.4f} s{note}", flush=True)
+    print("P1 same work: step-1 loss " + ", ".join(f"{a} {v:.6f}" for a, v in first_loss.items()), flush=True)
+    ratio = h.ratio_line("P1 step period (wall time between finished steps)", "raytrain", periods["raytrain"],
+                         "torchrun", periods["torchrun"], goal="<= 1.02")
+    h.ratio_line("P1 in-loop step time (data + compute + optimizer)", "raytrain", in_loop["raytrain"],
+                 "torchrun", in_loop["torchrun"])
+    fixed = h.ratio_line("P1 step period with the prototype stop check", "raytrain-fastcheck",
+                         periods["raytrain-fastcheck"], "torchrun", periods["torchrun"], goal="<= 1.02")
+    for arm, values in check.items():
+        print(f"P1 {arm}: rank-0 stop check median {h.median(values) * 1e3:.2f} ms per step = "
+              f"{h.median(values) / h.median(periods[arm]):.1%} of its step period", flush=True)
+    return {"ratio": ratio, "ratio_fastcheck": fixed, "periods": periods, "in_loop": in_loop,
+            "stop_check_s": {a: h.median(v) for a, v in check.items()}}
+
+
+# ---------------------------------------------------------------- P2
+def p2(s: h.Setting) -> dict:
+    h.header("P2 submit -> first finished step: raytrain / bare torchrun", s)
+    s = h.with_overrides(s, steps=3)
+    model, data = h.assets(s)
+    first = {"raytrain-cold": [], "raytrain-warm": [], "torchrun": []}
+    milestones: dict[tuple[str, str], list[float]] = {}
+    for arm in h.alternate(s.reps, list(first)):
+        if arm == "torchrun":
+            r = bare_arm(s, "p2-torchrun", model, data)
+        elif arm == "raytrain-cold":
+            r = raytrain_arm(s, "p2-cold", model, data)
+        else:
+            with warm_cluster(s) as address:
+                r = raytrain_arm(s, "p2-warm", model, data, "--address", address)
+        first[arm].append(r["run"].first_step_s)
+        marks = {}
+        if arm != "torchrun":
+            marks = {name: r["run"].seen(text) for name, text in MILESTONES.items()}
+            # The step log's attempt stamp is taken once the workers have built the model and restored.
+            marks["workers built the model"] = float(r["run"].lines[0]["attempt"].split("-")[0]) - r["run"].launched
+            marks["first batch in"] = r["run"].first_step_s - r["step_time_s"][1] + r["data_wait_s"][1]
+        for name, t in marks.items():
+            if t is not None:
+                milestones.setdefault((arm, name), []).append(t)
+        print(f"    {arm}: first step {first[arm][-1]:.2f} s after launch"
+              + "".join(f"; {name} at {t:.2f} s" for name, t in marks.items() if t is not None), flush=True)
+    ratio = h.ratio_line("P2 submit -> first step, own local cluster", "raytrain", first["raytrain-cold"], "torchrun",
+                         first["torchrun"], fmt=".2f")
+    warm = h.ratio_line("P2 submit -> first step, running cluster", "raytrain", first["raytrain-warm"], "torchrun",
+                        first["torchrun"], fmt=".2f")
+    for arm in ("raytrain-cold", "raytrain-warm"):
+        print(f"P2 {arm} milestones (median s after launch): " + ", ".join(
+            f"{name} {h.median(v):.2f}" for (a, name), v in milestones.items() if a == arm)
+            + f", first step {h.median(first[arm]):.2f}", flush=True)
+    return {"ratio": ratio, "ratio_warm": warm, "first": first}
+
+
+# Lines of `raytrain run`'s own output (the driver's, not forwarded from workers) that mark its start-up.
+MILESTONES = {"pre-flight done": ": valid (", "Ray up": "Started a local Ray instance",
+              "MLflow run + control actor ready": "[raytrain] job "}
+
+
+class warm_cluster:
+    """A local Ray cluster started by the bench process, sized as `raytrain run` sizes its own;
+    up only while the warm arm runs (an idle cluster still costs the other arms CPU)."""
+
+    def __init__(self, s: h.Setting):
+        self.cpus = max(os.cpu_count() or 1, s.workers) + 2
+
+    def __enter__(self) -> str:
+        import ray
+
+        ray.init(address="local", num_cpus=self.cpus, include_dashboard=False, log_to_driver=False)
+        time.sleep(3)  # let the head's own start-up work finish: the job is submitted to a settled cluster
+        return ray.get_runtime_context().gcs_address
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------- P7
+def p7(s: h.Setting) -> dict:
+    h.header("P7 FSDP2 / FSDP1 (both bare torchrun): tokens/s and peak memory", s)
+    model, data = h.assets(s)
+    tps, mem = {"fsdp2": [], "fsdp1": []}, {"fsdp2": [], "fsdp1": []}
+    for arm in h.alternate(s.reps, ["fsdp2", "fsdp1"]):
+        r = bare_arm(s, f"p7-{arm}", model, data, *(["--fsdp1"] if arm == "fsdp1" else []))
+        tps[arm].append(r["tokens_per_step"] / r["run"].period_s(s.warmup))
+        peaks = [m["peak_gb"] - (0 if s.gpu else m["start_rss_gb"]) for m in r["memory"]]
+        mem[arm].append(max(peaks))
+        print(f"    {arm}: {tps[arm][-1]:,.0f} tokens/s, peak memory added {mem[arm][-1]:.3f} GiB "
+              f"(ranks: {', '.join(f'{p:.3f}' for p in peaks)})", flush=True)
+    ratio = h.ratio_line("P7 tokens/s", "fsdp2", tps["fsdp2"], "fsdp1", tps["fsdp1"], unit="tok/s", fmt=",.0f")
+    mem_ratio = h.ratio_line("P7 peak memory (" + ("max allocated" if s.gpu else "peak RSS - RSS at start") + ")",
+                             "fsdp2", mem["fsdp2"], "fsdp1", mem["fsdp1"], unit="GiB")
+    return {"ratio": ratio, "memory_ratio": mem_ratio, "tokens_per_s": tps, "memory": mem}
+
+
+# ---------------------------------------------------------------- P8
+def p8(s: h.Setting) -> dict:
+    h.header("P8 ZeRO-3 / FSDP2, both through raytrain", s)
+    model, data = h.assets(s)
+    period, in_loop, mem = ({"zero3": [], "fsdp2": []} for _ in range(3))
+    # A persistent op cache: DeepSpeed compiles its CPU comm op once, not in every timed run.
+    env = {"TORCH_EXTENSIONS_DIR": str(h.CACHE / "torch_extensions")}
+    for arm in h.alternate(s.reps, ["zero3", "fsdp2"]):
+        try:
+            r = raytrain_arm(s, f"p8-{arm}", model, data, env=env, training={"strategy": arm})
+        except RuntimeError as exc:
+            if arm != "zero3":
+                raise
+            why = str(exc).strip().splitlines()[-1][:300]
+            print(f"P8: not measured: the zero3 arm failed ({why})", flush=True)
+            return {"ratio": None, "not_measured": why}
+        period[arm].append(r["run"].period_s(s.warmup))
+        in_loop[arm].append(steady(r["step_time_s"], s.warmup))
+        mem[arm].append(max(r["peak_memory_gb"].values()))
+        print(f"    {arm}: period {period[arm][-1]:.4f} s, in-loop {in_loop[arm][-1]:.4f} s, "
+              f"rank-0 peak {'allocated' if s.gpu else 'RSS'} {mem[arm][-1]:.3f} GiB", flush=True)
+    ratio = h.ratio_line("P8 step period", "zero3", period["zero3"], "fsdp2", period["fsdp2"])
+    h.ratio_line("P8 in-loop step time", "zero3", in_loop["zero3"], "fsdp2", in_loop["fsdp2"])
+    mem_ratio = h.ratio_line("P8 rank-0 peak memory", "zero3", mem["zero3"], "fsdp2", mem["fsdp2"], unit="GiB")
+    return {"ratio": ratio, "memory_ratio": mem_ratio, "period": period, "memory": mem}
