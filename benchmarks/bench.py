@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one benchmark failing must not hide the others' figures
             results[name] = {"not_measured": reason(exc)}
             print(f"{name.upper()}: failed: {str(exc)[-3000:]}", file=sys.stderr, flush=True)
-        lines.append(summary(name, results[name]) + f" ({time.time() - started:.0f} s)")
+        load = os.getloadavg()
+        results[name]["load_average_end"] = load
+        lines.append(summary(name, results[name]) + f" ({time.time() - started:.0f} s; load average at the end "
+                                                     f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
         print(flush=True)
     print("\n".join(lines), flush=True)
     if args.json:
