@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -42,7 +43,7 @@ SHM_OP = "deepspeed_shm_comm"
 
 class Zero3Strategy(Strategy):
     def setup(self) -> None:
-        init_deepspeed_comm(self.device)
+        init_deepspeed_comm()
         import deepspeed
         from transformers import AutoConfig
         from transformers.integrations import HfDeepSpeedConfig
@@ -77,7 +78,10 @@ class Zero3Strategy(Strategy):
         except Exception as exc:
             if type(exc).__name__ == "ValidationError" and s.training.deepspeed:  # pydantic: a bad override key/value
                 raise JobError(f"training.deepspeed: DeepSpeed rejected the merged config: {exc}") from None
-            raise
+            error = op_build_error(exc, "cpu_adam")  # an offloaded optimizer on GPU builds cpu_adam
+            if error is None:
+                raise
+            raise error from exc
         self.model = self.engine
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
@@ -192,17 +196,29 @@ def to_universal(input_folder: str, output_folder: str) -> None:
                             num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
 
 
-# --- the CPU communication op: compiled with the machine's C++ compiler at first use ---
-def init_deepspeed_comm(device: torch.device) -> None:
+# --- DeepSpeed's native ops, compiled with the machine's C++ toolchain at first use ---
+def init_deepspeed_comm() -> None:
     """Attach DeepSpeed to the process group Ray Train made; on CPU that builds `deepspeed_shm_comm`."""
     import deepspeed
 
     try:
         deepspeed.init_distributed(dist_backend=dist.get_backend())
     except Exception as exc:
-        if device.type == "cpu" and ("Error building extension" in str(exc) or "ninja" in str(exc).lower()):
-            raise JobError(op_build_message(str(exc).splitlines()[-1] if str(exc) else type(exc).__name__)) from exc
-        raise
+        error = op_build_error(exc, SHM_OP)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def op_build_error(exc: BaseException, default_op: str) -> JobError | None:
+    """A JobError naming what to install if `exc` is a failed JIT build of a DeepSpeed op
+    (deepspeed_shm_comm on CPU; cpu_adam with optimizer offload on GPU), else None."""
+    text = str(exc)
+    if "Error building extension" not in text and "ninja" not in text.lower():
+        return None
+    match = re.search(r"Error building extension '([^']+)'", text)
+    return JobError(op_build_message(match.group(1) if match else default_op,
+                                     text.splitlines()[-1] if text else type(exc).__name__))
 
 
 def toolchain_problems(env: dict | None = None) -> list[str]:
@@ -224,11 +240,11 @@ def toolchain_problems(env: dict | None = None) -> list[str]:
     return missing
 
 
-def op_build_message(error: str) -> str:
+def op_build_message(op: str, error: str) -> str:
     missing = toolchain_problems()
     cache = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
     what = ("; missing: " + "; ".join(missing)) if missing else f" (the compiler is there; the build said: {error})"
-    return (f"training.strategy zero3 on CPU needs DeepSpeed's {SHM_OP} op, compiled on first use with the "
+    return (f"training.strategy zero3 needs DeepSpeed's {op} op, compiled on first use with the "
             f"machine's C++ toolchain, and the build failed{what}. Install what is missing on every node "
             f"(cluster/setup-local.sh checks), or use training.strategy: fsdp2. Built ops are cached in {cache}; "
             f"set TORCH_EXTENSIONS_DIR to a persistent folder to compile once")
