@@ -75,8 +75,11 @@ def build_trainer(spec: JobSpec, run_id: str):
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
                     failure_config=FailureConfig(max_failures=spec.failure.max_failures),
                     worker_runtime_env=runtime_env(spec))
+    # Built before DataConfig: it sets preserve_order on the DataContext that DataConfig's
+    # default ingest options copy (every worker must see the same order).
+    dataset = data.build_dataset(spec)
     return TorchTrainer(worker.train_func, train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id},
-                        scaling_config=scaling, run_config=run, datasets={"train": data.build_dataset(spec)},
+                        scaling_config=scaling, run_config=run, datasets={"train": dataset},
                         # Not split: every worker reads the one ordered stream and takes its
                         # slice of each global batch by position (see data.py for why).
                         dataset_config=DataConfig(datasets_to_split=[]))

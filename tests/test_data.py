@@ -81,6 +81,7 @@ def test_global_order_is_the_same_at_any_world_size_and_resumes_exactly(ray_addr
     spec = make_job(assets, tmp_path, data={"shuffle_window": 16, "seq_len": 8},
                     training={"global_batch_size": 8, "micro_batch_size": 2})
     rows = [{"input_ids": np.full(8, i, np.int32), "labels": np.full(8, i, np.int32), "bad_rows": 0} for i in range(40)]
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # as data.build_dataset sets it
     ds = ray.data.from_items(rows)
     one, _ = _global_batches(ds, spec, world=1, steps=7)  # 56 rows: crosses into epoch 1
     two, _ = _global_batches(ds, spec, world=2, steps=7)
