@@ -20,8 +20,9 @@ STEPS, EVERY = 12, 4
 
 def job(assets, storage, name, **over):
     over.setdefault("failure", {"max_failures": 2})
+    checkpoint = {"every_n_steps": EVERY, "keep_last": 3, **over.pop("checkpoint", {})}
     return make_job(assets, storage, name=name, training={"max_steps": STEPS, "finetune": "full"},
-                    checkpoint={"every_n_steps": EVERY, "keep_last": 3}, **over)
+                    checkpoint=checkpoint, **over)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_async_upload_resumes_exactly_from_a_committed_checkpoint(reference, mon
     # it committed, else from the one before: either way exactly, with each step logged once.
     spec, result = run_with_faults(monkeypatch, tmp_path, assets, "async",
                                    [{"at": "step", "step": 9, "rank": 1, "action": "exit"}],
-                                   checkpoint={"every_n_steps": EVERY, "keep_last": 3, "async_upload": True})
+                                   checkpoint={"async_upload": True})
     [failure] = result.goodput["failures"]
     assert failure["resumed_from"] in (4, 8)
     assert metric_history(spec, result.run_id) == reference
