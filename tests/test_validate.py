@@ -478,7 +478,7 @@ def test_s3_dataset_first_rows_are_read(assets, tmp_path, s3):
 @pytest.mark.slow
 def test_a_live_mlflow_server_passes(assets, tmp_path):
     port = free_port()
-    proc = subprocess.Popen(["mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/db.sqlite", "--host",
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp_path}/db.sqlite", "--host",
                              "127.0.0.1", "--port", str(port), "--workers", "1"], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
