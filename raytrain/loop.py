@@ -40,10 +40,11 @@ def seed_step(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(hash((seed, step, rank)) % (2**63))
 
 
-def _all_reduce(value: float, device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def _all_reduce(values: list[float], device) -> list[float]:
+    """SUM across ranks; the step's two collectives besides the gradients' (as a bare script has)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return float(t.item())
+    return t.tolist()
 
 
 def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> None:
@@ -59,7 +60,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
     device, rank, world = strategy.device, strategy.rank, strategy.world_size
     t, ck = spec.training, spec.checkpoint
     start, started = state.step, time.perf_counter()
-    stops = StopSignals(control, device, check_ray_notice=spec.failure.checkpoint_on_preemption)
+    stops = StopSignals(control, check_ray_notice=spec.failure.checkpoint_on_preemption)
     pending: list[tuple[int, dict]] = []  # step metrics not yet in a committed checkpoint
     uploading: list[tuple[int, dict]] = []  # ...of the checkpoint being uploaded asynchronously
     flops = telemetry.StepFlops(strategy.model, spec, device)
@@ -71,7 +72,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         batch = next(batches)
         data_wait = time.perf_counter() - step_start
         local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in batch.micro_batches)
-        global_tokens = max(1.0, _all_reduce(local_tokens, device))
+        global_tokens = max(1.0, _all_reduce([local_tokens], device)[0])
         loss_sum, compute_start = 0.0, time.perf_counter()
         for i, mb in enumerate(batch.micro_batches):
             ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
@@ -84,7 +85,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         optimizer_start = time.perf_counter()
         grad_norm = strategy.optimizer_step(lr)
         optimizer_s = time.perf_counter() - optimizer_start
-        loss = _all_reduce(loss_sum, device) / global_tokens
+        summed = _all_reduce([loss_sum, *stops.local()], device)  # the stop flags ride along
+        loss, flags = summed[0] / global_tokens, stops.agree(summed[1:])
         state.step += 1
         state.data = batches.position
         state.tokens_seen += int(t.global_batch_size * spec.data.seq_len)
@@ -108,7 +110,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                   f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem {metrics['peak_memory_gb']:.1f}G "
                   f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
                   file=sys.stdout, flush=True)
-        flags = stops.check(state.step, step_time, rank)
+        stops.step_done(state.step, step_time, rank)
         faults.maybe_fire("step", state.step, rank)
         checkpoint_s = 0.0
         if flags or state.step % ck.every_n_steps == 0 or state.step == t.max_steps:

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 
 from . import storage
 from .config import JobSpec
-from .problems import ERROR, NOTE, Problem, did_you_mean
+from .problems import NOTE, Problem, did_you_mean
 
 TIMEOUT_S = 3.0
 SAMPLE_FILES, SAMPLE_ROWS = 8, 20

@@ -28,6 +28,11 @@ def train_func(config: dict) -> None:
     device = torch.device(f"cuda:{ctx.get_local_rank()}") if spec.scaling.use_gpu else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # Ray sets OMP_NUM_THREADS to the worker's CPU share, but torch sized its thread pool
+        # from the core count when it was imported: 2 threads per rank on 2 cores oversubscribe
+        # them (P1 measured it). Size the pool as torchrun's ranks get it.
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
     tokenizer = modeling.load_tokenizer(spec)
     strategy = build_strategy(spec, device)

@@ -8,7 +8,6 @@ against what torch and peft count on the demo model.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
