@@ -2,10 +2,13 @@
 
     python tests/chaos.py kill   [--kills 3] [--steps 32] [--seed 0]
     python tests/chaos.py resize [--steps 48]
+    python tests/chaos.py drain  [--steps 24]
 
 `kill` SIGKILLs a random training worker every few seconds during a run on a local Ray
 cluster. `resize` runs an elastic job (1..2 workers) on a two-node local cluster, removes
-a node (the job continues on 1 worker), then adds one back (it grows to 2 again).
+a node (the job continues on 1 worker), then adds one back (it grows to 2 again). `drain` gives a node Ray's preemption notice (what
+`ray drain-node --reason PREEMPTION`, KubeRay's preStop hook, sends), checks that a checkpoint
+is committed at the next step, then reclaims the node: the job resumes from that checkpoint.
 
 Both compare with an uninterrupted run of the same job: the samples trained on at each
 step of the final lineage (steps rolled back by a restart are replaced by their re-run)
@@ -182,9 +185,69 @@ def chaos_resize(args, root: Path, assets: Path) -> dict:
             "failures": result.goodput["failures"], "problems": problems}
 
 
+def _drain(cluster_address: str, node_id: str, deadline_s: int) -> None:
+    """What `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION` does, in process."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    accepted, why = ray._raylet.GcsClient(address=cluster_address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "chaos: spot reclaim",
+        time.time_ns() // 1_000_000 + deadline_s * 1000)
+    assert accepted, why
+
+
+def _committed_steps(spec) -> list[int]:
+    from raytrain.checkpoint import COMMITTED_FILE
+
+    return [int(p.name.split("_")[-1]) for p in Path(spec.run_dir).glob("step_*") if (p / COMMITTED_FILE).is_file()]
+
+
+def chaos_drain(args, root: Path, assets: Path) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Ray Train polls for drains every 5 s; every 0.5 s here, so that the notice lands within a
+    # step or two of 0.5 s. Set before the nodes start: their processes inherit it.
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"
+    global _CLUSTER
+    cluster = _CLUSTER = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"slot": 1}})
+    node_b = cluster.add_node(num_cpus=1, resources={"slot": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    # No periodic checkpoint inside the run: the only one before the end is the notice's.
+    over = {"scaling": {"num_workers": 2, "resources_per_worker": {"slot": 1}},
+            "checkpoint": {"every_n_steps": 1000, "keep_last": 2}}
+    ref_spec = _job(assets, root / "ref", "ref", args.steps, **over)
+    _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
+
+    _throttle(0.5)
+    spec = _job(assets, root / "drain", "drain", args.steps, failure={"max_failures": 2}, **over)
+    log = root / "drain-log"
+    thread, box = _in_thread(lambda: _run_logged(spec, log))
+    while thread.is_alive() and _steps_done(log) < 5:
+        time.sleep(0.2)
+    noticed_after = _steps_done(log)
+    _drain(cluster.address, node_b.node_id, deadline_s=60)
+    while thread.is_alive() and not _committed_steps(spec):
+        time.sleep(0.2)
+    checkpoint_step = min(_committed_steps(spec), default=None)
+    cluster.remove_node(node_b, allow_graceful=False)  # the reclaim, at the deadline or before
+    cluster.add_node(num_cpus=1, resources={"slot": 1})  # the spot pool's replacement
+    thread.join()
+    result, losses, lineage = box["value"]
+    problems = compare(ref_lineage, lineage, spec.training.global_batch_size)
+    if checkpoint_step is None or not noticed_after < checkpoint_step <= noticed_after + 4:
+        problems.append(f"notice after step {noticed_after}: checkpoint at {checkpoint_step}, not within 4 steps")
+    if not result.goodput["failures"] or result.goodput["failures"][0]["resumed_from"] != checkpoint_step:
+        problems.append(f"the restart did not resume from the notice's checkpoint: {result.goodput['failures']}")
+    if losses != ref_losses:
+        problems.append("per-step losses differ from the uninterrupted run")
+    return {"mode": "drain", "noticed_after_step": noticed_after, "checkpoint_step": checkpoint_step,
+            "failures": result.goodput["failures"], "problems": problems}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["kill", "resize"])
+    parser.add_argument("mode", choices=["kill", "resize", "drain"])
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
@@ -197,7 +260,7 @@ def main(argv=None) -> int:
     import ray
 
     try:
-        summary = (chaos_kill if args.mode == "kill" else chaos_resize)(args, root, assets)
+        summary = {"kill": chaos_kill, "resize": chaos_resize, "drain": chaos_drain}[args.mode](args, root, assets)
     finally:
         ray.shutdown()
         if _CLUSTER:

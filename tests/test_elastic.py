@@ -34,6 +34,15 @@ def test_shrink_to_one_worker_and_grow_back(tmp_path):
     assert len(summary["failures"]) >= 2  # the node loss and the grow-back restart
 
 
+def test_preemption_notice_commits_a_checkpoint_that_the_restart_uses(tmp_path):
+    # Ray's drain notice (KubeRay's preStop runs `ray drain-node --reason PREEMPTION`) on the
+    # node of rank 1: a checkpoint within a few steps, although none is due; the node is then
+    # reclaimed, and the job resumes from that checkpoint with the uninterrupted run's losses.
+    summary = run_chaos(tmp_path, "drain", "--steps", "20")
+    [failure, *_] = summary["failures"]
+    assert summary["noticed_after_step"] < summary["checkpoint_step"] == failure["resumed_from"]
+
+
 def test_random_worker_kills(tmp_path):
     summary = run_chaos(tmp_path, "kill", "--kills", "2", "--steps", "40")
     assert len(summary["failures"]) == len(summary["kills"]) >= 1
