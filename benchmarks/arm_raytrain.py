@@ -1,15 +1,15 @@
 """The raytrain arm: `raytrain run job.yaml`, the product's submit path, in this process.
 
     python -m benchmarks.arm_raytrain JOB.yaml [--address ADDR] [--probe-log DIR] [--blocking-check]
-                     [--torch-threads N] [--early-data] [--ckpt timed|async-dcp --ckpt-log DIR]
+                     [--torch-threads N] [--early-data] [--ckpt timed --ckpt-log DIR]
 
 Without options this is exactly `raytrain run JOB.yaml` (pre-flight, local Ray cluster or
 --address, MLflow run, TorchTrainer). --probe-log times the per-step stop check in the
 workers; --blocking-check and --torch-threads 2 put back what raytrain did before P1's fixes
 (a blocking per-step stop check, probe.py; torch's thread pool sized by the core count, not by
 the worker's CPUs), for P1's "before" arm; --early-data starts
-the data pipeline before the model build (P2's prototype, startup_proto.py); --ckpt puts P5's
-checkpoint arm in place (ckpt_proto.py). All work by
+the data pipeline before the model build (P2's prototype, startup_proto.py); --ckpt times the parts of
+each checkpoint save (P5, ckpt_timing.py). All work by
 handing Ray Train a train function that patches the worker, then runs raytrain's own.
 """
 
@@ -21,10 +21,10 @@ import sys
 
 def make_train_func(ckpt: str | None, ckpt_log: str | None, probe_log: str | None, blocking_check: bool,
                     early_data: bool, torch_threads: int | None):
-    from benchmarks import ckpt_proto, probe, startup_proto
+    from benchmarks import ckpt_timing, probe, startup_proto
 
     # Functions, not modules, in the closure: cloudpickle ships these by value (see main).
-    install_ckpt, install_probe, dump_probe = ckpt_proto.install, probe.install, probe.dump
+    install_ckpt, install_probe, dump_probe = ckpt_timing.install, probe.install, probe.dump
     install_blocking_check, install_early_data = probe.install_blocking_check, startup_proto.install
 
     def train_func(config: dict) -> None:
@@ -56,7 +56,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("job")
     p.add_argument("--address")
-    p.add_argument("--ckpt", choices=["timed", "async-dcp"])
+    p.add_argument("--ckpt", choices=["timed"])
     p.add_argument("--ckpt-log")
     p.add_argument("--probe-log")
     p.add_argument("--blocking-check", action="store_true", help="P1's before arm: the per-step stop check before P1")
@@ -66,11 +66,11 @@ def main() -> int:
     if args.ckpt or args.probe_log or args.blocking_check or args.early_data or args.torch_threads:
         import cloudpickle
 
-        from benchmarks import ckpt_proto, probe, startup_proto
+        from benchmarks import ckpt_timing, probe, startup_proto
         from raytrain import worker
 
         # Shipped to the workers by value: they need not find the benchmarks folder on their path.
-        for module in (ckpt_proto, probe, startup_proto):
+        for module in (ckpt_timing, probe, startup_proto):
             cloudpickle.register_pickle_by_value(module)
         worker.train_func = make_train_func(args.ckpt, args.ckpt_log, args.probe_log, args.blocking_check, args.early_data,
                                             args.torch_threads)  # read by launcher.build_trainer

@@ -95,19 +95,15 @@ def p4(s: h.Setting) -> dict:
 
 
 # ---------------------------------------------------------------- P5
-P5_ARMS = {  # arm -> (ckpt_proto mode, checkpoint.async_upload)
-    "sync": ("timed", False),  # raytrain's default: write, upload and commit before the next step
-    "async-upload": ("timed", True),  # raytrain's checkpoint.async_upload: Ray uploads in the background
-    "async-dcp": ("async-dcp", True),  # the prototype: the DCP write in the background too
+P5_ARMS = {  # arm -> checkpoint.async_save
+    "sync": False,  # raytrain's default: write, upload and commit before the next step
+    "async": True,  # checkpoint.async_save: DCP stages to CPU memory, writes and uploads in the background
 }
 
 
 def p5(s: h.Setting) -> dict:
     h.header("P5 checkpoint: time a save blocks training, asynchronous / raytrain's synchronous save", s)
-    from raytrain.config import CheckpointSpec
-
-    has_async_upload = "async_upload" in CheckpointSpec.model_fields
-    arms = [a for a in P5_ARMS if has_async_upload or a != "async-upload"]
+    arms = list(P5_ARMS)
     # Saves far enough apart that an asynchronous upload is done by the next save (Ray Train's
     # controller registers reported checkpoints at its poll, every 2 s by default).
     every = max(2, s.steps // 3)
@@ -116,11 +112,10 @@ def p5(s: h.Setting) -> dict:
     parts = {a: {} for a in arms}
     after = {a: [] for a in arms}
     for arm in h.alternate(s.reps, arms):
-        mode, async_upload = P5_ARMS[arm]
         folder = h.scratch(f"p5-{arm}")
         try:
-            checkpoint = {"every_n_steps": every, **({"async_upload": async_upload} if has_async_upload else {})}
-            r = raytrain_arm(s, f"p5-{arm}", model, data, "--ckpt", mode, "--ckpt-log", str(folder),
+            checkpoint = {"every_n_steps": every, "async_save": P5_ARMS[arm]}
+            r = raytrain_arm(s, f"p5-{arm}", model, data, "--ckpt", "timed", "--ckpt-log", str(folder),
                              inspect=committed_folders, checkpoint=checkpoint)
             per_step: dict[int, list[dict]] = {}
             for path in folder.glob("ckpt-rank*.jsonl"):
@@ -148,8 +143,6 @@ def p5(s: h.Setting) -> dict:
               f"(background work competing for the CPU)", flush=True)
     ratios = {f"ratio_{a.replace('-', '_')}": h.ratio_line(f"P5 blocked by a save, {a} / sync", a, blocked[a], "sync",
                                                          blocked["sync"], goal="<= 0.1") for a in arms if a != "sync"}
-    if not has_async_upload:
-        print("P5 async-upload: not measured (this raytrain has no checkpoint.async_upload)", flush=True)
     return {**ratios, "blocked": blocked, "parts": parts}
 
 

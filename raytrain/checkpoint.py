@@ -54,21 +54,34 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     """Collective: every rank saves its part and reports it; Ray commits the merged folder.
 
     wait=True blocks until the checkpoint is committed and returns its path. wait=False
-    (`checkpoint.async_upload`) returns once the shards are on local disk: Ray uploads them
-    in the background, and `confirm()` at the next save (which finds it long done) commits it.
+    (`checkpoint.async_save`) returns once the state is staged in CPU memory: the strategy
+    writes the files in the background and Ray's upload thread waits for them before it
+    copies anything (so a crash mid-write uploads nothing: the previous checkpoint stays the
+    latest), and `confirm()` at the next save (which finds it long done) commits it.
     """
     import ray.train
     from ray.train import CheckpointUploadMode
 
     tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # Ray deletes it after the upload
-    strategy.save(tmp)
+    files_complete = (lambda: strategy.save(tmp)) if wait else strategy.save_async(tmp)
+    if wait:
+        files_complete()
     faults.maybe_fire("save", state.step, strategy.rank)
     if strategy.rank == 0:
         Path(tmp, STATE_FILE).write_text(state.to_json())
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                     checkpoint_dir_name=f"step_{state.step:08d}", delete_local_checkpoint_after_upload=True,
-                     checkpoint_upload_mode=CheckpointUploadMode.SYNC if wait else CheckpointUploadMode.ASYNC)
-    return confirm(strategy) if wait else None
+    common = dict(checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=f"step_{state.step:08d}",
+                  delete_local_checkpoint_after_upload=True)
+    if wait:
+        ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.SYNC, **common)
+        return confirm(strategy)
+    storage = ray.train.get_context().get_storage()
+
+    def upload(checkpoint, dir_name: str):
+        files_complete()
+        return storage.persist_current_checkpoint(checkpoint, dir_name)
+
+    ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=upload, **common)
+    return None
 
 
 def confirm(strategy) -> str | None:

@@ -171,8 +171,8 @@ class CheckpointSpec(Section):
     """Where runs live (local path or s3://...): checkpoints, exported model, and the default MLflow store."""
     every_n_steps: int = Field(50, gt=0)
     """Commit a sharded checkpoint every N optimizer steps (and at the end)."""
-    async_upload: bool = False
-    """Upload periodic checkpoints in the background (training blocks only for the local write). A crash before the upload commits resumes from the previous checkpoint; preemption and final checkpoints always commit before going on."""
+    async_save: bool = False
+    """Write and upload periodic checkpoints in the background: training blocks only while the state is copied to CPU memory (FSDP2/DDP; ZeRO-3 writes its files first). Costs one extra copy of the model+optimizer shards in host memory while a save is in flight. A crash before the commit resumes from the previous checkpoint; preemption and final checkpoints always commit before going on."""
     keep_last: int = Field(2, gt=0)
     """Committed checkpoints to keep; older ones are pruned after a newer one commits."""
     export_final: bool = True

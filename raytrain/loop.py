@@ -117,7 +117,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             save_start = time.perf_counter()
             if uploading:  # the previous asynchronous checkpoint: long uploaded by now
                 _log_committed(logger, uploading, checkpoint.confirm(strategy))
-            urgent = bool(flags) or state.step == t.max_steps or not ck.async_upload
+            urgent = bool(flags) or state.step == t.max_steps or not ck.async_save
             done = pending + [(state.step, {"checkpoint_step": state.step})]
             state.metrics = done if rank == 0 else []
             committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)

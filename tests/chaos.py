@@ -74,8 +74,9 @@ def compare(reference: dict, lineage: dict, global_batch: int) -> list[str]:
 def _job(assets: Path, storage: Path, name: str, steps: int, **over):
     from conftest import make_job
 
+    checkpoint = {"every_n_steps": 4, "keep_last": 2, **over.pop("checkpoint", {})}
     return make_job(assets, storage, name=name, training={"max_steps": steps, "finetune": "full"},
-                    checkpoint={"every_n_steps": 4, "keep_last": 2}, **over)
+                    checkpoint=checkpoint, **over)
 
 
 def _throttle(seconds: float) -> None:

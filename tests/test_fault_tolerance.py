@@ -49,11 +49,15 @@ def test_worker_killed_resumes_bit_identical(reference, monkeypatch, tmp_path, a
     assert failure["steps_lost"] == step - last_commit
 
 
-def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, monkeypatch, tmp_path, assets):
-    # Rank 1 dies after writing its shards of step 8 but before the checkpoint is reported:
-    # the step-8 checkpoint must stay invisible and the run resumes from step 4.
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, monkeypatch, tmp_path, assets,
+                                                                  async_save):
+    # Rank 1 dies after writing its shards of step 8 (async: while a background thread is
+    # still writing them) but before the checkpoint is reported: the step-8 checkpoint must
+    # stay invisible and the run resumes from step 4.
     spec, result = run_with_faults(monkeypatch, tmp_path, assets, "torn",
-                                   [{"at": "save", "step": 8, "rank": 1, "action": "exit"}])
+                                   [{"at": "save", "step": 8, "rank": 1, "action": "exit"}],
+                                   checkpoint={"async_save": async_save})
     [failure] = result.goodput["failures"]
     assert failure["resumed_from"] == 4
     assert metric_history(spec, result.run_id) == reference
@@ -88,12 +92,12 @@ def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, mon
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
-def test_async_upload_resumes_exactly_from_a_committed_checkpoint(reference, monkeypatch, tmp_path, assets):
+def test_async_save_resumes_exactly_from_a_committed_checkpoint(reference, monkeypatch, tmp_path, assets):
     # Periodic checkpoints upload in the background; a kill soon after one resumes from it if
     # it committed, else from the one before: either way exactly, with each step logged once.
     spec, result = run_with_faults(monkeypatch, tmp_path, assets, "async",
                                    [{"at": "step", "step": 9, "rank": 1, "action": "exit"}],
-                                   checkpoint={"async_upload": True})
+                                   checkpoint={"async_save": True})
     [failure] = result.goodput["failures"]
     assert failure["resumed_from"] in (4, 8)
     assert metric_history(spec, result.run_id) == reference

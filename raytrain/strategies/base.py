@@ -13,6 +13,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,12 @@ class Strategy(ABC):
     @abstractmethod
     def save(self, directory: str) -> None:
         """Write this rank's part of the model and optimizer state into `directory` (collective)."""
+
+    def save_async(self, directory: str) -> Callable[[], None]:
+        """Start writing this rank's part into `directory` (collective); returns a function that
+        blocks until the files are complete. Default: the write happens here, synchronously."""
+        self.save(directory)
+        return lambda: None
 
     @abstractmethod
     def load(self, directory: str) -> None:
@@ -103,6 +110,15 @@ class TorchStrategy(Strategy):
 
     def save(self, directory: str) -> None:
         dcp.save(self._state(), checkpoint_id=directory)
+
+    def save_async(self, directory: str) -> Callable[[], None]:
+        # DCP copies the state into CPU memory (the next steps change the parameters), then a
+        # background thread writes the files; its collectives run on a gloo group of their own,
+        # since two threads on one group could interleave collectives.
+        if getattr(self, "_save_group", None) is None:
+            self._save_group = dist.new_group(backend="gloo")
+        future = dcp.async_save(self._state(), checkpoint_id=directory, process_group=self._save_group)
+        return future.result
 
     def load(self, directory: str) -> None:
         state = self._state()
