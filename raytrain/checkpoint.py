@@ -63,9 +63,10 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     from ray.train import CheckpointUploadMode
 
     tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # Ray deletes it after the upload
-    files_complete = (lambda: strategy.save(tmp)) if wait else strategy.save_async(tmp)
     if wait:
-        files_complete()
+        strategy.save(tmp)
+    else:
+        files_complete = strategy.save_async(tmp)
     faults.maybe_fire("save", state.step, strategy.rank)
     if strategy.rank == 0:
         Path(tmp, STATE_FILE).write_text(state.to_json())
