@@ -197,10 +197,14 @@ def _drain(cluster_address: str, node_id: str, deadline_s: int) -> None:
     assert accepted, why
 
 
-def _committed_steps(spec) -> list[int]:
-    from raytrain.checkpoint import COMMITTED_FILE
+def _latest_commit(spec) -> int | None:
+    """The step of the latest committed checkpoint (raytrain's own definition), None before the first."""
+    from raytrain.export import latest_checkpoint
 
-    return [int(p.name.split("_")[-1]) for p in Path(spec.run_dir).glob("step_*") if (p / COMMITTED_FILE).is_file()]
+    try:
+        return int(Path(latest_checkpoint(spec.run_dir)).name.split("_")[-1])
+    except FileNotFoundError:
+        return None
 
 
 def chaos_drain(args, root: Path, assets: Path) -> dict:
@@ -228,9 +232,9 @@ def chaos_drain(args, root: Path, assets: Path) -> dict:
         time.sleep(0.2)
     noticed_after = _steps_done(log)
     _drain(cluster.address, node_b.node_id, deadline_s=60)
-    while thread.is_alive() and not _committed_steps(spec):
+    while thread.is_alive() and _latest_commit(spec) is None:
         time.sleep(0.2)
-    checkpoint_step = min(_committed_steps(spec), default=None)
+    checkpoint_step = _latest_commit(spec)  # the first commit: no periodic one is due before the end
     cluster.remove_node(node_b, allow_graceful=False)  # the reclaim, at the deadline or before
     cluster.add_node(num_cpus=1, resources={"slot": 1})  # the spot pool's replacement
     thread.join()
