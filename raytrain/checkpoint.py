@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import faults
 from .data import DataPosition
+from .errors import JobError
 
 STATE_FILE = "train_state.json"
 COMMITTED_FILE = "COMMITTED"  # written after Ray Train registered the checkpoint: only then is it real
@@ -42,6 +43,15 @@ class TrainState:
         raw = asdict(self)
         raw.pop("stopped")
         return json.dumps(raw, indent=2)
+
+    def require_same_data(self, store_key: str, where: str) -> None:
+        """A resume reads on from its position in the store it was trained on: if the data
+        (or anything that changes its tokens) changed under the job, those positions mean
+        other rows, so the run stops and says so."""
+        if self.data.store and self.data.store != store_key:
+            raise JobError(f"the data changed under a running job: {where} was trained on token store {self.data.store}, "
+                           f"but data.path and the tokenizer now prepare store {store_key}. Restore the data as it was, "
+                           "or start a new run (a new name or checkpoint.storage_path)")
 
     @classmethod
     def from_json(cls, text: str) -> "TrainState":

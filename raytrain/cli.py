@@ -1,4 +1,4 @@
-"""`raytrain validate | run | quickstart | export`. Never imports torch at module level:
+"""`raytrain validate | run | prepare | quickstart | export | k8s`. Never imports torch at module level:
 `validate` answers in about a second, before any cluster or GPU is involved.
 
 Exit codes: 0 success/valid, 2 invalid job (nothing was started), 1 the run failed.
@@ -21,14 +21,16 @@ QUICKSTART_JOB = "jobs/quickstart.yaml"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytrain", description="Elastic fine-tuning of Hugging Face causal LMs on Ray.")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, text in (("validate", "check a job without starting anything"), ("run", "validate, then run a job")):
+    for name, text in (("validate", "check a job without starting anything"), ("run", "validate, then run a job"),
+                       ("prepare", "validate, then tokenize and pack the job's data into its token store (reused by run)")):
         c = sub.add_parser(name, help=text)
         c.add_argument("job", help="job YAML file")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field, e.g. --set training.max_steps=20 (repeatable)")
         c.add_argument("--json", action="store_true", help="machine-readable problems on stdout")
         c.add_argument("--skip-probes", action="store_true", help="schema and arithmetic only: no file, model or storage probes")
-    sub.choices["run"].add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    for name in ("run", "prepare"):
+        sub.choices[name].add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
     q = sub.add_parser("quickstart", help="make the offline demo model and data, then run jobs/quickstart.yaml")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e = sub.add_parser("export", help="write a plain HF model/adapter from a run's latest (or given) checkpoint")
@@ -58,7 +60,7 @@ def _report(report, as_json: bool) -> None:
 def cmd_validate(args) -> int:
     # `run` needs what `validate` may only note: the driver itself must reach storage and MLflow.
     report = preflight.check(args.job, args.overrides, probes=not args.skip_probes,
-                             network_required=args.command == "run")
+                             network_required=args.command in ("run", "prepare"))
     if report.errors:
         if not args.json:
             print(f"{args.job}: {len(report.errors)} problem(s); nothing was started:", file=sys.stderr)
@@ -97,6 +99,24 @@ def cmd_run(args) -> int:
     return EXIT_OK
 
 
+def cmd_prepare(args) -> int:
+    """The first phase of `run` on its own: a later run (or another job on the same data,
+    tokenizer and settings) finds the store and tokenizes nothing."""
+    code = cmd_validate(args)
+    if code != EXIT_OK:
+        return code
+    spec, _ = preflight.check_job(args.job, args.overrides, probes=False)
+    from . import launcher
+
+    try:
+        store = launcher.prepare_data(spec, address=args.address)
+    except JobError as exc:
+        print(f"raytrain: preparing {spec.name}'s data failed: {user_message(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"[raytrain] token store ready: {store.describe()}")
+    return EXIT_OK
+
+
 def cmd_quickstart(args) -> int:
     from .demo_assets import make_all
 
@@ -126,7 +146,7 @@ def cmd_k8s(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"validate": cmd_validate, "run": cmd_run, "quickstart": cmd_quickstart,
+    return {"validate": cmd_validate, "run": cmd_run, "prepare": cmd_prepare, "quickstart": cmd_quickstart,
             "export": cmd_export, "k8s": cmd_k8s}[args.command](args)
 
 

@@ -8,7 +8,6 @@ worker never runs on a dict nobody checked.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,9 +48,9 @@ class DataSpec(Section):
     pack: bool = True
     """Concatenate samples (separated by EOS) into full `seq_len` rows; otherwise pad each sample."""
     shuffle: bool = True
-    """Shuffle rows within a window; the order depends only on `training.seed` and the epoch."""
+    """Shuffle each epoch differently: blocks of 64 packed rows are permuted over the whole dataset, then rows within a window; the order depends only on `training.seed`, the epoch and the prepared rows."""
     shuffle_window: int = Field(1024, gt=0)
-    """Rows per deterministic shuffle window."""
+    """Rows shuffled together after the block permutation (rounded down to whole blocks of 64)."""
     bad_rows: Literal["skip", "fail"] = "skip"
     """A row that is empty, of the wrong type, or has invalid chat roles: `skip` counts it (reported in MLflow), `fail` stops the job naming file and row."""
 
@@ -93,7 +92,7 @@ class TrainingSpec(Section):
     lora: LoraSpec = LoraSpec()
     """LoRA settings, used when `finetune: lora`."""
     global_batch_size: int = Field(32, gt=0)
-    """Sequences per optimizer step over all workers; fixed for the whole job, whatever the worker count."""
+    """Sequences per optimizer step over all workers; fixed for the whole job, whatever the worker count (each of N workers gets ceil or floor of global/N, so any N up to it works)."""
     micro_batch_size: int = Field(4, gt=0)
     """Sequences per forward pass on one worker; gradient accumulation fills the rest of the global batch."""
     max_steps: int = Field(100, gt=0)
@@ -218,17 +217,14 @@ class JobSpec(Section):
     """MLflow."""
 
     @model_validator(mode="after")
-    def _batch_splits_for_every_worker_count(self):
+    def _every_rank_gets_rows(self):
+        # Any worker count splits a global batch (ranks get ceil or floor of G/N rows), as long
+        # as no rank is left without a row.
         lo, hi = self.scaling.worker_range
-        gbs, mbs = self.training.global_batch_size, self.training.micro_batch_size
-        bad = [n for n in range(lo, hi + 1) if gbs % (mbs * n)]
-        if bad:
-            step = math.lcm(*(mbs * n for n in range(lo, hi + 1)))
-            fix = max(step, round(gbs / step) * step)
-            raise ValueError(
-                f"training.global_batch_size={gbs} is not micro_batch_size({mbs}) x accumulation x workers "
-                f"for workers={bad}; use global_batch_size={fix} (a multiple of {step}) or change micro_batch_size"
-            )
+        gbs = self.training.global_batch_size
+        if gbs < hi:
+            raise ValueError(f"training.global_batch_size={gbs} is smaller than the {hi} workers the job may run with: "
+                             f"some ranks would get no rows; use global_batch_size >= {hi} or at most {gbs} workers")
         return self
 
     @model_validator(mode="after")
@@ -260,7 +256,9 @@ class JobSpec(Section):
 
     # Derived quantities the launcher and workers share.
     def accumulation_steps(self, world_size: int) -> int:
-        return self.training.global_batch_size // (self.training.micro_batch_size * world_size)
+        """Micro-batches per step on every rank: enough for the largest slice, ceil(G/N) rows."""
+        rows = -(-self.training.global_batch_size // world_size)
+        return -(-rows // self.training.micro_batch_size)
 
     @property
     def run_dir(self) -> str:

@@ -8,9 +8,13 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import control, faults, preemption, tracking
-from .export import write_job_file
+from .checkpoint import STATE_FILE, TrainState
+from .data import prepare
+from .data.store import TokenStore
+from .export import latest_checkpoint, write_job_file
 from .config import JobSpec
 from .errors import JobError, forward_worker_stdout_only, user_message
 
@@ -61,11 +65,11 @@ def runtime_env(spec: JobSpec) -> dict:
     return {"env_vars": env}
 
 
-def build_trainer(spec: JobSpec, run_id: str):
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+def build_trainer(spec: JobSpec, run_id: str, store: TokenStore):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from . import data, worker
+    from . import worker
 
     lo, hi = spec.scaling.worker_range
     scaling = ScalingConfig(num_workers=lo if lo == hi else (lo, hi), use_gpu=spec.scaling.use_gpu,
@@ -75,14 +79,32 @@ def build_trainer(spec: JobSpec, run_id: str):
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
                     failure_config=FailureConfig(max_failures=spec.failure.max_failures),
                     worker_runtime_env=runtime_env(spec))
-    # Built before DataConfig: it sets preserve_order on the DataContext that DataConfig's
-    # default ingest options copy (every worker must see the same order).
-    dataset = data.build_dataset(spec)
-    return TorchTrainer(worker.train_func, train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id},
-                        scaling_config=scaling, run_config=run, datasets={"train": dataset},
-                        # Not split: every worker reads the one ordered stream and takes its
-                        # slice of each global batch by position (see data.py for why).
-                        dataset_config=DataConfig(datasets_to_split=[]))
+    # No Ray Data inside the training workers: each rank reads its rows of each global
+    # batch straight from the prepared token store (see raytrain/data/).
+    return TorchTrainer(worker.train_func, scaling_config=scaling, run_config=run,
+                        train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id, "store": store.uri})
+
+
+def prepare_data(spec: JobSpec, address: str | None = None) -> TokenStore:
+    """`raytrain prepare`: the token store alone, on the cluster's CPUs."""
+    connect(spec, address)
+    try:
+        return prepare.ensure_store(spec)
+    except BaseException as exc:
+        message = user_message(exc)
+        if message:
+            raise JobError(message) from None
+        raise
+
+
+def _resuming_on_same_data(spec: JobSpec, store: TokenStore) -> None:
+    """Refuse, before any worker starts, to resume a run on data that changed under it."""
+    try:
+        latest = latest_checkpoint(spec.run_dir)
+    except FileNotFoundError:
+        return
+    state = TrainState.from_json(Path(latest, STATE_FILE).read_text())
+    state.require_same_data(store.key, latest)
 
 
 def _stop_on_signals(job_control) -> None:
@@ -110,7 +132,9 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
           f"workers {spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
           flush=True)
     try:
-        result = build_trainer(spec, run_id).fit()
+        store = prepare.ensure_store(spec)
+        _resuming_on_same_data(spec, store)
+        result = build_trainer(spec, run_id, store).fit()
     except BaseException as exc:
         _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         message = user_message(exc)

@@ -20,7 +20,8 @@ from . import checkpoint, faults, telemetry
 from .checkpoint import TrainState
 from .preemption import DRIVER_STOP, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 from .config import JobSpec
-from .data import IGNORE, GlobalBatches
+from .data import IGNORE
+from .data.batches import GlobalBatches
 
 
 def lr_at(step: int, spec: JobSpec) -> float:
@@ -90,7 +91,6 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         state.step += 1
         state.data = batches.position
         state.tokens_seen += int(t.global_batch_size * spec.data.seq_len)
-        state.bad_rows += batch.bad_rows
         step_time = time.perf_counter() - step_start
         tokens_per_s = t.global_batch_size * spec.data.seq_len / step_time
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,

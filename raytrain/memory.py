@@ -252,9 +252,7 @@ def _options(spec: JobSpec, n: int):
     """Lists of alternative single changes, in the usual order of their cost to throughput;
     within a list, from the mildest to the strongest."""
     t, (lo, hi) = spec.training, spec.scaling.worker_range
-    gbs = t.global_batch_size
-    smaller = [m for m in range(t.micro_batch_size - 1, 0, -1) if all(gbs % (m * k) == 0 for k in range(lo, hi + 1))]
-    yield [Change(f"training.micro_batch_size: {m}", {"micro_batch_size": m}) for m in smaller]
+    yield [Change(f"training.micro_batch_size: {m}", {"micro_batch_size": m}) for m in range(t.micro_batch_size - 1, 0, -1)]
     if not t.activation_checkpointing:
         yield [Change("training.activation_checkpointing: true", {"activation_checkpointing": True})]
     if compute_bytes(spec) == 4:
@@ -269,9 +267,8 @@ def _options(spec: JobSpec, n: int):
         yield [Change("training.finetune: lora", {"finetune": "lora"})]
     if t.strategy != "ddp":  # more devices: the last resort, it costs money rather than speed
         key = "num_workers" if spec.scaling.num_workers else "min_workers"
-        yield [Change(f"scaling.{key}: {k}" + (f" and scaling.max_workers: {k}" if k > hi else "")
-                      + ("" if gbs % (t.micro_batch_size * k) == 0 else " (and a training.global_batch_size that splits over it)"),
-                      workers=k) for k in range(n + 1, max(64, 8 * n) + 1)]
+        yield [Change(f"scaling.{key}: {k}" + (f" and scaling.max_workers: {k}" if k > hi else ""), workers=k)
+               for k in range(n + 1, min(t.global_batch_size, max(64, 8 * n)) + 1)]
 
 
 def smallest_fix(spec: JobSpec, facts: ModelFacts, budget: float) -> tuple[str, Estimate] | None:

@@ -24,6 +24,8 @@ import pyarrow.fs as pafs
 
 from . import storage
 from .config import JobSpec
+from .data import FILE_EXTENSIONS, to_value
+from .data.sources import list_sources, sample_rows
 from .problems import NOTE, Problem, did_you_mean
 
 TIMEOUT_S = 3.0
@@ -71,8 +73,6 @@ def unreachable(field: str, value: str, why: str, network_required: bool, kind: 
 
 # ---------------------------------------------------------------- dataset
 def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
-    from .data import FILE_EXTENSIONS
-
     path = spec.data.path
     host = _object_store_host(path)
     why = _resolve_error(host) if host else None
@@ -80,19 +80,14 @@ def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem
         return [unreachable("data.path", path, why, network_required, "data")]
     try:
         fs, root = storage.filesystem(path)
-        info = fs.get_file_info(root)
-        if info.type == pafs.FileType.NotFound:
+        if fs.get_file_info(root).type == pafs.FileType.NotFound:
             return [Problem("data.path", repr(path), "no such file or folder; give a .jsonl/.json/.parquet file or a folder of them", "data")]
-        if info.type == pafs.FileType.File:
-            files = [root]
-        else:
-            found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-            files = sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.rsplit(".", 1)[-1] in FILE_EXTENSIONS)
-        if not files or files[0].rsplit(".", 1)[-1] not in FILE_EXTENSIONS:
+        files = [s.path for s in list_sources(fs, root)]  # the files the prepare step reads, by the same rule
+        if not files:
             return [Problem("data.path", repr(path), f"no .{', .'.join(FILE_EXTENSIONS)} files there "
                             "(the only formats raytrain reads); convert the data or point at the right folder", "data")]
-        rows = [(f, n, raw) for f in files[:SAMPLE_FILES] for n, raw in first_rows(fs, f)]
-    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not parquet, ...: a message, not a traceback
+        rows = [(f, n, raw) for f in files[:SAMPLE_FILES] for n, raw in sample_rows(fs, f, SAMPLE_ROWS)]
+    except (OSError, ValueError) as exc:  # unreadable, not a JSON array, not parquet, ...: a message, not a traceback
         text = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if host and _UNREACHABLE.search(text):
             return [unreachable("data.path", path, text, network_required, "data")]
@@ -100,46 +95,30 @@ def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem
     return row_problems(spec, rows, path)
 
 
-def first_rows(fs, file: str) -> list[tuple[int, str]]:
-    """(row number, raw JSON text) of a file's first rows, numbered as the run numbers them."""
-    if file.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        with fs.open_input_file(file) as f:
-            batch = next(pq.ParquetFile(f).iter_batches(batch_size=SAMPLE_ROWS), None)
-        rows = batch.to_pylist() if batch is not None else []
-        return [(i + 1, json.dumps(r, default=str)) for i, r in enumerate(rows)]
-    with fs.open_input_stream(file) as f:
-        head = f.read(1 << 20)
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    lines = text.splitlines()
-    if len(head) == 1 << 20:
-        lines = lines[:-1]  # the last line may be cut by the read
-    return list(enumerate(lines[:SAMPLE_ROWS], start=1))
+def _decoded(row):
+    """A sample row as a JSON object where it is one (for the column check), else None."""
+    if isinstance(row, (bytes, str)):
+        try:
+            return json.loads(row)
+        except ValueError:
+            return None
+    return row
 
 
-def row_problems(spec: JobSpec, rows: list[tuple[str, int, str]], path: str) -> list[Problem]:
-    """The first rows against the format, with the same checks the run applies per row."""
-    from .data import parse_record
-
+def row_problems(spec: JobSpec, rows: list[tuple[str, int, object]], path: str) -> list[Problem]:
+    """The first rows against the format, with the same checks the prepare step applies per row."""
     d = spec.data
     column, key = (d.text_column, "data.text_column") if d.format == "text" else (d.messages_column, "data.messages_column")
     if not rows:
         return [Problem("data.path", repr(path), "the files hold no rows", "data")]
     seen, with_column, bad = set(), 0, []
     for file, n, raw in rows:
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            record = None
+        record = _decoded(raw)
         if isinstance(record, dict):
             seen |= set(record)
             with_column += column in record
         try:
-            parse_record(d, raw)
+            to_value(d, raw)
         except ValueError as why:
             bad.append(f"{file} row {n}: {why}")
     if seen and not with_column:

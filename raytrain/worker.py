@@ -13,7 +13,9 @@ import torch
 from . import checkpoint, control, loop, modeling, storage, tracking
 from .checkpoint import TrainState
 from .config import JobSpec
-from .data import GlobalBatches
+from .data.batches import GlobalBatches
+from .data.store import TokenStore
+from .errors import JobError
 from .strategies import build_strategy
 
 SAMPLE_LOG_ENV = "RAYTRAIN_SAMPLE_LOG"  # tests: a folder where each rank appends the sample ids it trained on
@@ -50,7 +52,12 @@ def train_func(config: dict) -> None:
             print(f"[raytrain] attempt {attempt}: resumed at step {resumed_from} (epoch {state.data.epoch}, "
                   f"row {state.data.offset}) with {world} workers", file=sys.stdout, flush=True)
 
-    batches = GlobalBatches(ray.train.get_dataset_shard("train"), spec, rank, world, state.data)
+    store = TokenStore.open(config["store"])
+    if store is None:
+        raise JobError(f"the token store {config['store']} is gone or incomplete; run `raytrain prepare` again")
+    state.require_same_data(store.key, f"the checkpoint at step {state.step}")
+    state.bad_rows = store.bad_rows
+    batches = GlobalBatches(store, spec, rank, world, state.data)
     state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(rank, world))
 
     if spec.checkpoint.export_final and not state.stopped:

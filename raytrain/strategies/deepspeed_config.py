@@ -74,7 +74,9 @@ def generate(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
     if t.offload.params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": gpu}
     config: dict[str, Any] = {
-        "train_batch_size": t.global_batch_size,
+        # DeepSpeed's own bookkeeping wants micro x accumulation x world; raytrain feeds ceil(G/N)
+        # rows a rank at most (padding rows where a slice is short) and scales the loss itself.
+        "train_batch_size": t.micro_batch_size * spec.accumulation_steps(world_size) * world_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": spec.accumulation_steps(world_size),
         "gradient_clipping": float(t.grad_clip) if t.grad_clip else 0.0,  # 0 disables clipping in DeepSpeed

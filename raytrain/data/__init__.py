@@ -1,0 +1,18 @@
+"""Data: prepare once into a token store, then every rank reads only its rows.
+
+records  one source row -> token ids and labels (the format rules), packing
+sources  the source files, their fingerprints, and read units that depend on the files alone
+prepare  the Ray Data job that tokenizes and packs every unit into a store (driver + cluster CPUs)
+store    a prepared store: manifest written last, random reads of whole rows
+order    the global order, a pure function of (seed, epoch, rows); each rank's slice
+batches  this rank's micro-batches of each global batch, prefetched (training workers)
+
+Importing this package loads neither torch nor Ray: `raytrain validate` uses it.
+"""
+
+from .order import DataPosition, GlobalOrder, rank_slice
+from .records import CHAT_ROLES, IGNORE, encode_chat, encode_row, encode_text, pack, pad_rows, parse_record, to_value
+from .sources import FILE_EXTENSIONS
+
+__all__ = ["CHAT_ROLES", "DataPosition", "FILE_EXTENSIONS", "GlobalOrder", "IGNORE", "encode_chat", "encode_row",
+           "encode_text", "pack", "pad_rows", "parse_record", "rank_slice", "to_value"]

@@ -1,0 +1,148 @@
+"""Source files: what they are (a fingerprint for the store key), and how they are cut
+into read units that depend only on the files themselves.
+
+A unit is what one prepare task reads, tokenizes and packs on its own:
+- JSON Lines (`.jsonl`, or `.json` whose first character is not `[`): a byte range of
+  `unit_bytes`; a unit owns every line whose first byte lies in its range (Hadoop's split
+  rule), so a range boundary never cuts a row and nothing depends on how many CPUs read.
+  Lines split on `\\n` only: a U+2028 inside a JSON string is data, not a line break.
+- A JSON array (`.json` starting with `[`): the whole file (it must be parsed whole).
+- Parquet: one row group.
+Every source is read streaming through pyarrow's filesystem (local or s3://, gs://, ...),
+never whole into memory (a JSON array excepted).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import pyarrow.fs as pafs
+
+FILE_EXTENSIONS = ["jsonl", "json", "parquet"]
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str  # inside the filesystem
+    size: int
+    mtime_ns: int  # local mtime or the object store's Last-Modified: a rewrite changes it
+
+
+@dataclass(frozen=True)
+class Unit:
+    file: str
+    kind: str  # "lines" | "array" | "parquet"
+    start: int  # byte offset (lines) or row group (parquet)
+    stop: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def list_sources(fs: pafs.FileSystem, root: str) -> list[Source]:
+    """The data files under `root` (a file or a folder, recursively), in path order."""
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"data.path: no such file or folder: {root}")
+    infos = [info] if info.type == pafs.FileType.File else fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    files = [i for i in infos if i.type == pafs.FileType.File and i.path.rsplit(".", 1)[-1] in FILE_EXTENSIONS]
+    return sorted((Source(i.path, i.size, int(i.mtime_ns or 0)) for i in files), key=lambda s: s.path)
+
+
+def is_json_array(fs: pafs.FileSystem, path: str) -> bool:
+    if not path.endswith(".json"):
+        return False
+    with fs.open_input_file(path) as f:
+        head = f.read_at(min(4096, f.size()), 0)
+    return head.lstrip()[:1] == b"["
+
+
+def plan_units(fs: pafs.FileSystem, sources: list[Source], unit_bytes: int) -> list[Unit]:
+    units: list[Unit] = []
+    for s in sources:
+        if s.path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            with fs.open_input_file(s.path) as f:
+                groups = pq.ParquetFile(f).num_row_groups
+            units += [Unit(s.path, "parquet", g, g + 1) for g in range(groups)]
+        elif is_json_array(fs, s.path):
+            units.append(Unit(s.path, "array", 0, s.size))
+        else:
+            units += [Unit(s.path, "lines", a, min(a + unit_bytes, s.size)) for a in range(0, max(s.size, 1), unit_bytes)]
+    return units
+
+
+def read_unit(fs: pafs.FileSystem, unit: Unit) -> Iterator[bytes | object]:
+    """The unit's rows in file order: the raw bytes of each JSON Lines line, decoded objects otherwise."""
+    if unit.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        with fs.open_input_file(unit.file) as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, row_groups=[unit.start]):
+                yield from batch.to_pylist()
+    elif unit.kind == "array":
+        with fs.open_input_file(unit.file) as f:
+            raw = f.read()
+        try:
+            rows = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            at = getattr(exc, "pos", getattr(exc, "start", "?"))
+            raise ValueError(f"{unit.file}: not a valid JSON array ({getattr(exc, 'msg', exc)} at byte {at})") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{unit.file}: a .json file is a JSON array of rows or JSON Lines")
+        yield from rows
+    else:
+        with fs.open_input_file(unit.file) as f:
+            for line in owned_lines(f, unit.start, unit.stop, f.size()):
+                yield line.removesuffix(b"\r")  # decoded per row: a bad byte is that row's problem
+
+
+def owned_lines(f, start: int, stop: int, size: int) -> Iterator[bytes]:
+    """Lines (without `\\n`) whose first byte lies in [start, stop), read in chunks."""
+    pos = 0 if start == 0 else _line_start_at_or_after(f, start, size)
+    buf, base = b"", pos  # buf holds the file's bytes [base, base + len(buf))
+    while pos < stop and pos < size:
+        i = pos - base
+        nl = buf.find(b"\n", i)
+        while nl < 0 and base + len(buf) < size:
+            searched = len(buf) - i
+            buf, base = buf[i:] + f.read_at(min(CHUNK, size - base - len(buf)), base + len(buf)), pos
+            i = 0
+            nl = buf.find(b"\n", searched)
+        end = nl if nl >= 0 else len(buf)
+        yield buf[i:end]
+        pos = base + end + 1
+
+
+def _line_start_at_or_after(f, start: int, size: int) -> int:
+    """The first byte >= start that begins a line (the byte after a `\\n` at start-1 or later)."""
+    pos = start - 1
+    while pos < size:
+        chunk = f.read_at(min(CHUNK, size - pos), pos)
+        nl = chunk.find(b"\n")
+        if nl >= 0:
+            return pos + nl + 1
+        pos += len(chunk)
+    return size
+
+
+def sample_rows(fs: pafs.FileSystem, path: str, n: int) -> list[tuple[int, bytes | object]]:
+    """(row number, row) of a file's first n rows, numbered as the prepare step numbers them."""
+    kind = "parquet" if path.endswith(".parquet") else "array" if is_json_array(fs, path) else "lines"
+    if kind == "lines":
+        with fs.open_input_file(path) as f:
+            size = f.size()
+            head = f.read_at(min(size, 1 << 20), 0)
+        units = Unit(path, kind, 0, len(head) if len(head) < size else head.rfind(b"\n") + 1)
+    else:
+        units = Unit(path, kind, 0, 1)
+    out = []
+    for i, row in enumerate(read_unit(fs, units), start=1):
+        if i > n:
+            break
+        out.append((i, row))
+    return out

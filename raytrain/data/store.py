@@ -1,0 +1,105 @@
+"""A prepared token store: fixed-size rows in binary shards, and a manifest written last.
+
+Layout under `<checkpoint.storage_path>/datasets/<key>/`:
+  part-000000.bin ...  rows of int32 [input_ids | labels], 8 x seq_len bytes each, so row i
+                       of a shard is at byte i x row_bytes: one ranged read per row (or run
+                       of rows), local or on an object store, nothing else read to reach it
+  manifest.json        rows, seq_len, the shards with their row ranges and sizes, the key's
+                       inputs, the bad-row count and the first bad rows named; written last
+
+A store without its manifest, or whose shards do not have the sizes the manifest says, is
+never opened: `open()` returns None and the prepare step builds it again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.fs as pafs
+
+from .. import storage
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ReadCounters:
+    rows: int = 0
+    bytes: int = 0
+    reads: int = 0
+
+
+class TokenStore:
+    def __init__(self, uri: str, manifest: dict, fs: pafs.FileSystem, path: str):
+        self.uri, self.manifest, self.fs, self.path = uri, manifest, fs, path
+        self.key: str = manifest["key"]
+        self.rows: int = manifest["rows"]
+        self.seq_len: int = manifest["seq_len"]
+        self.bad_rows: int = manifest["bad_rows"]
+        self.row_bytes = 8 * self.seq_len
+        self._first = np.array([s["first_row"] for s in manifest["shards"]], dtype=np.int64)
+        self._files: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self.read_counters = ReadCounters()
+
+    @classmethod
+    def open(cls, uri: str) -> "TokenStore | None":
+        """The complete store at `uri`, or None (absent, half-written, or not matching its manifest)."""
+        fs, path = storage.filesystem(uri)
+        try:
+            with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
+                manifest = json.loads(f.read())
+        except (FileNotFoundError, OSError, ValueError):
+            return None
+        if manifest.get("format_version") != FORMAT_VERSION:
+            return None
+        infos = fs.get_file_info([f"{path}/{s['file']}" for s in manifest["shards"]])
+        row_bytes = 8 * manifest["seq_len"]
+        if any(i.type != pafs.FileType.File or i.size != s["rows"] * row_bytes for i, s in zip(infos, manifest["shards"])):
+            return None
+        return cls(uri, manifest, fs, path)
+
+    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids and labels [len(rows), seq_len] of the given store rows, in that order.
+        Consecutive rows of a shard are one read; nothing else is read."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), 2, self.seq_len), dtype=np.int32)
+        order = np.argsort(rows, kind="stable")
+        i = 0
+        while i < len(order):
+            j = i + 1
+            while j < len(order) and rows[order[j]] == rows[order[j - 1]] + 1:
+                j += 1
+            first = int(rows[order[i]])
+            shard = int(np.searchsorted(self._first, first, side="right")) - 1
+            end = min(j, i + int(self._first[shard] + self.manifest["shards"][shard]["rows"] - first))
+            raw = self._file(shard).read_at((end - i) * self.row_bytes, (first - self._first[shard]) * self.row_bytes)
+            out[order[i:end]] = np.frombuffer(raw, dtype=np.int32).reshape(end - i, 2, self.seq_len)
+            self.read_counters.reads += 1
+            self.read_counters.bytes += len(raw)
+            i = end
+        self.read_counters.rows += len(rows)
+        return out[:, 0], out[:, 1]
+
+    def _file(self, shard: int):
+        with self._lock:
+            if shard not in self._files:
+                self._files[shard] = self.fs.open_input_file(f"{self.path}/{self.manifest['shards'][shard]['file']}")
+            return self._files[shard]
+
+    def describe(self) -> str:
+        return (f"{self.uri} ({self.rows:,} rows of {self.seq_len} tokens from {len(self.manifest['sources'])} file(s), "
+                f"{self.bad_rows} bad row(s) skipped)")
+
+
+def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict) -> None:
+    """Last write of a prepare: to a temporary name, then moved into place (atomic locally,
+    a single object on an object store), so a reader sees the whole manifest or none."""
+    tmp = f"{path}/{MANIFEST}.tmp"
+    with fs.open_output_stream(tmp) as f:
+        f.write(json.dumps({**manifest, "format_version": FORMAT_VERSION}, indent=1).encode())
+    fs.move(tmp, f"{path}/{MANIFEST}")

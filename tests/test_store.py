@@ -1,0 +1,148 @@
+"""The token store: prepared once on the cluster (real Ray Data), identical whatever the
+parallelism, never used half-written, keyed by what changes its tokens; the global order
+as a pure function; each rank reading exactly its rows; and the same per-step losses at
+1, 2 and 3 workers, across a kill and a resume at another worker count."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+
+from chaos import final_lineage
+from conftest import make_job, metric_history
+from raytrain.data import DataPosition, GlobalOrder, rank_slice
+from raytrain.data.batches import GlobalBatches
+from raytrain.data.prepare import ensure_store
+from raytrain.data.sources import owned_lines
+from raytrain.data.store import MANIFEST, TokenStore
+
+
+# ---------------------------------------------------------------- pure: order, slices, line ownership
+def test_each_epoch_is_a_different_permutation_that_depends_only_on_seed_and_epoch():
+    order = GlobalOrder(rows=1000, seed=7, shuffle=True, window_rows=256)
+    epochs, rows = order.rows_at(np.arange(0, 2000))
+    assert (epochs[:1000] == 0).all() and (epochs[1000:] == 1).all()
+    assert sorted(rows[:1000]) == list(range(1000)) and sorted(rows[1000:]) == list(range(1000))
+    assert not np.array_equal(rows[:1000], rows[1000:])
+    again = GlobalOrder(rows=1000, seed=7, shuffle=True, window_rows=256)
+    seek = again.rows_at(np.arange(1500, 1600))[1]  # a fresh reader seeks without walking
+    assert np.array_equal(seek, rows[1500:1600])
+    assert not np.array_equal(GlobalOrder(1000, 8, True, 256).rows_at(np.arange(1000))[1], rows[:1000])
+    assert np.array_equal(GlobalOrder(1000, 7, False, 256).rows_at(np.arange(1000))[1], np.arange(1000))
+
+
+@pytest.mark.parametrize("global_batch", [8, 9, 512])
+def test_rank_slices_tile_the_global_batch_at_any_worker_count(global_batch):
+    for world in range(1, min(global_batch, 64) + 1):
+        slices = [rank_slice(global_batch, world, r) for r in range(world)]
+        assert slices[0][0] == 0 and slices[-1][1] == global_batch
+        assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
+        sizes = {stop - start for start, stop in slices}
+        assert sizes <= {global_batch // world, -(-global_batch // world)}
+
+
+def test_jsonl_units_own_every_line_once_wherever_the_boundaries_fall(tmp_path):
+    # U+2028 inside a string is data; an empty line and a last line without \n are rows too.
+    text = '{"text": "a\u2028b"}\n{"text": "c"}\n\n{"text": "dd\\n"}\r\n{"text": "last"}'.encode()
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(text)
+    fs = pafs.LocalFileSystem()
+    with fs.open_input_file(str(path)) as f:
+        for unit in range(1, len(text) + 2):
+            lines = [line for a in range(0, len(text), unit) for line in owned_lines(f, a, min(a + unit, len(text)), len(text))]
+            assert lines == text.split(b"\n"), unit
+
+
+# ---------------------------------------------------------------- the store on a real cluster
+def _tokens_hash(store: TokenStore) -> str:
+    digest = hashlib.sha256()
+    for shard in store.manifest["shards"]:
+        with store.fs.open_input_file(f"{store.path}/{shard['file']}") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its_rows(ray_address, assets, tmp_path):
+    one = ensure_store(make_job(assets, tmp_path / "a"), unit_bytes=16_384, concurrency=1)
+    four = ensure_store(make_job(assets, tmp_path / "b"), unit_bytes=16_384, concurrency=4)
+    assert one.key == four.key and len(one.manifest["shards"]) > 4
+    assert _tokens_hash(one) == _tokens_hash(four)
+    assert one.manifest["docs"] == 4000 and one.bad_rows == 0  # every source row is in it
+
+    spec = make_job(assets, tmp_path / "a", training={"global_batch_size": 10, "micro_batch_size": 2})
+    whole = GlobalBatches(one, spec, 0, 1, DataPosition())
+    ranks = [GlobalBatches(TokenStore.open(one.uri), spec, r, 3, DataPosition()) for r in range(3)]
+    for _ in range(3):
+        batch, parts = next(whole), [next(r) for r in ranks]
+        assert [s for p in parts for s in p.sample_ids] == batch.sample_ids
+        assert [len(p.micro_batches) for p in parts] == [2, 2, 2]  # 4, 3, 3 rows: the same forward count
+    for r in ranks:
+        r.close()
+    # 3 steps and the prefetched 4th: exactly its slices (4, 3, 3 rows), nothing read to skip or discard
+    assert [r.store.read_counters.rows for r in ranks] == [16, 12, 12]
+    resumed = GlobalBatches(one, spec, 0, 1, whole.position)  # a resume seeks to its position
+    assert next(resumed).sample_ids == next(whole).sample_ids
+
+
+def test_a_half_written_store_is_never_used_and_a_changed_source_gets_a_new_store(ray_address, assets, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text((assets / "text.jsonl").read_text().splitlines(keepends=True)[0] * 50)
+    spec = make_job(assets, tmp_path / "runs", data={"path": str(data)})
+    store = ensure_store(spec)
+    Path(store.path, MANIFEST).unlink()  # killed before its last write
+    assert TokenStore.open(store.uri) is None
+    rebuilt = ensure_store(spec)
+    assert rebuilt.key == store.key and rebuilt.rows == store.rows
+    shard = Path(store.path, store.manifest["shards"][0]["file"])
+    shard.write_bytes(shard.read_bytes()[:-8])  # a shard shorter than its manifest says
+    assert TokenStore.open(store.uri) is None
+    data.write_text(data.read_text() + data.read_text().splitlines(keepends=True)[0])
+    assert ensure_store(spec).key != store.key
+
+
+# ---------------------------------------------------------------- training at 1, 2 and 3 workers
+@pytest.mark.slow
+def test_same_losses_at_one_two_and_three_workers_across_a_kill_and_a_resize(ray_address, assets, tmp_path,
+                                                                               monkeypatch):
+    from raytrain import launcher
+    from raytrain.errors import JobError
+
+    data = tmp_path / "rows.jsonl"  # 60 rows, one per training row: 7.5 global batches an epoch
+    data.write_text("".join(line + "\n" for line in (assets / "text.jsonl").read_text().splitlines()[:60]))
+
+    def job(name, storage, workers, steps=10, **over):
+        return make_job(assets, storage, name=name, data={"path": str(data), "pack": False, "seq_len": 48},
+                        training={"finetune": "full", "max_steps": steps}, scaling={"num_workers": workers},
+                        checkpoint={"every_n_steps": 4, "export_final": False}, **over)
+
+    one = job("w1", tmp_path / "one", 1)
+    reference = metric_history(one, launcher.run(one).run_id)
+
+    monkeypatch.setenv("RAYTRAIN_SAMPLE_LOG", str(tmp_path / "samples"))
+    (tmp_path / "samples").mkdir()
+    monkeypatch.setenv("RAYTRAIN_FAULTS", json.dumps({"dir": str(tmp_path), "faults": [
+        {"at": "step", "step": 6, "rank": 1, "action": "exit"}]}))
+    three = job("resize", tmp_path / "runs", 3, failure={"max_failures": 0})
+    with pytest.raises(Exception):
+        launcher.run(three)  # rank 1 dies at step 6; the step-4 checkpoint committed
+    two = job("resize", tmp_path / "runs", 2)
+    result = launcher.run(two)  # the same run directory, resumed on 2 workers
+    losses = metric_history(two, result.run_id)
+    assert sorted(losses) == list(range(1, 11))
+    assert np.allclose([losses[s] for s in range(1, 11)], [reference[s] for s in range(1, 11)], rtol=1e-5, atol=0)
+
+    lineage = final_lineage(tmp_path / "samples")
+    assert [lineage[s]["world"] for s in range(1, 11)] == [3] * 4 + [2] * 6
+    assert all(len(lineage[s]["samples"]) == 8 for s in lineage)
+    epoch0 = [tuple(x) for s in sorted(lineage) for x in lineage[s]["samples"] if x[0] == 0]
+    assert sorted(epoch0) == [(0, i) for i in range(60)]  # every row of the epoch exactly once
+
+    data.write_text(data.read_text() + data.read_text().splitlines(keepends=True)[0])
+    more = job("resize", tmp_path / "runs", 2, steps=12)
+    with pytest.raises(JobError, match="the data changed under a running job"):
+        launcher.run(more)
