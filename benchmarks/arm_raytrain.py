@@ -1,14 +1,13 @@
 """The raytrain arm: `raytrain run job.yaml`, the product's submit path, in this process.
 
     python -m benchmarks.arm_raytrain JOB.yaml [--address ADDR] [--probe-log DIR] [--blocking-check]
-                     [--torch-threads N] [--early-data] [--ckpt timed --ckpt-log DIR]
+                     [--torch-threads N] [--ckpt timed --ckpt-log DIR]
 
 Without options this is exactly `raytrain run JOB.yaml` (pre-flight, local Ray cluster or
 --address, MLflow run, TorchTrainer). --probe-log times the per-step stop check in the
 workers; --blocking-check and --torch-threads 2 put back what raytrain did before P1's fixes
 (a blocking per-step stop check, probe.py; torch's thread pool sized by the core count, not by
-the worker's CPUs), for P1's "before" arm; --early-data starts
-the data pipeline before the model build (P2's prototype, startup_proto.py); --ckpt times the parts of
+the worker's CPUs), for P1's "before" arm; --ckpt times the parts of
 each checkpoint save (P5, ckpt_timing.py). All work by
 handing Ray Train a train function that patches the worker, then runs raytrain's own.
 """
@@ -20,12 +19,12 @@ import sys
 
 
 def make_train_func(ckpt: str | None, ckpt_log: str | None, probe_log: str | None, blocking_check: bool,
-                    early_data: bool, torch_threads: int | None):
-    from benchmarks import ckpt_timing, probe, startup_proto
+                    torch_threads: int | None):
+    from benchmarks import ckpt_timing, probe
 
     # Functions, not modules, in the closure: cloudpickle ships these by value (see main).
     install_ckpt, install_probe, dump_probe = ckpt_timing.install, probe.install, probe.dump
-    install_blocking_check, install_early_data = probe.install_blocking_check, startup_proto.install
+    install_blocking_check = probe.install_blocking_check
 
     def train_func(config: dict) -> None:
         import ray.train
@@ -37,8 +36,6 @@ def make_train_func(ckpt: str | None, ckpt_log: str | None, probe_log: str | Non
             torch.set_num_threads = lambda _n, _set=torch.set_num_threads: _set(torch_threads)
         if ckpt:
             install_ckpt(ckpt, ckpt_log)
-        if early_data:
-            install_early_data()
         if blocking_check:
             install_blocking_check()  # before the probe, so that the probe times it
         if probe_log:
@@ -60,19 +57,18 @@ def main() -> int:
     p.add_argument("--ckpt-log")
     p.add_argument("--probe-log")
     p.add_argument("--blocking-check", action="store_true", help="P1's before arm: the per-step stop check before P1")
-    p.add_argument("--early-data", action="store_true", help="P2's prototype: start the data before the model build")
     p.add_argument("--torch-threads", type=int, help="P1's before arm: torch threads per worker (raytrain: Ray's CPU share)")
     args = p.parse_args()
-    if args.ckpt or args.probe_log or args.blocking_check or args.early_data or args.torch_threads:
+    if args.ckpt or args.probe_log or args.blocking_check or args.torch_threads:
         import cloudpickle
 
-        from benchmarks import ckpt_timing, probe, startup_proto
+        from benchmarks import ckpt_timing, probe
         from raytrain import worker
 
         # Shipped to the workers by value: they need not find the benchmarks folder on their path.
-        for module in (ckpt_timing, probe, startup_proto):
+        for module in (ckpt_timing, probe):
             cloudpickle.register_pickle_by_value(module)
-        worker.train_func = make_train_func(args.ckpt, args.ckpt_log, args.probe_log, args.blocking_check, args.early_data,
+        worker.train_func = make_train_func(args.ckpt, args.ckpt_log, args.probe_log, args.blocking_check,
                                             args.torch_threads)  # read by launcher.build_trainer
     from raytrain.cli import main as raytrain_main
 

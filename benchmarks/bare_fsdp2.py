@@ -1,14 +1,12 @@
 """The bare baseline: a plain torchrun FSDP2 (or, with --fsdp1, FSDP1) training script.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node 2 \
-        benchmarks/bare_fsdp2.py --model M --data D --seq-len 128 --global-batch 16 --micro-batch 4 --steps 25
+        benchmarks/bare_fsdp2.py --model M --store URI --seq-len 128 --global-batch 16 --micro-batch 4 --steps 25
 
 No Ray, no raytrain: torch and transformers only. It does the work raytrain does per step,
 so that the difference between the two is framework overhead and nothing else:
-- the same packed rows in the same order: text + EOS per row, packed per 256 input rows
-  (Ray Data's batch) within read blocks of 1000 rows (what Ray Data's reader makes of a
-  jsonl file here: measured, see --read-block), shuffled in windows of 256 packed rows with the same numpy seeds,
-  rank r taking its slice of each global batch (mirrors raytrain.data);
+- the same packed rows in the same order: read from the job's token store (`raytrain prepare`)
+  in raytrain's global order, rank r taking its slice of each global batch;
 - the same loss: sum of token cross-entropy / global label tokens x world size, with the
   same two all-reduces (token count, logged loss) and no gradient sync until the last
   micro-batch; AdamW (betas 0.9/0.95), clipping at 1.0, the same warmup + cosine LR;
@@ -23,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -40,15 +39,14 @@ IGNORE = -100
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--data", required=True, help="jsonl with a `text` column")
+    p.add_argument("--store", required=True, help="a raytrain token store (raytrain prepare) of the job's data")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--read-block", type=int, default=1000, help="rows per Ray Data read block (batches never span two)")
-    p.add_argument("--window", type=int, default=256, help="shuffle window, in packed rows")
+    p.add_argument("--window", type=int, default=256, help="data.shuffle_window of the job, in packed rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fsdp1", action="store_true", help="FullyShardedDataParallel (FSDP1) instead of fully_shard")
     p.add_argument("--gpu", action="store_true", help="CUDA + NCCL, bf16 compute with fp32 reduction")
@@ -61,46 +59,22 @@ def rss_gb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def packed_rows(args, tok) -> tuple[np.ndarray, np.ndarray]:
-    """Every row of the file as packed (input_ids, labels), in file order."""
-    with open(args.data) as f:
-        texts = [json.loads(line)["text"] for line in f if line.strip()]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids_out, labels_out = [], []
-    # Ray Data's map_batches(batch_size=256) packs per batch, and a batch never spans two read blocks.
-    starts = [b + k for b in range(0, len(texts), args.read_block) for k in range(0, min(args.read_block, len(texts) - b), 256)]
-    for start in starts:
-        end = min(start + 256, (start // args.read_block + 1) * args.read_block, len(texts))
-        ids = np.concatenate([np.asarray(tok(t)["input_ids"] + [tok.eos_token_id], np.int64) for t in texts[start:end]])
-        rows = -(-len(ids) // args.seq_len)
-        flat_ids = np.full(rows * args.seq_len, pad, np.int64)
-        flat_labels = np.full(rows * args.seq_len, IGNORE, np.int64)
-        flat_ids[: len(ids)], flat_labels[: len(ids)] = ids, ids
-        ids_out.append(flat_ids.reshape(rows, args.seq_len))
-        labels_out.append(flat_labels.reshape(rows, args.seq_len))
-    return np.concatenate(ids_out), np.concatenate(labels_out)
+def batches(args, rank: int, world: int):
+    """This rank's micro-batches of consecutive global batches: the rows raytrain trains on,
+    read from the same token store in the same global order (raytrain.data's reader parts;
+    no Ray, no prefetch thread)."""
+    from raytrain.data import GlobalOrder, rank_slice
+    from raytrain.data.store import TokenStore
 
-
-def epoch_order(n: int, window: int, seed: int, epoch: int) -> np.ndarray:
-    """Window-shuffled order of one epoch (raytrain.data.window_order, window by window)."""
-    parts = []
-    for w, start in enumerate(range(0, n, window)):
-        size = min(window, n - start)
-        parts.append(start + np.random.default_rng([seed, epoch, w]).permutation(size))
-    return np.concatenate(parts)
-
-
-def batches(args, ids, labels, rank: int, world: int):
-    """This rank's micro-batches of consecutive global batches, epoch after epoch."""
-    per_rank = args.global_batch // world
-    epoch, stream = 0, []
-    while True:
-        while len(stream) < args.global_batch:
-            stream.extend(epoch_order(len(ids), args.window, args.seed, epoch).tolist())
-            epoch += 1
-        mine, stream = stream[rank * per_rank:(rank + 1) * per_rank], stream[args.global_batch:]
-        yield [(torch.from_numpy(ids[mine[s:s + args.micro_batch]]), torch.from_numpy(labels[mine[s:s + args.micro_batch]]))
-               for s in range(0, per_rank, args.micro_batch)]
+    store = TokenStore.open(args.store)
+    order = GlobalOrder(store.rows, args.seed, True, args.window)
+    start, stop = rank_slice(args.global_batch, world, rank)
+    micro = -(-(-(-args.global_batch // world)) // args.micro_batch)
+    for first in itertools.count(0, args.global_batch):
+        _, rows = order.rows_at(np.arange(first + start, first + stop))
+        ids, labels = store.read(rows)
+        yield [(torch.from_numpy(ids[part]).long(), torch.from_numpy(labels[part]).long())
+               for part in np.array_split(np.arange(len(rows)), micro)]
 
 
 def build(args, device, world: int):
@@ -154,11 +128,8 @@ def main() -> None:
     if args.gpu:
         torch.cuda.set_device(device)
     start_rss = rss_gb()
-    from transformers import AutoTokenizer
-
-    ids, labels = packed_rows(args, AutoTokenizer.from_pretrained(args.model))
     model, params, optimizer = build(args, device, world)
-    data = batches(args, ids, labels, rank, world)
+    data = batches(args, rank, world)
     step_log = os.environ.get("RAYTRAIN_SAMPLE_LOG")
     timings: dict[str, list[float]] = {k: [] for k in ("step_time_s", "data_wait_s", "forward_backward_s", "optimizer_s", "loss")}
     for step in range(args.steps):

@@ -2,8 +2,7 @@
 
 P1  steady step period, raytrain (Ray Train, FSDP2) / bare torchrun FSDP2.   goal <= 1.02
 P2  submit -> first finished step, raytrain / bare torchrun (raytrain cold: it starts its
-    own local Ray cluster, as `raytrain run` does; warm: joins a running one, as on a cluster;
-    early: cold, with the data pipeline started before the model build, startup_proto.py).
+    own local Ray cluster, as `raytrain run` does; warm: joins a running one, as on a cluster).
 P7  FSDP2 / FSDP1 tokens/s and peak memory, both bare.
 P8  ZeRO-3 / FSDP2 step period and peak memory, both through raytrain.
 """
@@ -119,14 +118,13 @@ def p2(s: h.Setting) -> dict:
     h.header("P2 submit -> first finished step: raytrain / bare torchrun", s)
     s = h.with_overrides(s, steps=3)
     model, data = h.assets(s)
-    # raytrain-early: cold, with startup_proto.py's prototype (the data starts before the model build).
-    first = {"raytrain-cold": [], "raytrain-warm": [], "torchrun": [], "raytrain-early": []}
+    first = {"raytrain-cold": [], "raytrain-warm": [], "torchrun": []}
     milestones: dict[tuple[str, str], list[float]] = {}
     for arm in h.alternate(s.reps, list(first)):
         if arm == "torchrun":
             r = bare_arm(s, "p2-torchrun", model, data)
-        elif arm in ("raytrain-cold", "raytrain-early"):
-            r = raytrain_arm(s, f"p2-{arm}", model, data, *(["--early-data"] if arm == "raytrain-early" else []))
+        elif arm == "raytrain-cold":
+            r = raytrain_arm(s, f"p2-{arm}", model, data)
         else:
             with warm_cluster(s) as address:
                 r = raytrain_arm(s, "p2-warm", model, data, "--address", address)
@@ -146,13 +144,11 @@ def p2(s: h.Setting) -> dict:
                          first["torchrun"], fmt=".2f")
     warm = h.ratio_line("P2 submit -> first step, running cluster", "raytrain", first["raytrain-warm"], "torchrun",
                         first["torchrun"], fmt=".2f")
-    early = h.ratio_line("P2 submit -> first step, own local cluster, prototype early data start", "raytrain-early",
-                         first["raytrain-early"], "torchrun", first["torchrun"], fmt=".2f")
-    for arm in ("raytrain-cold", "raytrain-warm", "raytrain-early"):
+    for arm in ("raytrain-cold", "raytrain-warm"):
         print(f"P2 {arm} milestones (median s after launch): " + ", ".join(
             f"{name} {h.median(v):.2f}" for (a, name), v in milestones.items() if a == arm)
             + f", first step {h.median(first[arm]):.2f}", flush=True)
-    return {"ratio": ratio, "ratio_warm": warm, "ratio_early_data": early, "first": first}
+    return {"ratio": ratio, "ratio_warm": warm, "first": first}
 
 
 # Lines of `raytrain run`'s own output (the driver's, not forwarded from workers) that mark its start-up.

@@ -199,9 +199,22 @@ def raytrain_command(job_file: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "benchmarks.arm_raytrain", str(job_file), *extra]
 
 
+def prepared_store(s: Setting, model: Path, data: Path) -> str:
+    """The token store of this setting's job (what the bare arm reads), prepared once by
+    the product's own `raytrain prepare` into the cache."""
+    folder = CACHE / "stores"
+    job_file = write_job(job(s, "store", folder, model, data), folder / f"{s.name}-{s.seq_len}")
+    proc = subprocess.run([sys.executable, "-m", "raytrain", "prepare", str(job_file)], capture_output=True, text=True,
+                          timeout=900, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("[raytrain] token store ready: ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"raytrain prepare failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return line.removeprefix("[raytrain] token store ready: ").split(" (")[0]
+
+
 def torchrun_command(s: Setting, model: Path, data: Path, out_json: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={s.workers}",
-            str(REPO / "benchmarks" / "bare_fsdp2.py"), "--model", str(model), "--data", str(data),
+            str(REPO / "benchmarks" / "bare_fsdp2.py"), "--model", str(model), "--store", prepared_store(s, model, data),
             "--seq-len", str(s.seq_len), "--global-batch", str(s.global_batch), "--micro-batch", str(s.micro_batch),
             "--steps", str(s.steps), "--out", str(out_json), *(["--gpu"] if s.gpu else []), *extra]
 

@@ -1,6 +1,6 @@
 """P3-P6: what raytrain does around the steps: data, restarts, checkpoints, memory.
 
-P3  Ray Data wait as a share of step time; ingest rows/s (pipeline alone) vs rows/s consumed.
+P3  the data reader's wait as a share of step time (the token store itself: datastore.py, D1-D5).
 P4  restart latency (kill -> first resumed step) / cold start (submit -> first step).
 P5  time training is blocked by a save: async prototype / raytrain's synchronous save.  goal <= 0.1
 P6  peak memory per rank / raytrain.memory's formula (the pre-flight estimate).
@@ -9,7 +9,6 @@ P6  peak memory per rank / raytrain.memory's formula (the pre-flight estimate).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from . import harness as h
@@ -17,45 +16,19 @@ from .compare import raytrain_arm, steady
 
 
 # ---------------------------------------------------------------- P3
-INGEST_ROWS = 20_000  # packed rows the ingest arm reads: one epoch of the quick data (about 3,700) or this many
-
-
 def p3(s: h.Setting) -> dict:
-    h.header("P3 Ray Data: wait share of the step; ingest vs consumption", s)
+    h.header("P3 data: the reader's wait as a share of the step", s)
     model, data = h.assets(s)
-    share, consume, ingest, overall, first_wait = [], [], [], [], []
-    for arm in h.alternate(s.reps, ["train", "ingest"]):
-        if arm == "train":
-            r = raytrain_arm(s, "p3-train", model, data)
-            wait, step = r["data_wait_s"], r["step_time_s"]
-            share.append(steady({k: wait[k] / step[k] for k in step}, s.warmup))
-            first_wait.append(wait[1])
-            consume.append(s.global_batch / r["run"].period_s(s.warmup))  # every worker reads the whole stream
-            print(f"    train: data wait {share[-1]:.2%} of the steady step (step 1 waited {wait[1]:.2f} s), "
-                  f"consumes {consume[-1]:.1f} rows/s", flush=True)
-        else:
-            folder = h.scratch("p3-ingest")
-            try:
-                job_file = h.write_job(h.job(s, "p3-ingest", folder / "runs", model, data), folder)
-                out = folder / "ingest.json"
-                h.run_arm("ingest", [sys.executable, "-m", "benchmarks.ingest", str(job_file), "--rows",
-                                     str(INGEST_ROWS), "--out", str(out)],
-                          folder / "steps", timeout_s=s.timeout_s)
-                result = json.loads(out.read_text())
-            finally:
-                h.cleanup(folder)
-            ingest.append(result["steady_rows_per_s"])
-            overall.append(result["overall_rows_per_s"])
-            print(f"    ingest alone: {ingest[-1]:.1f} rows/s after the first window ({ingest[-1] * s.seq_len:,.0f} "
-                  f"tokens/s), {overall[-1]:.1f} rows/s over {result['rows']} rows counting start-up; first window "
-                  f"{result['first_window_s']:.2f} s after the cluster was up", flush=True)
+    share, first_wait = [], []
+    for _ in range(s.reps):
+        r = raytrain_arm(s, "p3-train", model, data)
+        wait, step = r["data_wait_s"], r["step_time_s"]
+        share.append(steady({k: wait[k] / step[k] for k in step}, s.warmup))
+        first_wait.append(wait[1])
+        print(f"    train: data wait {share[-1]:.2%} of the steady step (step 1 waited {wait[1]:.3f} s)", flush=True)
     print(f"P3 data wait share of step time: median {h.median(share):.2%} (n={len(share)}, "
-          f"{min(share):.2%}..{max(share):.2%}); step 1 data wait median {h.median(first_wait):.2f} s", flush=True)
-    ratio = h.ratio_line("P3 ingest / consumption", "ingest alone", ingest, "training consumes", consume, unit="rows/s",
-                         goal=">= 1", fmt=".1f")
-    h.ratio_line("P3 ingest counting its start-up / consumption", "ingest alone", overall, "training consumes", consume,
-                 unit="rows/s", fmt=".1f")
-    return {"share": h.median(share), "ratio": ratio}
+          f"{min(share):.2%}..{max(share):.2%}); step 1 data wait median {h.median(first_wait):.3f} s", flush=True)
+    return {"share": h.median(share)}
 
 
 # ---------------------------------------------------------------- P4

@@ -251,7 +251,7 @@ class Change:
 def _options(spec: JobSpec, n: int):
     """Lists of alternative single changes, in the usual order of their cost to throughput;
     within a list, from the mildest to the strongest."""
-    t, (lo, hi) = spec.training, spec.scaling.worker_range
+    t, hi = spec.training, spec.scaling.worker_range[1]
     yield [Change(f"training.micro_batch_size: {m}", {"micro_batch_size": m}) for m in range(t.micro_batch_size - 1, 0, -1)]
     if not t.activation_checkpointing:
         yield [Change("training.activation_checkpointing: true", {"activation_checkpointing": True})]
