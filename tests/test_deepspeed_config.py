@@ -92,6 +92,9 @@ def test_cpu_test_job_config(tmp_path):
     assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 640
     # Elastic: accumulation follows the world size, the global batch does not.
     assert dsc.build(spec, world_size=1, hidden_size=64)["gradient_accumulation_steps"] == 4
+    # 3 workers: slices of 3, 3 and 2 rows, 2 micro-batches each; DeepSpeed's own arithmetic must still hold.
+    uneven = dsc.build(spec, world_size=3, hidden_size=64)
+    assert (uneven["train_batch_size"], uneven["gradient_accumulation_steps"]) == (12, 2)
 
 
 def test_offload_on_cpu_keeps_torch_adamw(tmp_path):

@@ -153,13 +153,13 @@ def section_not_a_mapping(job, tmp, assets):
 def bad_name(job, tmp, assets):
     job["name"] = "my job!"
 
-@case("training.global_batch_size = 30", "workers=[2]; use global_batch_size=")
-def batch_does_not_split(job, tmp, assets):
-    job["training"]["global_batch_size"] = 30
+@case("training.global_batch_size = 1", "some ranks would get no rows; use global_batch_size >= 2")
+def batch_smaller_than_the_workers(job, tmp, assets):
+    job["training"]["global_batch_size"] = 1
 
-@case("training.global_batch_size = 8", "workers=[3]")
-def elastic_batch_does_not_split(job, tmp, assets):
-    job["scaling"] = {"min_workers": 2, "max_workers": 4}
+@case("training.global_batch_size = 8", "the 16 workers the job may run with")
+def elastic_range_beyond_the_batch(job, tmp, assets):
+    job["scaling"] = {"min_workers": 2, "max_workers": 16}
 
 @case("training.deepspeed", "only used by strategy zero3")
 def deepspeed_block_under_fsdp2(job, tmp, assets):
@@ -357,12 +357,26 @@ def test_every_problem_is_reported_at_once(assets, tmp_path):
     """A broken section does not hide the others' problems, nor the probes of the sound ones."""
     job = base_job(assets, tmp_path)
     job["optimizer"] = {"lr": -1}
-    job["training"]["global_batch_size"] = 30
+    job["training"]["global_batch_size"] = 1
     job["data"]["path"] = str(tmp_path / "missing.jsonl")
     job["tracking"]["uri"] = f"http://127.0.0.1:{free_port()}"
     code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json")
     fields = {p["field"] for p in json.loads(out)["problems"]}
     assert code == 2 and fields == {"optimizer.lr", "training.global_batch_size", "data.path", "tracking.uri"}
+
+
+def test_a_wide_elastic_range_is_valid_and_every_worker_count_gets_its_rows(assets, tmp_path):
+    from raytrain.data import rank_slice
+
+    job = base_job(assets, tmp_path)
+    job["scaling"] = {"min_workers": 32, "max_workers": 64}
+    job["training"].update(global_batch_size=512, micro_batch_size=4)
+    code, out, err = cli("validate", str(write_job(tmp_path, job)), "--skip-probes")
+    assert code == 0, err
+    assert "workers 32..64, accumulation 2..4" in out  # ceil(512/64)=8 rows -> 2 micro-batches; ceil(512/32)=16 -> 4
+    for world in range(32, 65):
+        sizes = [b - a for a, b in (rank_slice(512, world, r) for r in range(world))]
+        assert sum(sizes) == 512 and max(sizes) - min(sizes) <= 1
 
 
 def test_validate_never_imports_torch_ray_or_deepspeed(assets, tmp_path):
@@ -376,12 +390,12 @@ def test_validate_never_imports_torch_ray_or_deepspeed(assets, tmp_path):
 
 def test_run_refuses_an_invalid_job_before_ray(assets, tmp_path):
     job = base_job(assets, tmp_path)
-    job["training"]["global_batch_size"] = 30
+    job["training"]["global_batch_size"] = 1
     script = ("import sys; from raytrain.cli import main; code = main(['run', sys.argv[1]]); "
               "print('ray imported' if 'ray' in sys.modules else 'no ray', code)")
     proc = subprocess.run([sys.executable, "-c", script, str(write_job(tmp_path, job))], capture_output=True, text=True,
                           timeout=120)
-    assert "no ray 2" in proc.stdout and "training.global_batch_size = 30" in proc.stderr
+    assert "no ray 2" in proc.stdout and "training.global_batch_size = 1" in proc.stderr
     assert "nothing was started" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -415,7 +429,7 @@ def test_cached_hub_config_gets_the_memory_check(assets, tmp_path, hf_cache):
     [problem] = json.loads(out)["problems"]
     assert code == 2 and problem["field"] == "scaling.accelerator_memory_gb" and problem["value"] == "80"
     assert "weights 2 B × 8.03B params / 8" in problem["message"] and "config.json dimensions" in problem["message"]
-    assert "smallest change that fits: training.micro_batch_size: 2" in problem["message"]
+    assert "smallest change that fits: training.micro_batch_size: 3" in problem["message"]  # any micro size splits now
 
 
 def test_unreachable_hosts_are_notes_for_validate_and_errors_for_run(assets, tmp_path):
