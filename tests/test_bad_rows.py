@@ -1,7 +1,7 @@
 """Bad rows during a real run on 2 Ray workers, under both policies of `data.bad_rows`:
-`skip` counts exactly the bad rows the run consumed (MLflow's `bad_rows` metric and the
-final summary line); `fail` stops the job with one line naming the file and the row,
-and no traceback from inside a worker."""
+`skip` counts exactly the bad rows the prepare step left out of the token store (MLflow's
+`bad_rows` metric and the final summary line); `fail` stops the job with one line naming
+the file and the row, and no traceback from inside a Ray task or worker."""
 
 from __future__ import annotations
 

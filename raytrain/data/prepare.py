@@ -28,8 +28,8 @@ from .records import encode_row, pack, pad_rows
 from .sources import Source, Unit, list_sources, plan_units, read_unit
 from .store import TokenStore, write_manifest
 
-PACKER_VERSION = 1
-UNIT_BYTES = 16 << 20  # JSON Lines bytes per prepare task
+PACKER_VERSION = 2  # 2: JSON Lines units sized from the file (sources.lines_unit_bytes)
+UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
 BAD_EXAMPLES = 10
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
                    "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json")
@@ -95,8 +95,11 @@ def ensure_store(spec: JobSpec, unit_bytes: int = UNIT_BYTES, concurrency: int |
 
 def _run_units(spec: JobSpec, fs, units: list[Unit], out_fs, out_path: str, concurrency: int | None) -> list[dict]:
     """One Ray Data task per unit (its own read, tokenize, pack and shard write)."""
+    import logging
+
     import ray.data
 
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # its per-dataset INFO lines are noise to a user
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.execution_options.preserve_order = True

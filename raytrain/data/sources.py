@@ -2,8 +2,8 @@
 into read units that depend only on the files themselves.
 
 A unit is what one prepare task reads, tokenizes and packs on its own:
-- JSON Lines (`.jsonl`, or `.json` whose first character is not `[`): a byte range of
-  `unit_bytes`; a unit owns every line whose first byte lies in its range (Hadoop's split
+- JSON Lines (`.jsonl`, or `.json` whose first character is not `[`): a byte range sized
+  from the file's size (`lines_unit_bytes`); a unit owns every line whose first byte lies in its range (Hadoop's split
   rule), so a range boundary never cuts a row and nothing depends on how many CPUs read.
   Lines split on `\\n` only: a U+2028 inside a JSON string is data, not a line break.
 - A JSON array (`.json` starting with `[`): the whole file (it must be parsed whole).
@@ -60,6 +60,13 @@ def is_json_array(fs: pafs.FileSystem, path: str) -> bool:
     return head.lstrip()[:1] == b"["
 
 
+def lines_unit_bytes(size: int, unit_bytes: int) -> int:
+    """A JSON Lines file's unit size: about 64 units a file (so a small file still spreads
+    over the cluster's CPUs), at least 1 MiB (a task's fixed cost) and at most `unit_bytes`.
+    A function of the file's size alone: never of the cluster."""
+    return max(min(unit_bytes, 1 << 20), min(unit_bytes, -(-size // 64)))
+
+
 def plan_units(fs: pafs.FileSystem, sources: list[Source], unit_bytes: int) -> list[Unit]:
     units: list[Unit] = []
     for s in sources:
@@ -72,7 +79,8 @@ def plan_units(fs: pafs.FileSystem, sources: list[Source], unit_bytes: int) -> l
         elif is_json_array(fs, s.path):
             units.append(Unit(s.path, "array", 0, s.size))
         else:
-            units += [Unit(s.path, "lines", a, min(a + unit_bytes, s.size)) for a in range(0, max(s.size, 1), unit_bytes)]
+            step = lines_unit_bytes(s.size, unit_bytes)
+            units += [Unit(s.path, "lines", a, min(a + step, s.size)) for a in range(0, max(s.size, 1), step)]
     return units
 
 
