@@ -72,9 +72,9 @@ def batches(args, rank: int, world: int):
     micro = -(-(-(-args.global_batch // world)) // args.micro_batch)
     for first in itertools.count(0, args.global_batch):
         _, rows = order.rows_at(np.arange(first + start, first + stop))
-        ids, labels = store.read(rows)
-        yield [(torch.from_numpy(ids[part]).long(), torch.from_numpy(labels[part]).long())
-               for part in np.array_split(np.arange(len(rows)), micro)]
+        ids, labels, positions = store.read(rows)
+        yield [(torch.from_numpy(ids[part]).long(), torch.from_numpy(labels[part]).long(),
+                torch.from_numpy(positions[part]).long()) for part in np.array_split(np.arange(len(rows)), micro)]
 
 
 def build(args, device, world: int):
@@ -137,16 +137,16 @@ def main() -> None:
         torch.manual_seed(hash((args.seed, step, rank)) % (2**63))
         micro = next(data)
         data_wait = time.perf_counter() - step_start
-        global_tokens = max(1.0, all_reduce(sum(int((lab[:, 1:] != IGNORE).sum()) for _, lab in micro), device))
+        global_tokens = max(1.0, all_reduce(sum(int((lab[:, 1:] != IGNORE).sum()) for _, lab, _ in micro), device))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         loss_sum, compute_start = 0.0, time.perf_counter()
-        for i, (x, y) in enumerate(micro):
+        for i, (x, y, pos) in enumerate(micro):
             last = i == len(micro) - 1
             if not args.fsdp1:
                 model.set_requires_gradient_sync(last)
             with (contextlib.nullcontext() if last or not args.fsdp1 else model.no_sync()):
-                logits = model(input_ids=x.to(device)).logits
+                logits = model(input_ids=x.to(device), position_ids=pos.to(device)).logits
                 y = y.to(device)
                 ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten(), ignore_index=IGNORE,
                                      reduction="sum")

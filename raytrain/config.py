@@ -34,25 +34,91 @@ class ModelSpec(Section):
     """Attention kernel passed to transformers."""
 
 
+# The dataset shapes users already write, with LLaMA-Factory's names and defaults (its
+# `dataset_info.json` "columns" and "tags"), so its dataset files work without a mapping.
+DEFAULT_COLUMNS = {
+    "text": {"text": "text"},
+    "chat": {"messages": "messages", "system": "system"},
+    "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"},
+    "sharegpt": {"messages": "conversations", "system": "system"},
+}
+DEFAULT_TAGS = {
+    "chat": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+             "system_tag": "system", "observation_tag": "tool", "function_tag": "function_call"},
+    "sharegpt": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                 "system_tag": "system", "observation_tag": "observation", "function_tag": "function_call"},
+}
+
+
+class ColumnsSpec(Section):
+    """Column names, as LLaMA-Factory's dataset_info.json `columns` names them; unset ones take the format's default."""
+
+    text: str | None = None
+    """`text`: the text column (default `text`)."""
+    messages: str | None = None
+    """`chat`/`sharegpt`: the list of turns (default `messages` / `conversations`)."""
+    prompt: str | None = None
+    """`alpaca`: the instruction (default `instruction`)."""
+    query: str | None = None
+    """`alpaca`: the input, appended to the instruction after a newline (default `input`)."""
+    response: str | None = None
+    """`alpaca`: the answer (default `output`)."""
+    history: str | None = None
+    """`alpaca`: earlier [query, response] pairs (default `history`)."""
+    system: str | None = None
+    """A system prompt column (default `system`); used when present in a row."""
+    chosen: str | None = None
+    """Preference data: the preferred response."""
+    rejected: str | None = None
+    """Preference data: the dispreferred response."""
+
+
+class TagsSpec(Section):
+    """Keys and role names inside each turn, as LLaMA-Factory's `tags`; unset ones take the format's default."""
+
+    role_tag: str | None = None
+    """Key of a turn's role (`role` for chat, `from` for sharegpt)."""
+    content_tag: str | None = None
+    """Key of a turn's text (`content` / `value`)."""
+    user_tag: str | None = None
+    """Role name of the user (`user` / `human`)."""
+    assistant_tag: str | None = None
+    """Role name of the model (`assistant` / `gpt`); these turns are trained on."""
+    system_tag: str | None = None
+    """Role name of a system turn (`system`)."""
+    observation_tag: str | None = None
+    """Role name of a tool result (`tool` / `observation`); given to the template as a `tool` turn."""
+    function_tag: str | None = None
+    """Role name of a tool call by the model (`function_call`); an assistant turn, trained on."""
+
+
 class DataSpec(Section):
     path: str
-    """A .jsonl/.json/.parquet file or a folder of them; a local path or a URI (s3://, gs://, ...)."""
-    format: Literal["text", "chat"] = "text"
-    """`text`: a plain text column, loss on every token. `chat`: a list of {role, content} messages, loss on assistant tokens only."""
-    text_column: str = "text"
-    """Column holding the text when `format: text`."""
-    messages_column: str = "messages"
-    """Column holding the messages when `format: chat`."""
+    """A .jsonl, .json (a JSON array or JSON Lines) or .parquet file, a folder of them, or a glob; a local path or a URI (s3://, gs://, ...)."""
+    format: Literal["text", "chat", "alpaca", "sharegpt"] = "text"
+    """`text`: a text column, loss on every token. `chat`: OpenAI-style messages of {role, content}. `alpaca`: instruction/input/output (+ system, history). `sharegpt`: conversations of {from, value}. Every format but text is rendered with the tokenizer's chat template; loss on the assistant turns' content and end-of-turn token."""
+    columns: ColumnsSpec = ColumnsSpec()
+    """Column names when they differ from the format's defaults (LLaMA-Factory's `columns`)."""
+    tags: TagsSpec = TagsSpec()
+    """Turn keys and role names when they differ from the format's defaults (LLaMA-Factory's `tags`)."""
+    train_on_inputs: bool = False
+    """Train on every token of a conversation (system and user turns, template headers) rather than the assistant turns only."""
     seq_len: int = Field(512, gt=0, le=1_048_576)
     """Tokens per training sequence."""
     pack: bool = True
-    """Concatenate samples (separated by EOS) into full `seq_len` rows; otherwise pad each sample."""
+    """Concatenate samples into full `seq_len` rows (each keeps its own positions and attends only to itself); otherwise pad each sample."""
     shuffle: bool = True
     """Shuffle each epoch differently: blocks of 64 packed rows are permuted over the whole dataset, then rows within a window; the order depends only on `training.seed`, the epoch and the prepared rows."""
     shuffle_window: int = Field(1024, gt=0)
     """Rows shuffled together after the block permutation (rounded down to whole blocks of 64)."""
     bad_rows: Literal["skip", "fail"] = "skip"
     """A row that is empty, of the wrong type, or has invalid chat roles: `skip` counts it (reported in MLflow), `fail` stops the job naming file and row."""
+
+    def column(self, name: str) -> str | None:
+        return getattr(self.columns, name) or DEFAULT_COLUMNS[self.format].get(name)
+
+    def tag(self, name: str) -> str | None:
+        return getattr(self.tags, name) or DEFAULT_TAGS.get(self.format, {}).get(name)
 
 
 # Linear layers LoRA adapts by default, by the names architectures use for them: attention

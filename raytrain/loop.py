@@ -77,8 +77,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         loss_sum, compute_start = 0.0, time.perf_counter()
         for i, mb in enumerate(batch.micro_batches):
             ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
-            with strategy.autocast():
-                logits = strategy.model(input_ids=ids).logits
+            with strategy.autocast():  # per-document positions: packed documents never attend to each other
+                logits = strategy.model(input_ids=ids, position_ids=mb["position_ids"].to(device)).logits
             ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                  ignore_index=IGNORE, reduction="sum")
             strategy.backward(ce * (world / global_tokens), sync=i == len(batch.micro_batches) - 1)

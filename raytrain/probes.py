@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from . import storage
-from .config import JobSpec
+from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
 from .data import FILE_EXTENSIONS, to_value
 from .data.sources import list_sources, sample_rows
 from .problems import NOTE, Problem, did_you_mean
@@ -105,27 +105,59 @@ def _decoded(row):
     return row
 
 
+REQUIRED_COLUMNS = {"text": ("text",), "chat": ("messages",), "sharegpt": ("messages",), "alpaca": ("prompt", "response")}
+
+
+def _format_of(columns: set[str]) -> str | None:
+    """The format whose default columns the rows have (a hint for a wrong data.format)."""
+    for fmt, names in REQUIRED_COLUMNS.items():
+        if all(DEFAULT_COLUMNS[fmt][n] in columns for n in names):
+            return fmt
+    return None
+
+
+def mapping_problems(d, records: list[dict], n_rows: int) -> list[Problem]:
+    """A required column, or a turn key, that none of the first rows has: named, with the fix."""
+    seen = set().union(*(set(r) for r in records)) if records else set()
+    if not seen:
+        return []
+    for name in REQUIRED_COLUMNS[d.format]:
+        column = d.column(name)
+        if not any(column in r for r in records):
+            fmt = _format_of(seen)
+            hint = f"; these rows look like {fmt} data: set data.format: {fmt}" if fmt and fmt != d.format else ""
+            return [Problem(f"data.columns.{name}", repr(column), f"no such column in the first {n_rows} rows (columns "
+                            f"there: {', '.join(sorted(seen))}); {did_you_mean(column, seen)}set data.columns.{name} to "
+                            f"one of them{hint}", "data")]
+    if d.format in ("chat", "sharegpt"):
+        turns = [t for r in records for t in (r.get(d.column("messages")) or []) if isinstance(t, dict)]
+        keys = set().union(*(set(t) for t in turns)) if turns else set()
+        for tag in ("role_tag", "content_tag"):
+            if keys and d.tag(tag) not in keys:
+                other = next((f for f, tags in DEFAULT_TAGS.items() if f != d.format and tags[tag] in keys), None)
+                hint = f" (these are {other} keys: set data.format: {other})" if other else ""
+                return [Problem(f"data.tags.{tag}", repr(d.tag(tag)), f"no such key in the turns of the first {n_rows} "
+                                f"rows (keys there: {', '.join(sorted(keys))}); set data.tags.{tag}{hint}", "data")]
+    return []
+
+
 def row_problems(spec: JobSpec, rows: list[tuple[str, int, object]], path: str) -> list[Problem]:
-    """The first rows against the format, with the same checks the prepare step applies per row."""
+    """The first rows against the format and mapping, with the checks the prepare step applies per row."""
     d = spec.data
-    column, key = (d.text_column, "data.text_column") if d.format == "text" else (d.messages_column, "data.messages_column")
     if not rows:
         return [Problem("data.path", repr(path), "the files hold no rows", "data")]
-    seen, with_column, bad = set(), 0, []
+    records, bad = [], []
     for file, n, raw in rows:
         record = _decoded(raw)
         if isinstance(record, dict):
-            seen |= set(record)
-            with_column += column in record
+            records.append(record)
         try:
             to_value(d, raw)
         except ValueError as why:
             bad.append(f"{file} row {n}: {why}")
-    if seen and not with_column:
-        other, other_column = ("chat", "messages") if d.format == "text" else ("text", "text")
-        hint = f"; it looks like {other} data: set data.format: {other}" if other_column in seen else ""
-        return [Problem(key, repr(column), f"no such column in the first {len(rows)} rows (columns there: "
-                        f"{', '.join(sorted(seen))}); {did_you_mean(column, seen)}set {key} to one of them{hint}", "data")]
+    mapping = mapping_problems(d, records, len(rows))
+    if mapping:
+        return mapping
     if len(bad) == len(rows):
         return [Problem("data.path", repr(path), f"none of the first {len(rows)} rows is usable as {d.format} data, "
                         f"e.g. {bad[0]}", "data")]

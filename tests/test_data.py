@@ -16,35 +16,124 @@ def spec(assets, tmp_path_factory):
     return make_job(assets, tmp_path_factory.mktemp("s"), data={"format": "chat", "seq_len": 64})
 
 
-def test_chat_loss_only_on_assistant_tokens(spec):
-    tok = load_tokenizer(spec)
-    messages = [{"role": "system", "content": "answer briefly."}, {"role": "user", "content": "what color is the fox?"},
-                {"role": "assistant", "content": "the fox is red."}]
-    ids, labels = encode_chat(tok, messages, spec.data)
-    assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
-    trained = tok.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
-    assert trained == "<|im_start|>assistant\nthe fox is red.<|im_end|>\n"
+@pytest.fixture(scope="module")
+def tok(spec):
+    return load_tokenizer(spec)
 
 
-def test_text_ends_with_eos_and_trains_every_token(spec):
-    tok = load_tokenizer(spec)
-    ids, labels = encode_text(tok, "the red fox jumps over the wall.", spec.data)
+FOX = [{"role": "system", "content": "answer briefly."}, {"role": "user", "content": "what color is the fox?"},
+       {"role": "assistant", "content": "the fox is red."}]
+
+
+def trained_text(tok, ids, labels) -> list[str]:
+    """The labelled tokens, as the runs of consecutive labelled text."""
+    runs, current = [], []
+    for i, lab in zip(ids, labels):
+        if lab != IGNORE:
+            assert lab == i
+            current.append(i)
+        elif current:
+            runs, current = runs + [tok.decode(current)], []
+    return runs + ([tok.decode(current)] if current else [])
+
+
+def test_chat_trains_on_assistant_content_and_end_of_turn_only(tok):
+    two_turns = FOX + [{"role": "user", "content": "and the owl?"}, {"role": "assistant", "content": "the owl is white."}]
+    ids, labels = encode_chat(tok, two_turns)
+    assert tok.decode(ids) == tok.apply_chat_template(two_turns, tokenize=False)
+    # Hand-computed: each assistant turn's content and its <|im_end|>; no role header, no user text.
+    assert trained_text(tok, ids, labels) == ["the fox is red.<|im_end|>", "the owl is white.<|im_end|>"]
+    ids, labels = encode_chat(tok, two_turns, train_on_inputs=True)
+    assert labels == ids
+
+
+def test_a_template_that_injects_text_keeps_labels_exact(tok):
+    # A template that writes a dated default system prompt and rewrites user turns: the assistant
+    # spans are found in the one rendering, so the labels cannot shift.
+    from copy import copy
+
+    dated = copy(tok)
+    dated.chat_template = ("<|im_start|>system\nToday is 2026-11-22.<|im_end|>\n{% for m in messages %}<|im_start|>"
+                           "{{ m['role'] }}\n{{ m['content'] | upper if m['role'] == 'user' else m['content'] }}"
+                           "<|im_end|>\n{% endfor %}")
+    ids, labels = encode_chat(dated, FOX)
+    assert trained_text(dated, ids, labels) == ["the fox is red.<|im_end|>"]
+
+
+def test_a_template_that_rewrites_an_earlier_assistant_turn_refuses_the_row(tok):
+    from copy import copy
+
+    stripping = copy(tok)  # like Qwen3: reasoning is dropped from assistant turns before the last one
+    stripping.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
+                               "not loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}"
+                               "{% endif %}<|im_end|>\n{% endfor %}")
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>greet</think>hello"},
+             {"role": "user", "content": "bye"}, {"role": "assistant", "content": "<think>part</think>goodbye"}]
+    with pytest.raises(ValueError, match="does not render assistant turn 1 as written"):
+        encode_chat(stripping, turns)
+
+
+def test_alpaca_and_sharegpt_rows_become_the_same_conversation(assets, tmp_path):
+    from raytrain.data import check_record
+
+    alpaca = make_job(assets, tmp_path, data={"format": "alpaca"}).data
+    row = {"instruction": "what color is the fox?", "input": "", "output": "the fox is red.", "system": "answer briefly.",
+           "history": [["hi", "hello"]]}
+    sharegpt = make_job(assets, tmp_path, data={"format": "sharegpt"}).data
+    share = {"system": "answer briefly.", "conversations": [
+        {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+        {"from": "human", "value": "what color is the fox?"}, {"from": "gpt", "value": "the fox is red."}]}
+    assert check_record(alpaca, row) == check_record(sharegpt, share) == [
+        {"role": "system", "content": "answer briefly."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}] + FOX[1:]
+    assert check_record(alpaca, {**row, "input": "in one word"})[-2]["content"] == "what color is the fox?\nin one word"
+    mapped = make_job(assets, tmp_path, data={"format": "sharegpt", "columns": {"messages": "turns"}, "tags": {
+        "role_tag": "speaker", "content_tag": "text", "user_tag": "q", "assistant_tag": "a"}}).data
+    assert check_record(mapped, {"turns": [{"speaker": "q", "text": "hi"}, {"speaker": "a", "text": "hello"}]}) == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_text_ends_with_eos_and_trains_every_token(tok):
+    ids, labels = encode_text(tok, "the red fox jumps over the wall.")
     assert ids[-1] == tok.eos_token_id and labels == ids
 
 
 @pytest.mark.parametrize("bad", [None, 3, "", "   "])
-def test_bad_text_is_a_row_error(spec, bad):
+def test_bad_text_is_a_row_error(tok, bad):
     with pytest.raises(ValueError, match="text"):
-        encode_text(load_tokenizer(spec), bad, spec.data)
+        encode_text(tok, bad)
 
 
-def test_pack_keeps_every_token_and_pads_only_the_tail():
+def test_pack_keeps_every_token_pads_only_the_tail_and_restarts_positions_per_document():
     docs = [([1, 2, 3], [1, 2, 3]), ([4, 5], [IGNORE, 5]), ([6, 7, 8, 9], [6, 7, 8, 9])]
-    ids, labels = pack(docs, seq_len=4, pad=0)
+    ids, labels, positions = pack(docs, seq_len=4, pad=0)
     assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 0, 0]]
     assert labels.tolist() == [[1, 2, 3, IGNORE], [5, 6, 7, 8], [9, IGNORE, IGNORE, IGNORE]]
-    ids, labels = pad_rows(docs[:2], seq_len=4, pad=0)
+    assert positions.tolist() == [[0, 1, 2, 0], [1, 0, 1, 2], [3, 0, 1, 2]]
+    ids, labels, positions = pad_rows(docs[:2], seq_len=4, pad=0)
     assert ids.tolist() == [[1, 2, 3, 0], [4, 5, 0, 0]] and labels[1].tolist() == [IGNORE, 5, IGNORE, IGNORE]
+
+
+def test_a_packed_document_sees_only_itself(assets, tok):
+    # Its logits inside a packed row equal its logits alone: attention never crosses documents.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(assets / "model"), attn_implementation="sdpa").eval()
+    model.config.use_cache = False  # as raytrain trains (transformers reads packing only without a KV cache)
+    docs = [encode_text(tok, t) for t in ("the red fox jumps over the wall.", "a blue owl flies.", "the cat runs.")]
+    ids, _, positions = pack(docs, seq_len=64, pad=0)
+    with torch.no_grad():
+        packed = model(input_ids=torch.tensor(ids).long(), position_ids=torch.tensor(positions).long()).logits[0]
+        start = 0
+        for doc, _ in docs:
+            alone = model(input_ids=torch.tensor([doc])).logits[0]
+            torch.testing.assert_close(packed[start:start + len(doc)], alone, rtol=1e-5, atol=1e-5)
+            start += len(doc)
+        # Without the positions the second document attends to the first: the check can fail.
+        plain = model(input_ids=torch.tensor(ids).long()).logits[0]
+        assert not torch.allclose(plain[len(docs[0][0]):len(docs[0][0]) + 3], packed[len(docs[0][0]):len(docs[0][0]) + 3],
+                                  atol=1e-4)
 
 
 def test_lr_warmup_then_cosine_to_floor(assets, tmp_path):

@@ -121,9 +121,9 @@ def unknown_nested_key(job, tmp, assets):
 def unknown_strategy(job, tmp, assets):
     job["training"]["strategy"] = "fsdp"
 
-@case("data.format", "use one of 'text' or 'chat'")
+@case("data.format", "use one of 'text', 'chat', 'alpaca' or 'sharegpt'")
 def unknown_data_format(job, tmp, assets):
-    job["data"]["format"] = "sharegpt"
+    job["data"]["format"] = "openai"
 
 @case("optimizer.lr", "greater than 0")
 def zero_learning_rate(job, tmp, assets):
@@ -247,15 +247,23 @@ def data_folder_of_csv(job, tmp, assets):
     (tmp / "csv" / "a.csv").write_text("text\nhello\n")
     job["data"]["path"] = str(tmp / "csv")
 
-@case("data.text_column = 'text'", "columns there: content")
+@case("data.columns.text = 'text'", "columns there: content")
 def text_column_missing(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [{"content": "a fox"}] * 5)
 
-@case("data.messages_column = 'messages'", "set data.format: text")
+@case("data.columns.messages = 'messages'", "set data.format: text")
 def chat_format_on_text_data(job, tmp, assets):
     job["data"]["format"] = "chat"
 
-@case("data.bad_rows = 'fail'", "d.jsonl row 3: message 1 must be {role")
+@case("data.tags.role_tag = 'from'", "keys there: content, role); set data.tags.role_tag (these are chat keys: set data.format: chat)")
+def sharegpt_format_on_openai_messages(job, tmp, assets):
+    job["data"].update(path=lines(tmp, [{"conversations": CHAT_OK["messages"]}] * 3), format="sharegpt")
+
+@case("data.columns.response = 'output'", "columns there: answer, instruction")
+def alpaca_without_output(job, tmp, assets):
+    job["data"].update(path=lines(tmp, [{"instruction": "say hi", "answer": "hi"}] * 3), format="alpaca")
+
+@case("data.bad_rows = 'fail'", "d.jsonl row 3: turn 1 must be {role: one of ['assistant', 'function_call', 'system', 'tool', 'user']")
 def invalid_chat_role(job, tmp, assets):
     bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}
     job["data"].update(path=lines(tmp, [CHAT_OK, CHAT_OK, bad, CHAT_OK]), format="chat", bad_rows="fail")
@@ -282,7 +290,7 @@ def data_not_utf8(job, tmp, assets):
     (tmp / "latin.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     job["data"]["path"] = str(tmp / "latin.jsonl")
 
-@case("data.text_column = 'text'", "columns there: body")
+@case("data.columns.text = 'text'", "columns there: body")
 def parquet_without_column(job, tmp, assets):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -485,7 +493,7 @@ def test_s3_dataset_first_rows_are_read(assets, tmp_path, s3):
     job = base_job(assets, tmp_path)
     job["data"]["path"] = "s3://runs/data/"
     code, _, err = cli("validate", str(write_job(tmp_path, job)), env=s3)
-    assert code == 2 and "  - data.text_column = 'text': no such column" in err and "columns there: prompt" in err
+    assert code == 2 and "  - data.columns.text = 'text': no such column" in err and "columns there: prompt" in err
 
 
 @pytest.mark.slow

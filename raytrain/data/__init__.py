@@ -11,8 +11,9 @@ Importing this package loads neither torch nor Ray: `raytrain validate` uses it.
 """
 
 from .order import DataPosition, GlobalOrder, rank_slice
-from .records import CHAT_ROLES, IGNORE, encode_chat, encode_row, encode_text, pack, pad_rows, parse_record, to_value
+from .records import (CHAT_ROLES, IGNORE, check_record, encode_chat, encode_row, encode_text, pack, pad_rows, parse_record,
+                      to_value)
 from .sources import FILE_EXTENSIONS
 
-__all__ = ["CHAT_ROLES", "DataPosition", "FILE_EXTENSIONS", "GlobalOrder", "IGNORE", "encode_chat", "encode_row",
+__all__ = ["CHAT_ROLES", "DataPosition", "check_record", "FILE_EXTENSIONS", "GlobalOrder", "IGNORE", "encode_chat", "encode_row",
            "encode_text", "pack", "pad_rows", "parse_record", "rank_slice", "to_value"]

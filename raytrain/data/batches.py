@@ -24,7 +24,7 @@ from .store import TokenStore
 
 @dataclass
 class StepBatch:
-    micro_batches: list[dict]  # this rank's micro-batches: input_ids, labels (torch.long)
+    micro_batches: list[dict]  # this rank's micro-batches: input_ids, labels, position_ids (torch.long)
     sample_ids: list[tuple[int, int]] = field(default_factory=list)  # (epoch, store row) of this rank's rows
 
 
@@ -43,24 +43,25 @@ class GlobalBatches:
     def _read(self, position: DataPosition):
         first = position.position(self.store.rows)
         epochs, rows = self.order.rows_at(np.arange(first + self.start, first + self.stop))
-        ids, labels = self.store.read(rows)
-        return epochs, rows, ids, labels
+        return (epochs, rows, *self.store.read(rows))
 
     def __iter__(self):
         return self
 
     def __next__(self) -> StepBatch:
-        epochs, rows, ids, labels = self._next.result()
+        epochs, rows, ids, labels, positions = self._next.result()
         self.position = self.position.advanced(self.global_batch, self.store.rows)
         self._next = self._pool.submit(self._read, self.position)
         micro = []
         for part in np.array_split(np.arange(len(rows)), self.micro):
             if len(part):
-                micro.append({"input_ids": torch.from_numpy(ids[part]).long(),
-                              "labels": torch.from_numpy(labels[part]).long()})
+                micro.append({"input_ids": torch.from_numpy(ids[part]).long(), "labels": torch.from_numpy(labels[part]).long(),
+                              "position_ids": torch.from_numpy(positions[part]).long()})
             else:  # keeps this rank's forward/backward count equal to the others'; trains nothing
-                micro.append({"input_ids": torch.full((1, self.store.seq_len), self._pad, dtype=torch.long),
-                              "labels": torch.full((1, self.store.seq_len), IGNORE, dtype=torch.long)})
+                n = self.store.seq_len
+                micro.append({"input_ids": torch.full((1, n), self._pad, dtype=torch.long),
+                              "labels": torch.full((1, n), IGNORE, dtype=torch.long),
+                              "position_ids": torch.arange(n, dtype=torch.long)[None]})
         return StepBatch(micro, list(zip(epochs.tolist(), rows.tolist())))
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from .records import encode_row, pack, pad_rows
 from .sources import Source, Unit, list_sources, plan_units, read_unit
 from .store import TokenStore, write_manifest
 
-PACKER_VERSION = 2  # 2: JSON Lines units sized from the file (sources.lines_unit_bytes)
+PACKER_VERSION = 3  # 2: units sized from the file; 3: positions per document, chat labels from one rendering
 UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
 BAD_EXAMPLES = 10
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -59,8 +59,9 @@ def tokenizer_fingerprint(spec: JobSpec) -> str:
 def store_key(spec: JobSpec, sources: list[Source], tokenizer: str, unit_bytes: int) -> str:
     d = spec.data
     inputs = {"sources": [[s.path, s.size, s.mtime_ns] for s in sources], "tokenizer": tokenizer,
-              "format": d.format, "text_column": d.text_column, "messages_column": d.messages_column,
-              "seq_len": d.seq_len, "pack": d.pack, "unit_bytes": unit_bytes, "packer": PACKER_VERSION}
+              "format": d.format, "columns": d.columns.model_dump(), "tags": d.tags.model_dump(),
+              "train_on_inputs": d.train_on_inputs, "seq_len": d.seq_len, "pack": d.pack, "unit_bytes": unit_bytes,
+              "packer": PACKER_VERSION}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -138,9 +139,9 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict) -> dict:
     except ValueError as file_problem:  # a file that cannot be read as its kind at all
         return {"index": item["index"], "result": json.dumps({"file_error": str(file_problem)})}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids, labels = (pack if job.data.pack else pad_rows)(docs, job.data.seq_len, pad)
+    ids, labels, positions = (pack if job.data.pack else pad_rows)(docs, job.data.seq_len, pad)
     with out_fs.open_output_stream(f"{out_path}/{shard_name(item['index'])}") as f:
-        f.write(np.stack([ids, labels], axis=1).astype(np.int32).tobytes())
+        f.write(np.stack([ids, labels, positions], axis=1).astype(np.int32).tobytes())
     result = {"rows": len(ids), "lines": lines, "pad_id": int(pad), "bad": bad, "examples": examples, "docs": len(docs),
               "tokens": int(sum(len(d[0]) for d in docs))}
     return {"index": item["index"], "result": json.dumps(result)}

@@ -1,13 +1,22 @@
-"""One source row -> token ids and labels: the format rules, and packing.
+"""One source row -> token ids, labels and positions: the format rules, and packing.
 
 Pure functions (no Ray, no torch): the prepare step applies them to every row, pre-flight
-to the first rows of each source, and the tests to hand-made rows. A row the job cannot
-train on raises ValueError saying why; the caller names the file and the row.
+to the first rows of each source, the tests to hand-made rows. A row the job cannot train
+on raises ValueError saying why; the caller names the file and the row.
+
+Every format but `text` becomes OpenAI-style messages, rendered once by the tokenizer's own
+chat template. The assistant turns are then located in that one rendering (each turn's
+content found in order, plus the end-of-turn token the template puts right after it) and
+mapped to tokens through the tokenizer's offsets: nothing is re-rendered prefix by prefix,
+so a template that rewrites earlier turns or injects text cannot shift a label. A turn the
+template does not render as written, or a token that straddles template text and content,
+makes the row refused with the reason.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -40,85 +49,174 @@ def parse_record(data: DataSpec, raw: bytes | str):
 
 
 def check_record(data: DataSpec, record) -> str | list:
-    """A decoded row (a JSON object, a parquet row) -> the text or messages the format needs."""
+    """A decoded row -> the text (`text`) or the messages (every other format)."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if data.format == "text":
-        return check_text(record.get(data.text_column, None), data)
-    return check_messages(record.get(data.messages_column, None), data)
+        return check_text(record.get(data.column("text")), data.column("text"))
+    messages = {"chat": _turns, "sharegpt": _turns, "alpaca": _alpaca}[data.format](data, record)
+    system = record.get(data.column("system")) if data.column("system") else None
+    if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": system}, *messages]
+    return check_messages(messages)
 
 
-def encode_row(tok, data: DataSpec, row) -> tuple[list[int], list[int]]:
-    """A source row -> (token ids, labels); ValueError says why the row is unusable."""
-    value = to_value(data, row)
-    return (encode_text if data.format == "text" else encode_chat)(tok, value, data)
+def _string(record: dict, column: str | None, what: str, required: bool = True) -> str:
+    value = record.get(column) if column else None
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"column {column!r} ({what}) must be a string, got {type(value).__name__}")
+    return value
 
 
-def check_text(text, data: DataSpec) -> str:
-    if not isinstance(text, str):
-        raise ValueError(f"column {data.text_column!r} must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise ValueError(f"column {data.text_column!r} is empty")
-    return text
-
-
-def check_messages(messages, data: DataSpec) -> list:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"column {data.messages_column!r} must be a non-empty list of messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in CHAT_ROLES:
-            raise ValueError(f"message {i} must be {{role: one of {sorted(CHAT_ROLES)}, content: string}}, got {str(m)[:80]}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("no assistant message: nothing to train on")
+def _alpaca(data: DataSpec, record: dict) -> list[dict]:
+    """instruction (+ "\\n" + input) -> user, output -> assistant, after the history pairs."""
+    messages = []
+    history = record.get(data.column("history")) or []
+    if not isinstance(history, list) or not all(isinstance(p, list) and len(p) == 2 for p in history):
+        raise ValueError(f"column {data.column('history')!r} must be a list of [query, response] pairs")
+    for query, response in history:
+        messages += [{"role": "user", "content": query}, {"role": "assistant", "content": response}]
+    prompt = _string(record, data.column("prompt"), "the instruction")
+    query = _string(record, data.column("query"), "the input", required=False)
+    messages.append({"role": "user", "content": f"{prompt}\n{query}" if query.strip() else prompt})
+    messages.append({"role": "assistant", "content": _string(record, data.column("response"), "the response")})
     return messages
 
 
-def encode_text(tok, text, data: DataSpec) -> tuple[list[int], list[int]]:
-    check_text(text, data)
-    ids = tok(text, add_special_tokens=True)["input_ids"] + [tok.eos_token_id]
-    return _length_checked(ids, list(ids), data)
+def _turns(data: DataSpec, record: dict) -> list[dict]:
+    """chat / sharegpt turns -> messages with the template's roles (system, user, assistant, tool)."""
+    column, role_key, content_key = data.column("messages"), data.tag("role_tag"), data.tag("content_tag")
+    turns = record.get(column)
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"column {column!r} must be a non-empty list of turns")
+    roles = {data.tag("user_tag"): "user", data.tag("assistant_tag"): "assistant", data.tag("system_tag"): "system",
+             data.tag("observation_tag"): "tool", data.tag("function_tag"): "assistant"}
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get(role_key) not in roles or not isinstance(turn.get(content_key), str):
+            raise ValueError(f"turn {i} must be {{{role_key}: one of {sorted(r for r in roles if r)}, {content_key}: "
+                             f"string}}, got {str(turn)[:80]} (data.tags maps other keys and role names)")
+        messages.append({"role": roles[turn[role_key]], "content": turn[content_key]})
+    return messages
 
 
-def encode_chat(tok, messages, data: DataSpec) -> tuple[list[int], list[int]]:
-    """Loss on assistant tokens only. Each message's tokens are found by rendering the
-    conversation prefix by prefix through the tokenizer's own chat template."""
-    check_messages(messages, data)
-    ids: list[int] = []
-    labels: list[int] = []
-    for i, message in enumerate(messages):
-        try:
-            prefix = tok.apply_chat_template(messages[: i + 1], tokenize=False)
-        except Exception as exc:  # the template's own refusal (jinja's raise_exception): this row is unusable
-            raise ValueError(f"the chat template rejects message {i} ({type(exc).__name__}: {exc})") from None
-        full = tok(prefix, add_special_tokens=False)["input_ids"]
-        new = full[len(ids):]
-        ids.extend(new)
-        labels.extend(new if message["role"] == "assistant" else [IGNORE] * len(new))
-    return _length_checked(ids, labels, data)
+def check_text(text, column: str = "text") -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"column {column!r} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"column {column!r} is empty")
+    return text
 
 
-def _length_checked(ids: list[int], labels: list[int], data: DataSpec) -> tuple[list[int], list[int]]:
+def check_messages(messages: list) -> list:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in CHAT_ROLES:
+            raise ValueError(f"message {i} must be {{role: one of {sorted(CHAT_ROLES)}, content: string}}, got {str(m)[:80]}")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise ValueError("no assistant message with content: nothing to train on")
+    return messages
+
+
+# ---------------------------------------------------------------- tokens
+def encode_row(tok, data: DataSpec, row) -> tuple[list[int], list[int]]:
+    """A source row -> (token ids, labels); ValueError says why the row is unusable."""
+    value = to_value(data, row)
+    ids, labels = encode_text(tok, value) if data.format == "text" else encode_chat(tok, value, data.train_on_inputs)
     if not data.pack and len(ids) > data.seq_len:
         raise ValueError(f"{len(ids)} tokens, longer than data.seq_len={data.seq_len} (raise seq_len or set data.pack: true)")
     return ids, labels
 
 
-def pack(docs, seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate documents into full rows; the tail becomes one padded row (nothing dropped)."""
+def encode_text(tok, text: str) -> tuple[list[int], list[int]]:
+    ids = tok(check_text(text), add_special_tokens=True)["input_ids"] + [tok.eos_token_id]
+    return ids, list(ids)
+
+
+def encode_chat(tok, messages: list, train_on_inputs: bool = False) -> tuple[list[int], list[int]]:
+    """The conversation rendered once; labels on each assistant turn's content and the
+    end-of-turn token after it (everything, with `train_on_inputs`)."""
+    check_messages(messages)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False)
+    except Exception as exc:  # the template's own refusal (jinja's raise_exception): this row is unusable
+        raise ValueError(f"the chat template rejects this conversation ({type(exc).__name__}: {exc})") from None
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    if train_on_inputs:
+        return ids, list(ids)
+    labels = [IGNORE] * len(ids)
+    for start, end in assistant_spans(tok, text, messages):
+        for t, (a, b) in enumerate(enc["offset_mapping"]):
+            if b <= start or a >= end:
+                continue
+            outside = text[a:max(a, min(b, start))] + text[max(a, end):b] if (a < start or b > end) else ""
+            if outside.strip():
+                raise ValueError(f"token {tok.convert_ids_to_tokens(ids[t])!r} spans template text {outside!r} and an "
+                                 "assistant turn: the tokenizer merges across the turn's boundary, so its labels would be "
+                                 "ambiguous")
+            labels[t] = ids[t]
+    return ids, labels
+
+
+def assistant_spans(tok, text: str, messages: list) -> list[tuple[int, int]]:
+    """Character spans of each assistant turn in the rendering: its content, found after
+    the previous turn's, plus the special token the template closes the turn with."""
+    # The tokens that close a turn (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>, the eos), not
+    # those that open the next one.
+    names = set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values() if t.special}
+    specials = sorted({t for t in names if t and (t == tok.eos_token or re.search(r"end|eot|</s>", t, re.I))},
+                      key=len, reverse=True)
+    closer = re.compile(r"[ \t]*(?:" + "|".join(map(re.escape, specials)) + ")") if specials else None
+    spans, cursor = [], 0
+    for i, m in enumerate(messages):
+        content = m["content"].strip()
+        at = text.find(content, cursor) if content else -1
+        if at < 0:
+            if m["role"] == "assistant" and content:
+                raise ValueError(f"the chat template does not render assistant turn {i} as written (it rewrites or drops "
+                                 "it, as templates that strip earlier reasoning do), so its tokens cannot be located; "
+                                 "keep such turns out of the data or set data.train_on_inputs: true")
+            continue
+        end = at + len(content)
+        if m["role"] == "assistant":
+            close = closer.match(text, end) if closer else None
+            spans.append((at, close.end() if close else end))
+        cursor = end
+    return spans
+
+
+def document_positions(lengths: list[int]) -> np.ndarray:
+    """Position ids restarting at 0 for each document: transformers reads them as packed
+    sequences (attention never crosses a document boundary)."""
+    if not lengths:
+        return np.zeros(0, np.int32)
+    starts = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
+    return (np.arange(sum(lengths)) - starts).astype(np.int32)
+
+
+def pack(docs, seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Concatenate documents into full rows; the tail becomes one padded row (nothing
+    dropped). Returns ids, labels and per-document positions, [rows, seq_len] each."""
     if not docs:
-        return np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32)
+        return tuple(np.zeros((0, seq_len), np.int32) for _ in range(3))
+    lengths = [len(d[0]) for d in docs]
     ids = np.concatenate([np.asarray(d[0], np.int32) for d in docs])
     labels = np.concatenate([np.asarray(d[1], np.int32) for d in docs])
     rows = -(-len(ids) // seq_len)
-    out_ids = np.full(rows * seq_len, pad, np.int32)
-    out_labels = np.full(rows * seq_len, IGNORE, np.int32)
-    out_ids[: len(ids)], out_labels[: len(labels)] = ids, labels
-    return out_ids.reshape(rows, seq_len), out_labels.reshape(rows, seq_len)
+    tail = rows * seq_len - len(ids)
+    out_ids = np.concatenate([ids, np.full(tail, pad, np.int32)])
+    out_labels = np.concatenate([labels, np.full(tail, IGNORE, np.int32)])
+    out_pos = document_positions(lengths + ([tail] if tail else []))
+    return tuple(a.reshape(rows, seq_len) for a in (out_ids, out_labels, out_pos))
 
 
-def pad_rows(docs, seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_rows(docs, seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     out_ids = np.full((len(docs), seq_len), pad, np.int32)
     out_labels = np.full((len(docs), seq_len), IGNORE, np.int32)
+    out_pos = np.zeros((len(docs), seq_len), np.int32)
     for i, (ids, labels) in enumerate(docs):
         out_ids[i, : len(ids)], out_labels[i, : len(labels)] = ids, labels
-    return out_ids, out_labels
+        out_pos[i] = document_positions([len(ids), seq_len - len(ids)] if len(ids) < seq_len else [seq_len])
+    return out_ids, out_labels, out_pos

@@ -1,7 +1,7 @@
 """A prepared token store: fixed-size rows in binary shards, and a manifest written last.
 
 Layout under `<checkpoint.storage_path>/datasets/<key>/`:
-  part-000000.bin ...  rows of int32 [input_ids | labels], 8 x seq_len bytes each, so row i
+  part-000000.bin ...  rows of int32 [input_ids | labels | position_ids], 12 x seq_len bytes each, so row i
                        of a shard is at byte i x row_bytes: one ranged read per row (or run
                        of rows), local or on an object store, nothing else read to reach it
   manifest.json        rows, seq_len, the shards with their row ranges and sizes, the key's
@@ -23,7 +23,8 @@ import pyarrow.fs as pafs
 from .. import storage
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: position ids stored with each row (documents packed without cross-talk)
+PLANES = 3  # input_ids, labels, position_ids
 
 
 @dataclass
@@ -40,7 +41,7 @@ class TokenStore:
         self.rows: int = manifest["rows"]
         self.seq_len: int = manifest["seq_len"]
         self.bad_rows: int = manifest["bad_rows"]
-        self.row_bytes = 8 * self.seq_len
+        self.row_bytes = 4 * PLANES * self.seq_len
         self._first = np.array([s["first_row"] for s in manifest["shards"]], dtype=np.int64)
         self._files: dict[int, object] = {}
         self._lock = threading.Lock()
@@ -58,16 +59,16 @@ class TokenStore:
         if manifest.get("format_version") != FORMAT_VERSION:
             return None
         infos = fs.get_file_info([f"{path}/{s['file']}" for s in manifest["shards"]])
-        row_bytes = 8 * manifest["seq_len"]
+        row_bytes = 4 * PLANES * manifest["seq_len"]
         if any(i.type != pafs.FileType.File or i.size != s["rows"] * row_bytes for i, s in zip(infos, manifest["shards"])):
             return None
         return cls(uri, manifest, fs, path)
 
-    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """input_ids and labels [len(rows), seq_len] of the given store rows, in that order.
+    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """input_ids, labels and position_ids [len(rows), seq_len] of the given rows, in that order.
         Consecutive rows of a shard are one read; nothing else is read."""
         rows = np.asarray(rows, dtype=np.int64)
-        out = np.empty((len(rows), 2, self.seq_len), dtype=np.int32)
+        out = np.empty((len(rows), PLANES, self.seq_len), dtype=np.int32)
         order = np.argsort(rows, kind="stable")
         i = 0
         while i < len(order):
@@ -78,12 +79,12 @@ class TokenStore:
             shard = int(np.searchsorted(self._first, first, side="right")) - 1
             end = min(j, i + int(self._first[shard] + self.manifest["shards"][shard]["rows"] - first))
             raw = self._file(shard).read_at((end - i) * self.row_bytes, (first - self._first[shard]) * self.row_bytes)
-            out[order[i:end]] = np.frombuffer(raw, dtype=np.int32).reshape(end - i, 2, self.seq_len)
+            out[order[i:end]] = np.frombuffer(raw, dtype=np.int32).reshape(end - i, PLANES, self.seq_len)
             self.read_counters.reads += 1
             self.read_counters.bytes += len(raw)
             i = end
         self.read_counters.rows += len(rows)
-        return out[:, 0], out[:, 1]
+        return out[:, 0], out[:, 1], out[:, 2]
 
     def _file(self, shard: int):
         with self._lock:
