@@ -49,9 +49,9 @@ class TrainState:
         (or anything that changes its tokens) changed under the job, those positions mean
         other rows, so the run stops and says so."""
         if self.data.store and self.data.store != store_key:
-            raise JobError(f"the data changed under a running job: {where} was trained on token store {self.data.store}, "
-                           f"but data.path and the tokenizer now prepare store {store_key}. Restore the data as it was, "
-                           "or start a new run (a new name or checkpoint.storage_path)")
+            raise JobError(f"the data changed under a running job: {where} was trained on data {self.data.store} "
+                           f"(token stores, weights, held-out rows), but the job's data and tokenizer now give {store_key}. "
+                           "Restore the data as it was, or start a new run (a new name or checkpoint.storage_path)")
 
     @classmethod
     def from_json(cls, text: str) -> "TrainState":

@@ -93,7 +93,8 @@ def cmd_run(args) -> int:
               f"  (full worker logs: the Ray logs of this run; MLflow run marked FAILED)", file=sys.stderr)
         return EXIT_FAILED
     m = result.metrics
-    print(f"[raytrain] done in {result.wall_s:.0f}s: step {m.get('step', '?')} loss {m.get('loss', float('nan')):.4f}; "
+    evaluated = f" eval_loss {m['eval_loss']:.4f};" if "eval_loss" in m else ""
+    print(f"[raytrain] done in {result.wall_s:.0f}s: step {m.get('step', '?')} loss {m.get('loss', float('nan')):.4f};{evaluated} "
           f"bad rows skipped {int(m.get('bad_rows', 0))}; checkpoint {result.checkpoint}; "
           f"final model {result.run_dir}/final_model; mlflow run {result.run_id}")
     return EXIT_OK
@@ -109,11 +110,12 @@ def cmd_prepare(args) -> int:
     from . import launcher
 
     try:
-        store = launcher.prepare_data(spec, address=args.address)
+        prepared = launcher.prepare_data(spec, address=args.address)
     except JobError as exc:
         print(f"raytrain: preparing {spec.name}'s data failed: {user_message(exc)}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"[raytrain] token store ready: {store.describe()}")
+    for uri in prepared["train"] + ([prepared["eval"]] if prepared["eval"] else []):
+        print(f"[raytrain] token store ready: {uri}")
     return EXIT_OK
 
 

@@ -92,9 +92,41 @@ class TagsSpec(Section):
     """Role name of a tool call by the model (`function_call`); an assistant turn, trained on."""
 
 
-class DataSpec(Section):
+class SourceSpec(Section):
     path: str
-    """A .jsonl, .json (a JSON array or JSON Lines) or .parquet file, a folder of them, or a glob; a local path or a URI (s3://, gs://, ...)."""
+    """A file, folder or glob, as `data.path`."""
+    format: Literal["text", "chat", "alpaca", "sharegpt"] | None = None
+    """This source's format; default `data.format`."""
+    weight: float = Field(1.0, gt=0)
+    """Share of the training rows drawn from this source (weights are relative: 3 and 1 mix 3:1)."""
+    columns: ColumnsSpec = ColumnsSpec()
+    """This source's column names (LLaMA-Factory's `columns`)."""
+    tags: TagsSpec = TagsSpec()
+    """This source's turn keys and role names (LLaMA-Factory's `tags`)."""
+
+
+class EvalSpec(Section):
+    path: str | None = None
+    """Evaluation rows from their own file, folder or glob (prepared like the training data)."""
+    fraction: float | None = Field(None, gt=0, lt=1)
+    """Or hold out this fraction of every training source's rows (a fixed choice, never trained on)."""
+    every_n_steps: int = Field(100, gt=0)
+    """Compute `eval_loss` (the token mean over all evaluation rows) every N steps and at the last step."""
+
+    @model_validator(mode="after")
+    def _one_way(self):
+        if (self.path is None) == (self.fraction is None):
+            raise ValueError("data.eval needs either `path` (its own data) or `fraction` (held out of the training data)")
+        return self
+
+
+class DataSpec(Section):
+    path: str | None = None
+    """A .jsonl, .json (a JSON array or JSON Lines) or .parquet file, a folder of them, or a glob; a local path or a URI (s3://, gs://, ...). Or give `sources`."""
+    sources: list[SourceSpec] | None = None
+    """Several datasets blended by weight, deterministically (the same rows at any worker count and after any restart); each may have its own format and mapping."""
+    eval: EvalSpec | None = None
+    """An evaluation set and how often to compute `eval_loss`."""
     format: Literal["text", "chat", "alpaca", "sharegpt"] = "text"
     """`text`: a text column, loss on every token. `chat`: OpenAI-style messages of {role, content}. `alpaca`: instruction/input/output (+ system, history). `sharegpt`: conversations of {from, value}. Every format but text is rendered with the tokenizer's chat template; loss on the assistant turns' content and end-of-turn token."""
     columns: ColumnsSpec = ColumnsSpec()
@@ -113,6 +145,34 @@ class DataSpec(Section):
     """Rows shuffled together after the block permutation (rounded down to whole blocks of 64)."""
     bad_rows: Literal["skip", "fail"] = "skip"
     """A row that is empty, of the wrong type, or has invalid chat roles: `skip` counts it (reported in MLflow), `fail` stops the job naming file and row."""
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.path is None) == (self.sources is None):
+            raise ValueError("give data.path (one dataset) or data.sources (a blend), exactly one of them")
+        if self.sources is not None and not self.sources:
+            raise ValueError("data.sources is empty: list at least one {path, weight}")
+        return self
+
+    def inputs(self) -> list[tuple["DataSpec", float]]:
+        """The training sources, each as a one-source DataSpec (what a token store is prepared from), with its weight."""
+        if self.sources is None:
+            return [(self, 1.0)]
+        return [(self.model_copy(update={"path": s.path, "format": s.format or self.format, "columns": s.columns,
+                                         "tags": s.tags, "sources": None, "eval": None}), s.weight) for s in self.sources]
+
+    def named_inputs(self) -> list[tuple[str, "DataSpec"]]:
+        """Every dataset the job reads (training sources, then the evaluation set), with the YAML field of its path."""
+        train = [("data.path", self)] if self.sources is None else [
+            (f"data.sources[{i}].path", d) for i, (d, _) in enumerate(self.inputs())]
+        evaluation = self.eval_input()
+        return train + ([("data.eval.path", evaluation)] if evaluation else [])
+
+    def eval_input(self) -> "DataSpec | None":
+        """The evaluation set's own data, when it has one (`eval.path`)."""
+        if self.eval is None or self.eval.path is None:
+            return None
+        return self.model_copy(update={"path": self.eval.path, "sources": None, "eval": None})
 
     def column(self, name: str) -> str | None:
         return getattr(self.columns, name) or DEFAULT_COLUMNS[self.format].get(name)

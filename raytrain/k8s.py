@@ -79,7 +79,7 @@ def _set_env(container: dict, name: str, value: str) -> None:
 
 
 def _uses_shared(spec) -> bool:
-    paths = (spec.checkpoint.storage_path, spec.data.path, spec.model.path)
+    paths = (spec.checkpoint.storage_path, *(d.path for _, d in spec.data.named_inputs()), spec.model.path)
     return any(p == SHARED_MOUNT or p.startswith(SHARED_MOUNT + "/") for p in paths)
 
 
@@ -158,8 +158,9 @@ def cluster_warnings(spec, namespace: str) -> list[str]:
     if local(spec.checkpoint.storage_path):
         out.append(f"checkpoint.storage_path={spec.checkpoint.storage_path!r} is local to a pod: checkpoints die with it "
                    f"and a retry cannot resume; use s3://... or a path under {SHARED_MOUNT}")
-    if local(spec.data.path):
-        out.append(f"data.path={spec.data.path!r} is not in the image: use s3://... or a path under {SHARED_MOUNT}")
+    for field, data in spec.data.named_inputs():
+        if local(data.path):
+            out.append(f"{field}={data.path!r} is not in the image: use s3://... or a path under {SHARED_MOUNT}")
     if spec.model.path.startswith((".", "/")) and local(spec.model.path):
         out.append(f"model.path={spec.model.path!r} is a local folder the pods do not have: use a hub id "
                    f"(downloaded on the cluster with HF_TOKEN) or a path under {SHARED_MOUNT}")

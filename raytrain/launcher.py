@@ -13,7 +13,6 @@ from pathlib import Path
 from . import control, faults, preemption, tracking
 from .checkpoint import STATE_FILE, TrainState
 from .data import prepare
-from .data.store import TokenStore
 from .export import latest_checkpoint, write_job_file
 from .config import JobSpec
 from .errors import JobError, forward_worker_stdout_only, user_message
@@ -65,7 +64,7 @@ def runtime_env(spec: JobSpec) -> dict:
     return {"env_vars": env}
 
 
-def build_trainer(spec: JobSpec, run_id: str, store: TokenStore):
+def build_trainer(spec: JobSpec, run_id: str, prepared: dict):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -82,14 +81,14 @@ def build_trainer(spec: JobSpec, run_id: str, store: TokenStore):
     # No Ray Data inside the training workers: each rank reads its rows of each global
     # batch straight from the prepared token store (see raytrain/data/).
     return TorchTrainer(worker.train_func, scaling_config=scaling, run_config=run,
-                        train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id, "store": store.uri})
+                        train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id, "data": prepared})
 
 
-def prepare_data(spec: JobSpec, address: str | None = None) -> TokenStore:
-    """`raytrain prepare`: the token store alone, on the cluster's CPUs."""
+def prepare_data(spec: JobSpec, address: str | None = None) -> dict:
+    """`raytrain prepare`: the token stores alone, on the cluster's CPUs."""
     connect(spec, address)
     try:
-        return prepare.ensure_store(spec)
+        return prepare.ensure_inputs(spec)
     except BaseException as exc:
         message = user_message(exc)
         if message:
@@ -97,14 +96,14 @@ def prepare_data(spec: JobSpec, address: str | None = None) -> TokenStore:
         raise
 
 
-def _resuming_on_same_data(spec: JobSpec, store: TokenStore) -> None:
+def _resuming_on_same_data(spec: JobSpec, key: str) -> None:
     """Refuse, before any worker starts, to resume a run on data that changed under it."""
     try:
         latest = latest_checkpoint(spec.run_dir)
     except FileNotFoundError:
         return
     state = TrainState.from_json(Path(latest, STATE_FILE).read_text())
-    state.require_same_data(store.key, latest)
+    state.require_same_data(key, latest)
 
 
 def _stop_on_signals(job_control) -> None:
@@ -132,9 +131,9 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
           f"workers {spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
           flush=True)
     try:
-        store = prepare.ensure_store(spec)
-        _resuming_on_same_data(spec, store)
-        result = build_trainer(spec, run_id, store).fit()
+        prepared = prepare.ensure_inputs(spec)
+        _resuming_on_same_data(spec, prepared["key"])
+        result = build_trainer(spec, run_id, prepared).fit()
     except BaseException as exc:
         _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         message = user_message(exc)

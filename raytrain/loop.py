@@ -41,6 +41,30 @@ def seed_step(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(hash((seed, step, rank)) % (2**63))
 
 
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the labelled tokens (the loop divides by the global count)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def evaluate(strategy, micro_batches: list[dict]) -> float:
+    """The token-mean loss over every rank's evaluation rows (a collective: every rank runs
+    the same number of forward passes)."""
+    device, loss_sum, tokens = strategy.device, 0.0, 0
+    strategy.model.eval()
+    with torch.no_grad():
+        for mb in micro_batches:
+            labels = mb["labels"].to(device)
+            with strategy.autocast():
+                logits = strategy.model(input_ids=mb["input_ids"].to(device),
+                                        position_ids=mb["position_ids"].to(device)).logits
+            loss_sum += float(token_loss(logits, labels))
+            tokens += int((labels[:, 1:] != IGNORE).sum())
+    strategy.model.train()
+    total, count = _all_reduce([loss_sum, tokens], device)
+    return total / max(1.0, count)
+
+
 def _all_reduce(values: list[float], device) -> list[float]:
     """SUM across ranks; the step's two collectives besides the gradients' (as a bare script has)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -55,7 +79,7 @@ def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> N
 
 
 def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logger=None, control=None,
-        on_step=None) -> TrainState:
+        on_step=None, eval_batches: list[dict] | None = None) -> TrainState:
     """Train until max_steps or a stop notice. Step metrics reach MLflow only once their
     step is in a committed checkpoint, so a rolled-back step is never left in the run."""
     device, rank, world = strategy.device, strategy.rank, strategy.world_size
@@ -79,8 +103,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
             with strategy.autocast():  # per-document positions: packed documents never attend to each other
                 logits = strategy.model(input_ids=ids, position_ids=mb["position_ids"].to(device)).logits
-            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                 ignore_index=IGNORE, reduction="sum")
+            ce = token_loss(logits, labels)
             strategy.backward(ce * (world / global_tokens), sync=i == len(batch.micro_batches) - 1)
             loss_sum += float(ce.detach())
         optimizer_start = time.perf_counter()
@@ -98,6 +121,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                    "optimizer_s": optimizer_s, "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
                    "peak_memory_gb": telemetry.peak_memory_gb(device), "tokens_seen": state.tokens_seen,
                    "bad_rows": state.bad_rows, "world_size": world, **flops.metrics(tokens_per_s, world)}
+        if eval_batches is not None and (state.step % spec.data.eval.every_n_steps == 0 or state.step == t.max_steps):
+            metrics["eval_loss"] = evaluate(strategy, eval_batches)
         if on_step:
             on_step(state, batch)
         if rank == 0:
@@ -106,6 +131,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             elapsed = time.perf_counter() - started
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
             mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
+            mfu += f" | eval {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
             print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
                   f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem {metrics['peak_memory_gb']:.1f}G "
                   f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",

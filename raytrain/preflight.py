@@ -72,7 +72,10 @@ def absolutize(raw: dict, base: str) -> dict:
     """Workers run in another directory: local paths become absolute on the driver. A model
     path that is not a local folder is left alone (a hub id)."""
     model, data, ck = raw.get("model") or {}, raw.get("data") or {}, raw.get("checkpoint") or {}
+    sources = [s for s in (data.get("sources") or []) if isinstance(s, dict)] if isinstance(data, dict) else []
+    evaluation = data.get("eval") if isinstance(data, dict) and isinstance(data.get("eval"), dict) else {}
     for section, key, always in ((model, "path", False), (model, "tokenizer", False), (data, "path", True),
+                                 *((s, "path", True) for s in sources), (evaluation, "path", True),
                                  (ck, "storage_path", True)):
         value = section.get(key) if isinstance(section, dict) else None
         if isinstance(value, str) and value and not storage.is_remote(value):
@@ -249,14 +252,15 @@ def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Pr
     if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return [Problem("model.tokenizer", repr(tok), f"{tok_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                         "set model.tokenizer to a tokenizer folder or hub id", "model")]
-    if "data" in broken or spec.data.format != "chat":
+    if "data" in broken or all(d.format == "text" for _, d in spec.data.named_inputs()):
         return []
     config = tok_dir / "tokenizer_config.json"
     has_template = (tok_dir / "chat_template.jinja").is_file() or (tok_dir / "chat_template.json").is_file() or (
         config.is_file() and json.loads(config.read_text()).get("chat_template"))
     if has_template:
         return []
-    return [Problem("data.format", "'chat'", f"chat data needs a chat template and the tokenizer in {tok_dir} has none; "
+    return [Problem("data.format", repr(spec.data.format), f"conversations (chat, alpaca, sharegpt) are rendered with the "
+                    f"tokenizer's chat template and the tokenizer in {tok_dir} has none; "
                     "use an instruct/chat model's tokenizer (model.tokenizer) or add chat_template.jinja", "data")]
 
 

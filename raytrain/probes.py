@@ -73,26 +73,33 @@ def unreachable(field: str, value: str, why: str, network_required: bool, kind: 
 
 # ---------------------------------------------------------------- dataset
 def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
-    path = spec.data.path
+    return [p for field, data in spec.data.named_inputs() for p in dataset_problems(data, field, network_required)]
+
+
+def dataset_problems(d, field: str, network_required: bool) -> list[Problem]:
+    """One dataset's files and first rows, as the prepare step will read them."""
+    path = d.path
     host = _object_store_host(path)
     why = _resolve_error(host) if host else None
     if why:
-        return [unreachable("data.path", path, why, network_required, "data")]
+        return [unreachable(field, path, why, network_required, "data")]
     try:
         fs, root = storage.filesystem(path)
-        if fs.get_file_info(root).type == pafs.FileType.NotFound:
-            return [Problem("data.path", repr(path), "no such file or folder; give a .jsonl/.json/.parquet file or a folder of them", "data")]
-        files = [s.path for s in list_sources(fs, root)]  # the files the prepare step reads, by the same rule
+        try:
+            files = [s.path for s in list_sources(fs, root)]  # the files the prepare step reads, by the same rule
+        except FileNotFoundError:
+            return [Problem(field, repr(path), "no such file or folder, and no match for a glob; give a "
+                            ".jsonl/.json/.parquet file, a folder or a glob of them", "data")]
         if not files:
-            return [Problem("data.path", repr(path), f"no .{', .'.join(FILE_EXTENSIONS)} files there "
+            return [Problem(field, repr(path), f"no .{', .'.join(FILE_EXTENSIONS)} files there "
                             "(the only formats raytrain reads); convert the data or point at the right folder", "data")]
         rows = [(f, n, raw) for f in files[:SAMPLE_FILES] for n, raw in sample_rows(fs, f, SAMPLE_ROWS)]
     except (OSError, ValueError) as exc:  # unreadable, not a JSON array, not parquet, ...: a message, not a traceback
         text = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if host and _UNREACHABLE.search(text):
-            return [unreachable("data.path", path, text, network_required, "data")]
-        return [Problem("data.path", repr(path), f"cannot read it ({text})", "data")]
-    return row_problems(spec, rows, path)
+            return [unreachable(field, path, text, network_required, "data")]
+        return [Problem(field, repr(path), f"cannot read it ({text})", "data")]
+    return row_problems(d, rows, path, field)
 
 
 def _decoded(row):
@@ -141,11 +148,10 @@ def mapping_problems(d, records: list[dict], n_rows: int) -> list[Problem]:
     return []
 
 
-def row_problems(spec: JobSpec, rows: list[tuple[str, int, object]], path: str) -> list[Problem]:
+def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str = "data.path") -> list[Problem]:
     """The first rows against the format and mapping, with the checks the prepare step applies per row."""
-    d = spec.data
     if not rows:
-        return [Problem("data.path", repr(path), "the files hold no rows", "data")]
+        return [Problem(field, repr(path), "the files hold no rows", "data")]
     records, bad = [], []
     for file, n, raw in rows:
         record = _decoded(raw)
@@ -159,7 +165,7 @@ def row_problems(spec: JobSpec, rows: list[tuple[str, int, object]], path: str) 
     if mapping:
         return mapping
     if len(bad) == len(rows):
-        return [Problem("data.path", repr(path), f"none of the first {len(rows)} rows is usable as {d.format} data, "
+        return [Problem(field, repr(path), f"none of the first {len(rows)} rows is usable as {d.format} data, "
                         f"e.g. {bad[0]}", "data")]
     if bad and d.bad_rows == "fail":
         return [Problem("data.bad_rows", "'fail'", f"{bad[0]}: the run would stop there; fix the row or set data.bad_rows: skip", "data")]

@@ -13,9 +13,7 @@ import torch
 from . import checkpoint, control, loop, modeling, storage, tracking
 from .checkpoint import TrainState
 from .config import JobSpec
-from .data.batches import GlobalBatches
-from .data.store import TokenStore
-from .errors import JobError
+from .data.batches import open_data
 from .strategies import build_strategy
 
 SAMPLE_LOG_ENV = "RAYTRAIN_SAMPLE_LOG"  # tests: a folder where each rank appends the sample ids it trained on
@@ -49,16 +47,14 @@ def train_func(config: dict) -> None:
         logger.set_tags({f"raytrain.attempt.{attempt}": f"world_size={world} resumed_from_step={resumed_from}"})
         if resumed_from:
             logger.log(resumed_from, {"restarts": attempt - 1})
-            print(f"[raytrain] attempt {attempt}: resumed at step {resumed_from} (epoch {state.data.epoch}, "
-                  f"row {state.data.offset}) with {world} workers", file=sys.stdout, flush=True)
+            print(f"[raytrain] attempt {attempt}: resumed at step {resumed_from} ({state.data.consumed:,} rows "
+                  f"consumed) with {world} workers", file=sys.stdout, flush=True)
 
-    store = TokenStore.open(config["store"])
-    if store is None:
-        raise JobError(f"the token store {config['store']} is gone or incomplete; run `raytrain prepare` again")
-    state.require_same_data(store.key, f"the checkpoint at step {state.step}")
-    state.bad_rows = store.bad_rows
-    batches = GlobalBatches(store, spec, rank, world, state.data)
-    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(rank, world))
+    batches, eval_batches, key = open_data(spec, config["data"], rank, world, state.data)
+    state.require_same_data(key, f"the checkpoint at step {state.step}")
+    state.bad_rows = sum(s.bad_rows for s in batches.stores)
+    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(rank, world),
+                     eval_batches=eval_batches)
 
     if spec.checkpoint.export_final and not state.stopped:
         export(spec, strategy, tokenizer, logger)

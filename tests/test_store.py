@@ -17,12 +17,24 @@ from chaos import final_lineage
 from conftest import make_job, metric_history
 from raytrain.data import DataPosition, GlobalOrder, rank_slice
 from raytrain.data.batches import GlobalBatches
+from raytrain.data.order import Stream
 from raytrain.data.prepare import ensure_store
 from raytrain.data.sources import owned_lines
 from raytrain.data.store import MANIFEST, TokenStore
 
 
 # ---------------------------------------------------------------- pure: order, slices, line ownership
+def test_a_blend_feeds_each_source_its_weight_within_one_row_whatever_the_prefix():
+    stream = Stream([100, 40], [3, 1], seed=0, shuffle=True, window_rows=64, horizon=4000)
+    sources, epochs, rows = stream.at(np.arange(4000))
+    counts = np.cumsum(sources == 1)
+    assert np.abs(counts - np.arange(1, 4001) * 0.25).max() <= 1  # 3:1 at every prefix, give or take one row
+    small = rows[sources == 1]  # the small source repeats, epoch after epoch, each epoch a permutation
+    assert sorted(small[:40]) == list(range(40)) and epochs[sources == 1][40] == 1
+    again = Stream([100, 40], [3, 1], seed=0, shuffle=True, window_rows=64, horizon=10_000)
+    assert np.array_equal(again.at(np.arange(2000, 2100))[2], rows[2000:2100])  # a longer job: the same prefix
+
+
 def test_each_epoch_is_a_different_permutation_that_depends_only_on_seed_and_epoch():
     order = GlobalOrder(rows=1000, seed=7, shuffle=True, window_rows=256)
     epochs, rows = order.rows_at(np.arange(0, 2000))
@@ -75,8 +87,13 @@ def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its
     assert one.manifest["docs"] == 4000 and one.bad_rows == 0  # every source row is in it
 
     spec = make_job(assets, tmp_path / "a", training={"global_batch_size": 10, "micro_batch_size": 2})
-    whole = GlobalBatches(one, spec, 0, 1, DataPosition())
-    ranks = [GlobalBatches(TokenStore.open(one.uri), spec, r, 3, DataPosition()) for r in range(3)]
+
+    def reader(rank: int, world: int, position=DataPosition()) -> GlobalBatches:
+        stream = Stream([one.rows], [1.0], seed=0, shuffle=True, window_rows=64, horizon=10**6)
+        return GlobalBatches([TokenStore.open(one.uri)], stream, spec, rank, world, position, one.key)
+
+    whole = reader(0, 1)
+    ranks = [reader(r, 3) for r in range(3)]
     for _ in range(3):
         batch, parts = next(whole), [next(r) for r in ranks]
         assert [s for p in parts for s in p.sample_ids] == batch.sample_ids
@@ -84,8 +101,8 @@ def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its
     for r in ranks:
         r.close()
     # 3 steps and the prefetched 4th: exactly its slices (4, 3, 3 rows), nothing read to skip or discard
-    assert [r.store.read_counters.rows for r in ranks] == [16, 12, 12]
-    resumed = GlobalBatches(one, spec, 0, 1, whole.position)  # a resume seeks to its position
+    assert [r.stores[0].read_counters.rows for r in ranks] == [16, 12, 12]
+    resumed = reader(0, 1, whole.position)  # a resume seeks to its position
     assert next(resumed).sample_ids == next(whole).sample_ids
 
 
@@ -106,22 +123,53 @@ def test_a_half_written_store_is_never_used_and_a_changed_source_gets_a_new_stor
 
 
 # ---------------------------------------------------------------- training at 1, 2 and 3 workers
-@pytest.mark.slow
-def test_same_losses_at_one_two_and_three_workers_across_a_kill_and_a_resize(ray_address, assets, tmp_path,
-                                                                               monkeypatch):
-    from raytrain import launcher
-    from raytrain.errors import JobError
+def user_datasets(folder: Path, assets: Path) -> list[dict]:
+    """Four sources shaped like the demo files users bring (LLaMA-Factory's alpaca JSON array, a
+    sharegpt jsonl, OpenAI messages under other key names, a parquet text file), as data.sources."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    data = tmp_path / "rows.jsonl"  # 60 rows, one per training row: 7.5 global batches an epoch
-    data.write_text("".join(line + "\n" for line in (assets / "text.jsonl").read_text().splitlines()[:60]))
+    from raytrain.demo_assets import ANIMALS, COLORS, text_rows
+
+    qa = [(f"what color is the {a}?", f"the {a} is {c}.") for a in ANIMALS for c in COLORS][:40]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "alpaca.json").write_text(json.dumps(
+        [{"instruction": q, "input": "", "output": r, "system": "answer briefly."} for q, r in qa[:30]], indent=1))
+    (folder / "sharegpt.jsonl").write_text("".join(json.dumps({"conversations": [
+        {"from": "human", "value": q}, {"from": "gpt", "value": r}]}) + "\n" for q, r in qa[30:]))
+    (folder / "dialogs.jsonl").write_text("".join(json.dumps({"dialog": [
+        {"speaker": "user", "text": q}, {"speaker": "bot", "text": r}]}) + "\n" for q, r in qa[:10]))
+    pq.write_table(pa.table({"text": [r["text"] for r in text_rows(10, seed=5)]}), folder / "text.parquet")
+    return [{"path": str(folder / "alpaca.json"), "format": "alpaca", "weight": 3},
+            {"path": str(folder / "sharegpt.jsonl"), "format": "sharegpt", "weight": 1},
+            {"path": str(folder / "dialogs.jsonl"), "format": "chat", "weight": 1, "columns": {"messages": "dialog"},
+             "tags": {"role_tag": "speaker", "content_tag": "text", "assistant_tag": "bot"}},
+            {"path": str(folder / "text.parquet"), "format": "text", "weight": 1}]
+
+
+@pytest.mark.slow
+def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_across_a_kill_and_a_resize(
+        ray_address, assets, tmp_path, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raytrain import launcher
+    from raytrain.data.order import held_out
+    from raytrain.data.prepare import ensure_inputs
+    from raytrain.errors import JobError
+    from raytrain.loop import token_loss
+
+    sources = user_datasets(tmp_path / "data", assets)
 
     def job(name, storage, workers, steps=10, **over):
-        return make_job(assets, storage, name=name, data={"path": str(data), "pack": False, "seq_len": 48},
-                        training={"finetune": "full", "max_steps": steps}, scaling={"num_workers": workers},
-                        checkpoint={"every_n_steps": 4, "export_final": False}, **over)
+        return make_job(assets, storage, name=name, data={
+            "path": None, "sources": sources, "pack": False, "seq_len": 48, "eval": {"fraction": 0.1, "every_n_steps": 5}},
+            training={"finetune": "full", "max_steps": steps}, scaling={"num_workers": workers},
+            checkpoint={"every_n_steps": 4}, **over)
 
     one = job("w1", tmp_path / "one", 1)
-    reference = metric_history(one, launcher.run(one).run_id)
+    one_run = launcher.run(one).run_id
+    reference, reference_evals = metric_history(one, one_run), metric_history(one, one_run, "eval_loss")
 
     monkeypatch.setenv("RAYTRAIN_SAMPLE_LOG", str(tmp_path / "samples"))
     (tmp_path / "samples").mkdir()
@@ -138,11 +186,36 @@ def test_same_losses_at_one_two_and_three_workers_across_a_kill_and_a_resize(ray
 
     lineage = final_lineage(tmp_path / "samples")
     assert [lineage[s]["world"] for s in range(1, 11)] == [3] * 4 + [2] * 6
-    assert all(len(lineage[s]["samples"]) == 8 for s in lineage)
-    epoch0 = [tuple(x) for s in sorted(lineage) for x in lineage[s]["samples"] if x[0] == 0]
-    assert sorted(epoch0) == [(0, i) for i in range(60)]  # every row of the epoch exactly once
+    seen = [tuple(x) for s in sorted(lineage) for x in lineage[s]["samples"]]
+    assert len(seen) == 80 and len(set(seen)) == 80  # a constant global batch, no row twice
+    weights = np.array([3, 1, 1, 1]) / 6
+    for i, share in enumerate(weights):  # every source its weight, within a row, after every global batch
+        counts = np.cumsum([x[0] == i for x in seen])[7::8]
+        assert np.abs(counts - share * np.arange(8, 81, 8)).max() <= 1, (i, counts)
+    prepared = ensure_inputs(two)
+    stores = [TokenStore.open(uri) for uri in prepared["train"]]
+    for i, store in enumerate(stores):  # each source's first epoch: every training row once, no held-out row
+        train, held = held_out(store.rows, 0.1)
+        first = sorted(x[2] for x in seen if x[0] == i and x[1] == 0)
+        assert first == sorted(train.tolist())[: len(first)] and not set(first) & set(held.tolist())
+        assert len(first) == min(len(train), sum(x[0] == i for x in seen))
 
-    data.write_text(data.read_text() + data.read_text().splitlines(keepends=True)[0])
-    more = job("resize", tmp_path / "runs", 2, steps=12)
+    # eval_loss at exactly the configured steps, the same at 1 worker and after the resize, and equal
+    # to the loss computed offline on the exported model over the held-out rows.
+    evals = metric_history(two, result.run_id, "eval_loss")
+    assert sorted(evals) == sorted(reference_evals) == [5, 10]
+    assert np.allclose([evals[5], evals[10]], [reference_evals[5], reference_evals[10]], rtol=1e-5, atol=0)
+    model = AutoModelForCausalLM.from_pretrained(str(Path(two.run_dir) / "final_model")).eval()
+    model.config.use_cache = False
+    total = tokens = 0.0
+    with torch.no_grad():
+        for store in stores:
+            ids, labels, positions = (torch.from_numpy(a).long() for a in store.read(held_out(store.rows, 0.1)[1]))
+            total += float(token_loss(model(input_ids=ids, position_ids=positions).logits, labels))
+            tokens += int((labels[:, 1:] != -100).sum())
+    assert evals[10] == pytest.approx(total / tokens, rel=1e-5)
+
+    first_source = Path(sources[1]["path"])  # the data changes under the job: a resume is refused
+    first_source.write_text(first_source.read_text() + first_source.read_text().splitlines(keepends=True)[0])
     with pytest.raises(JobError, match="the data changed under a running job"):
-        launcher.run(more)
+        launcher.run(job("resize", tmp_path / "runs", 2, steps=12))

@@ -1,4 +1,5 @@
-"""This rank's micro-batches of each global batch, read straight from the token store.
+"""This rank's micro-batches of each global batch, read straight from the token stores;
+and its share of the evaluation rows.
 
 Rank r of N reads only its slice of each global batch (`order.rank_slice`): ceil(G/N) or
 floor(G/N) rows, nothing else. Every rank runs the same number of micro-batches per step
@@ -17,7 +18,8 @@ import numpy as np
 import torch
 
 from ..config import JobSpec
-from .order import DataPosition, GlobalOrder, rank_slice
+from ..errors import JobError
+from .order import DataPosition, Stream, held_out, rank_slice
 from .records import IGNORE
 from .store import TokenStore
 
@@ -25,45 +27,86 @@ from .store import TokenStore
 @dataclass
 class StepBatch:
     micro_batches: list[dict]  # this rank's micro-batches: input_ids, labels, position_ids (torch.long)
-    sample_ids: list[tuple[int, int]] = field(default_factory=list)  # (epoch, store row) of this rank's rows
+    sample_ids: list[tuple[int, int, int]] = field(default_factory=list)  # (source, epoch, row) of this rank's rows
+
+
+def _open(uri: str) -> TokenStore:
+    store = TokenStore.open(uri)
+    if store is None:
+        raise JobError(f"the token store {uri} is gone or incomplete; run the job again (or `raytrain prepare`) to rebuild it")
+    return store
+
+
+def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: int) -> list[dict]:
+    """Rows (source, row) in `count` micro-batches of near-equal size; an empty one is a padding row."""
+    sources = np.array([s for s, _ in ids], dtype=np.int64)
+    rows = np.array([r for _, r in ids], dtype=np.int64)
+    n = stores[0].seq_len
+    planes = np.empty((len(ids), 3, n), dtype=np.int32)
+    for i, store in enumerate(stores):
+        mine = sources == i
+        if mine.any():
+            planes[mine] = np.stack(store.read(rows[mine]), axis=1)
+    out = []
+    for part in np.array_split(np.arange(len(ids)), count):
+        if len(part):
+            t = torch.from_numpy(planes[part]).long()
+            out.append({"input_ids": t[:, 0], "labels": t[:, 1], "position_ids": t[:, 2]})
+        else:  # keeps this rank's forward/backward count equal to the others'; trains nothing
+            pad = int(stores[0].manifest.get("pad_id", 0))
+            out.append({"input_ids": torch.full((1, n), pad, dtype=torch.long),
+                        "labels": torch.full((1, n), IGNORE, dtype=torch.long),
+                        "position_ids": torch.arange(n, dtype=torch.long)[None]})
+    return out
 
 
 class GlobalBatches:
-    def __init__(self, store: TokenStore, spec: JobSpec, rank: int, world_size: int, position: DataPosition):
-        t = spec.training
-        self.store, self.global_batch = store, t.global_batch_size
+    def __init__(self, stores: list[TokenStore], stream: Stream, spec: JobSpec, rank: int, world_size: int,
+                 position: DataPosition, key: str):
+        self.stores, self.stream, self.global_batch = stores, stream, spec.training.global_batch_size
         self.micro = spec.accumulation_steps(world_size)
-        self.order = GlobalOrder(store.rows, t.seed, spec.data.shuffle, spec.data.shuffle_window)
-        self.start, self.stop = rank_slice(t.global_batch_size, world_size, rank)
-        self.position = DataPosition(position.epoch, position.offset, store.key)
-        self._pad = int(store.manifest.get("pad_id", 0))
+        self.start, self.stop = rank_slice(self.global_batch, world_size, rank)
+        self.position = DataPosition(position.consumed, key)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-prefetch")
-        self._next = self._pool.submit(self._read, self.position)
+        self._next = self._pool.submit(self._read, self.position.consumed)
 
-    def _read(self, position: DataPosition):
-        first = position.position(self.store.rows)
-        epochs, rows = self.order.rows_at(np.arange(first + self.start, first + self.stop))
-        return (epochs, rows, *self.store.read(rows))
+    def _read(self, consumed: int):
+        sources, epochs, rows = self.stream.at(np.arange(consumed + self.start, consumed + self.stop))
+        micro = micro_batches(self.stores, list(zip(sources.tolist(), rows.tolist())), self.micro)
+        return micro, list(zip(sources.tolist(), epochs.tolist(), rows.tolist()))
 
     def __iter__(self):
         return self
 
     def __next__(self) -> StepBatch:
-        epochs, rows, ids, labels, positions = self._next.result()
-        self.position = self.position.advanced(self.global_batch, self.store.rows)
-        self._next = self._pool.submit(self._read, self.position)
-        micro = []
-        for part in np.array_split(np.arange(len(rows)), self.micro):
-            if len(part):
-                micro.append({"input_ids": torch.from_numpy(ids[part]).long(), "labels": torch.from_numpy(labels[part]).long(),
-                              "position_ids": torch.from_numpy(positions[part]).long()})
-            else:  # keeps this rank's forward/backward count equal to the others'; trains nothing
-                n = self.store.seq_len
-                micro.append({"input_ids": torch.full((1, n), self._pad, dtype=torch.long),
-                              "labels": torch.full((1, n), IGNORE, dtype=torch.long),
-                              "position_ids": torch.arange(n, dtype=torch.long)[None]})
-        return StepBatch(micro, list(zip(epochs.tolist(), rows.tolist())))
+        micro, sample_ids = self._next.result()
+        self.position = DataPosition(self.position.consumed + self.global_batch, self.position.store)
+        self._next = self._pool.submit(self._read, self.position.consumed)
+        return StepBatch(micro, sample_ids)
 
     def close(self) -> None:
         """Stop prefetching (the read in flight finishes)."""
         self._pool.shutdown(wait=True)
+
+
+def open_data(spec: JobSpec, prepared: dict, rank: int, world: int, position: DataPosition):
+    """(training batches, this rank's evaluation micro-batches or None, the data key) from
+    the stores the driver prepared (`prepare.ensure_inputs`)."""
+    stores = [_open(uri) for uri in prepared["train"]]
+    d, t = spec.data, spec.training
+    fraction, key = d.eval.fraction if d.eval else None, prepared["key"]
+    splits = [held_out(s.rows, fraction) if fraction else (s.rows, None) for s in stores]
+    stream = Stream([train for train, _ in splits], prepared["weights"], t.seed, d.shuffle, d.shuffle_window,
+                    horizon=t.max_steps * t.global_batch_size)
+    batches = GlobalBatches(stores, stream, spec, rank, world, position, key)
+    if d.eval is None:
+        return batches, None, key
+    if prepared.get("eval"):
+        eval_stores = [_open(prepared["eval"])]
+        ids = [(0, r) for r in range(eval_stores[0].rows)]
+    else:
+        eval_stores = stores
+        ids = [(i, int(r)) for i, (_, held) in enumerate(splits) for r in held]
+    start, stop = rank_slice(len(ids), world, rank)
+    count = -(-(-(-len(ids) // world)) // t.micro_batch_size)  # the same on every rank
+    return batches, micro_batches(eval_stores, ids[start:stop], count), key

@@ -14,6 +14,12 @@ window in hand, and any position is found without walking to it (a resume seeks)
 Global batch b is positions [b*G, (b+1)*G). Rank r of N takes a contiguous, balanced slice
 of it (`rank_slice`): ceil(G/N) or floor(G/N) rows, whatever N is, so any worker count in
 an elastic range trains the same global batches.
+
+A blend of sources (`Stream`) interleaves them by weight as Megatron's blended datasets do:
+the k-th row of source i is due at time (k + 1/2) / w_i, and the stream takes rows in order
+of due time, so after any p positions each source has had p * w_i / sum(w) rows, give or take
+one. Each source then runs through its own order and epochs. A held-out evaluation set is a
+fixed choice of rows per source (`held_out`) that the training order never visits.
 """
 
 from __future__ import annotations
@@ -27,19 +33,11 @@ BLOCK_ROWS = 64
 
 @dataclass
 class DataPosition:
-    """Where the run stands in the stream: `epoch` and rows of it consumed, and the store
-    those rows come from (a resume against another store is refused)."""
+    """Where the run stands: rows of the stream consumed (over all epochs and sources), and
+    the stores they come from (a resume against other stores is refused). One counter."""
 
-    epoch: int = 0
-    offset: int = 0
+    consumed: int = 0
     store: str = ""
-
-    def advanced(self, rows: int, epoch_rows: int) -> "DataPosition":
-        p = self.epoch * epoch_rows + self.offset + rows
-        return DataPosition(p // epoch_rows, p % epoch_rows, self.store)
-
-    def position(self, epoch_rows: int) -> int:
-        return self.epoch * epoch_rows + self.offset
 
 
 def rank_slice(global_batch: int, world: int, rank: int) -> tuple[int, int]:
@@ -94,3 +92,55 @@ class GlobalOrder:
                 self._windows.clear()
             self._windows[(epoch, w)] = window
         return int(window[q - starts[first]])
+
+
+def held_out(rows: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training rows, evaluation rows) of a store: a fixed, seed-independent choice, so every
+    job on the same store holds out the same rows."""
+    k = min(rows - 1, max(1, round(fraction * rows)))
+    perm = np.random.default_rng(0x5EED).permutation(rows)
+    return np.sort(perm[k:]), np.sort(perm[:k])
+
+
+class Stream:
+    """Stream positions -> (source, epoch, row) over one or several sources.
+
+    `rows[i]` are the rows of source i the training order may use: a count (all rows of the
+    store) or the row numbers a held-out evaluation set leaves; `horizon` is how many positions
+    the job can consume (max_steps x global batch): a blend's schedule is laid out once up to it.
+    """
+
+    def __init__(self, rows: list[int | np.ndarray], weights: list[float], seed: int, shuffle: bool, window_rows: int,
+                 horizon: int):
+        self.rows = rows
+        self.orders = [GlobalOrder(r if isinstance(r, int) else len(r), seed + 7919 * i, shuffle, window_rows)
+                       for i, r in enumerate(rows)]
+        if len(rows) == 1:
+            self._source = self._index = None
+            return
+        w = np.asarray(weights, dtype=np.float64)
+        w = w / w.sum()
+        due = [(np.arange(int(np.ceil(horizon * wi)) + 2) + 0.5) / wi for wi in w]
+        source = np.concatenate([np.full(len(d), i, np.int8) for i, d in enumerate(due)])
+        order = np.lexsort((source, np.concatenate(due)))[:horizon]  # by due time, ties by source
+        self._source = source[order]
+        self._index = np.empty(horizon, np.int64)  # k: this is source i's k-th row
+        for i in range(len(rows)):
+            mine = self._source == i
+            self._index[mine] = np.arange(mine.sum())
+
+    def at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        positions = np.asarray(positions, dtype=np.int64)
+        if self._source is None:
+            source, k = np.zeros(len(positions), np.int64), positions
+        else:
+            if len(positions) and positions.max() >= len(self._source):
+                raise IndexError(f"stream position {positions.max()} beyond the blend's horizon {len(self._source)}")
+            source, k = self._source[positions].astype(np.int64), self._index[positions]
+        epochs, rows = np.empty_like(k), np.empty_like(k)
+        for i, order in enumerate(self.orders):
+            mine = source == i
+            if mine.any():
+                e, r = order.rows_at(k[mine])
+                epochs[mine], rows[mine] = e, (r if isinstance(self.rows[i], int) else self.rows[i][r])
+        return source, epochs, rows

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import storage
-from ..config import JobSpec
+from ..config import DataSpec, JobSpec
 from ..errors import BadRowError, JobError
 from .records import encode_row, pack, pad_rows
 from .sources import Source, Unit, list_sources, plan_units, read_unit
@@ -56,8 +56,7 @@ def tokenizer_fingerprint(spec: JobSpec) -> str:
     return digest.hexdigest()[:16]
 
 
-def store_key(spec: JobSpec, sources: list[Source], tokenizer: str, unit_bytes: int) -> str:
-    d = spec.data
+def store_key(d: DataSpec, sources: list[Source], tokenizer: str, unit_bytes: int) -> str:
     inputs = {"sources": [[s.path, s.size, s.mtime_ns] for s in sources], "tokenizer": tokenizer,
               "format": d.format, "columns": d.columns.model_dump(), "tags": d.tags.model_dump(),
               "train_on_inputs": d.train_on_inputs, "seq_len": d.seq_len, "pack": d.pack, "unit_bytes": unit_bytes,
@@ -65,14 +64,31 @@ def store_key(spec: JobSpec, sources: list[Source], tokenizer: str, unit_bytes: 
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def ensure_store(spec: JobSpec, unit_bytes: int = UNIT_BYTES, concurrency: int | None = None) -> TokenStore:
-    """The job's token store: reused when complete, else prepared on the cluster (Ray is up)."""
-    fs, root = storage.filesystem(spec.data.path)
+def ensure_inputs(spec: JobSpec) -> dict:
+    """Every store the job trains and evaluates on (what the workers open): {"train": [uri, ...],
+    "weights": [...], "eval": uri | None, "key": what a checkpoint's data position refers to}."""
+    train = [(ensure_store(spec, data), weight) for data, weight in spec.data.inputs()]
+    eval_data = spec.data.eval_input()
+    eval_store = ensure_store(spec, eval_data) if eval_data else None
+    fraction = spec.data.eval.fraction if spec.data.eval else None
+    # The stores' keys (not their URIs: the same data under another storage path is the same data).
+    identity = ([s.key for s, _ in train], [w for _, w in train], eval_store.key if eval_store else None, fraction)
+    return {"train": [s.uri for s, _ in train], "weights": [w for _, w in train],
+            "eval": eval_store.uri if eval_store else None,
+            "key": hashlib.sha256(repr(identity).encode()).hexdigest()[:20]}
+
+
+def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = UNIT_BYTES,
+                 concurrency: int | None = None) -> TokenStore:
+    """The token store of one dataset (default: `data.path`): reused when complete, else
+    prepared on the cluster (Ray is up)."""
+    data = data or spec.data
+    fs, root = storage.filesystem(data.path)
     try:
         sources = list_sources(fs, root)
     except FileNotFoundError as exc:
         raise JobError(str(exc)) from None
-    key = store_key(spec, sources, tokenizer_fingerprint(spec), unit_bytes)
+    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes)
     uri = f"{datasets_root(spec)}/{key}"
     store = TokenStore.open(uri)
     if store is not None:
@@ -83,8 +99,8 @@ def ensure_store(spec: JobSpec, unit_bytes: int = UNIT_BYTES, concurrency: int |
     out_fs, out_path = storage.filesystem(uri)
     out_fs.create_dir(out_path, recursive=True)
     out_fs.delete_dir_contents(out_path, missing_dir_ok=True)  # a half-written earlier attempt
-    results = _run_units(spec, fs, units, out_fs, out_path, concurrency)
-    manifest = _manifest(spec, key, sources, units, results)
+    results = _run_units(spec, data, fs, units, out_fs, out_path, concurrency)
+    manifest = _manifest(data, key, sources, units, results)
     write_manifest(out_fs, out_path, manifest)
     store = TokenStore.open(uri)
     if store is None:
@@ -94,7 +110,8 @@ def ensure_store(spec: JobSpec, unit_bytes: int = UNIT_BYTES, concurrency: int |
     return store
 
 
-def _run_units(spec: JobSpec, fs, units: list[Unit], out_fs, out_path: str, concurrency: int | None) -> list[dict]:
+def _run_units(spec: JobSpec, data: DataSpec, fs, units: list[Unit], out_fs, out_path: str,
+               concurrency: int | None) -> list[dict]:
     """One Ray Data task per unit (its own read, tokenize, pack and shard write)."""
     import logging
 
@@ -106,7 +123,8 @@ def _run_units(spec: JobSpec, fs, units: list[Unit], out_fs, out_path: str, conc
     ctx.execution_options.preserve_order = True
     items = [{"index": i, "unit": u.to_json()} for i, u in enumerate(units)]
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
-    kwargs = {"fs": fs, "out_fs": out_fs, "out_path": out_path, "spec": spec.model_dump(mode="json")}
+    kwargs = {"fs": fs, "out_fs": out_fs, "out_path": out_path, "spec": spec.model_dump(mode="json"),
+              "data": data.model_dump(mode="json")}
     results = ds.map(prepare_unit, fn_kwargs=kwargs, concurrency=concurrency, num_cpus=1).take_all()
     return [json.loads(r["result"]) for r in sorted(results, key=lambda r: r["index"])]
 
@@ -114,12 +132,12 @@ def _run_units(spec: JobSpec, fs, units: list[Unit], out_fs, out_path: str, conc
 _TOKENIZERS: dict = {}
 
 
-def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict) -> dict:
+def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict) -> dict:
     """Ray Data task: one unit -> one shard file. Bad rows are counted and the first few
     kept (by row number within the unit: the driver numbers them within the file)."""
     from ..modeling import load_tokenizer  # torch-free callers (validate) never reach this
 
-    job = JobSpec.model_validate(spec)
+    job, d = JobSpec.model_validate(spec), DataSpec.model_validate(data)
     tok_key = json.dumps(spec["model"], sort_keys=True)
     if tok_key not in _TOKENIZERS:
         _TOKENIZERS[tok_key] = load_tokenizer(job)
@@ -129,17 +147,17 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict) -> dict:
     try:
         for lines, row in enumerate(read_unit(fs, unit), start=1):
             try:
-                docs.append(encode_row(tok, job.data, row))
+                docs.append(encode_row(tok, d, row))
             except ValueError as why:
                 bad += 1
                 if len(examples) < BAD_EXAMPLES:
                     examples.append([lines, str(why)])
-                if job.data.bad_rows == "fail":
+                if d.bad_rows == "fail":
                     break
     except ValueError as file_problem:  # a file that cannot be read as its kind at all
         return {"index": item["index"], "result": json.dumps({"file_error": str(file_problem)})}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids, labels, positions = (pack if job.data.pack else pad_rows)(docs, job.data.seq_len, pad)
+    ids, labels, positions = (pack if d.pack else pad_rows)(docs, d.seq_len, pad)
     with out_fs.open_output_stream(f"{out_path}/{shard_name(item['index'])}") as f:
         f.write(np.stack([ids, labels, positions], axis=1).astype(np.int32).tobytes())
     result = {"rows": len(ids), "lines": lines, "pad_id": int(pad), "bad": bad, "examples": examples, "docs": len(docs),
@@ -151,7 +169,7 @@ def shard_name(index: int) -> str:
     return f"part-{index:06d}.bin"
 
 
-def _manifest(spec: JobSpec, key: str, sources: list[Source], units: list[Unit], results: list[dict]) -> dict:
+def _manifest(data: DataSpec, key: str, sources: list[Source], units: list[Unit], results: list[dict]) -> dict:
     """Row numbers within each file, the bad rows named, the shards and their row ranges."""
     file_errors = [r["file_error"] for r in results if "file_error" in r]
     if file_errors:
@@ -165,16 +183,16 @@ def _manifest(spec: JobSpec, key: str, sources: list[Source], units: list[Unit],
         shards.append({"file": shard_name(index), "rows": r["rows"], "first_row": row})
         row += r["rows"]
     bad = sum(r["bad"] for r in results)
-    if bad and spec.data.bad_rows == "fail":
+    if bad and data.bad_rows == "fail":
         raise BadRowError(f"{named[0]} (set data.bad_rows: skip to skip such rows)")
     if row == 0:
-        raise JobError(f"data.path={spec.data.path} gave no usable rows ({bad} bad, the rest empty); "
-                       f"e.g. {named[0]}" if named else f"data.path={spec.data.path} holds no rows")
+        raise JobError(f"data.path={data.path} gave no usable rows ({bad} bad, the rest empty); "
+                       f"e.g. {named[0]}" if named else f"data.path={data.path} holds no rows")
     if bad:
         print(f"[raytrain] data: skipped {bad} bad row(s), e.g. {named[0]}", file=sys.stderr, flush=True)
     pad_id = next((r["pad_id"] for r in results if "pad_id" in r), 0)
-    return {"key": key, "rows": row, "seq_len": spec.data.seq_len, "pad_id": pad_id, "shards": shards, "bad_rows": bad,
+    return {"key": key, "rows": row, "seq_len": data.seq_len, "pad_id": pad_id, "shards": shards, "bad_rows": bad,
             "bad_examples": named, "docs": sum(r["docs"] for r in results), "tokens": sum(r["tokens"] for r in results),
             "sources": [{"path": s.path, "size": s.size, "mtime_ns": s.mtime_ns} for s in sources],
-            "settings": {"format": spec.data.format, "pack": spec.data.pack, "packer": PACKER_VERSION},
+            "settings": {"format": data.format, "pack": data.pack, "packer": PACKER_VERSION},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -14,6 +14,7 @@ never whole into memory (a JSON array excepted).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -43,11 +44,19 @@ class Unit:
 
 
 def list_sources(fs: pafs.FileSystem, root: str) -> list[Source]:
-    """The data files under `root` (a file or a folder, recursively), in path order."""
-    info = fs.get_file_info(root)
-    if info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"data.path: no such file or folder: {root}")
-    infos = [info] if info.type == pafs.FileType.File else fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    """The data files of `root` (a file, a folder searched recursively, or a glob such as
+    data/train-*.jsonl), in path order."""
+    if any(c in root for c in "*?["):
+        base = root[: min(root.index(c) for c in "*?[" if c in root)].rsplit("/", 1)[0]
+        found = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        infos = [i for i in found if fnmatch.fnmatchcase(i.path, root)]
+        if not infos:
+            raise FileNotFoundError(f"data.path: nothing matches {root}")
+    else:
+        info = fs.get_file_info(root)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"data.path: no such file or folder: {root}")
+        infos = [info] if info.type == pafs.FileType.File else fs.get_file_info(pafs.FileSelector(root, recursive=True))
     files = [i for i in infos if i.type == pafs.FileType.File and i.path.rsplit(".", 1)[-1] in FILE_EXTENSIONS]
     return sorted((Source(i.path, i.size, int(i.mtime_ns or 0)) for i in files), key=lambda s: s.path)
 
