@@ -20,7 +20,6 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pyarrow.fs as pafs
 
 from . import storage
 from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
