@@ -20,7 +20,6 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-
 from . import storage
 from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
 from .data import FILE_EXTENSIONS, to_value
