@@ -228,7 +228,7 @@ def seq_len_over_window(job, tmp, assets):
 def model_without_tokenizer(job, tmp, assets):
     job["model"]["path"] = copy_model(assets, tmp, drop=("tokenizer.json", "tokenizer_config.json"))
 
-@case("data.format = 'chat'", "needs a chat template")
+@case("data.format = 'chat'", "rendered with the tokenizer's chat template")
 def chat_without_template(job, tmp, assets):
     job["model"]["path"] = copy_model(assets, tmp, drop=("chat_template.jinja",))
     job["data"].update(path=str(assets / "chat.jsonl"), format="chat", seq_len=48)
@@ -258,6 +258,18 @@ def chat_format_on_text_data(job, tmp, assets):
 @case("data.tags.role_tag = 'from'", "keys there: content, role); set data.tags.role_tag (these are chat keys: set data.format: chat)")
 def sharegpt_format_on_openai_messages(job, tmp, assets):
     job["data"].update(path=lines(tmp, [{"conversations": CHAT_OK["messages"]}] * 3), format="sharegpt")
+
+@case("data", "give data.path (one dataset) or data.sources (a blend), exactly one of them")
+def both_path_and_sources(job, tmp, assets):
+    job["data"]["sources"] = [{"path": job["data"]["path"], "weight": 1}]
+
+@case("data.eval", "either `path` (its own data) or `fraction`")
+def eval_with_neither(job, tmp, assets):
+    job["data"]["eval"] = {"every_n_steps": 10}
+
+@case("data.sources[1].path", "no such file or folder")
+def blend_with_a_missing_source(job, tmp, assets):
+    job["data"] = {"sources": [{"path": job["data"]["path"]}, {"path": str(tmp / "nope.jsonl")}], "seq_len": 32}
 
 @case("data.columns.response = 'output'", "columns there: answer, instruction")
 def alpaca_without_output(job, tmp, assets):
@@ -371,6 +383,21 @@ def test_every_problem_is_reported_at_once(assets, tmp_path):
     code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json")
     fields = {p["field"] for p in json.loads(out)["problems"]}
     assert code == 2 and fields == {"optimizer.lr", "training.global_batch_size", "data.path", "tracking.uri"}
+
+
+def test_llama_factory_demo_files_validate_without_a_mapping(assets, tmp_path):
+    # alpaca_en_demo.json is a JSON array (it used to be refused as "row 1: not valid JSON").
+    (tmp_path / "alpaca_en_demo.json").write_text(json.dumps([
+        {"instruction": "Describe a fox.", "input": "", "output": "A small wild canine."},
+        {"instruction": "Translate.", "input": "bonjour", "output": "hello", "system": "be brief", "history": []}], indent=2))
+    (tmp_path / "sharegpt.jsonl").write_text(json.dumps({"conversations": [
+        {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "system": "be brief"}) + "\n")
+    job = base_job(assets, tmp_path)
+    job["data"] = {"sources": [{"path": str(tmp_path / "alpaca_en_demo.json"), "format": "alpaca", "weight": 3},
+                               {"path": str(tmp_path / "sharegpt.jsonl"), "format": "sharegpt"}],
+                   "seq_len": 32, "eval": {"fraction": 0.1, "every_n_steps": 5}}
+    code, out, err = cli("validate", str(write_job(tmp_path, job)))
+    assert code == 0 and "problem" not in err, err
 
 
 def test_a_wide_elastic_range_is_valid_and_every_worker_count_gets_its_rows(assets, tmp_path):
