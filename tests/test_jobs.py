@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from raytrain import storage
+from raytrain.config import DataSpec
 from test_validate import LLAMA_31_8B, cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,8 +39,7 @@ def unreachable_here(job: dict, workdir: Path) -> set[str]:
     model = job["model"]["path"]
     if not (workdir / model).exists() and not Path(model).exists():
         out.add("model.path")
-    if storage.is_remote(job["data"]["path"]):
-        out.add("data.path")
+    out |= {field for field, data in DataSpec.model_validate(job["data"]).named_inputs() if storage.is_remote(data.path)}
     if storage.is_remote((job.get("checkpoint") or {}).get("storage_path", "")):
         out.add("checkpoint.storage_path")
     if str((job.get("tracking") or {}).get("uri") or "").startswith("http"):
