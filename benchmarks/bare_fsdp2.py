@@ -110,7 +110,7 @@ def lr_at(step: int, args) -> float:
     """raytrain.loop.lr_at for warmup + cosine down to 0.1 x lr."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - 1 - args.warmup_steps))
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 

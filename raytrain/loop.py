@@ -31,7 +31,8 @@ def lr_at(step: int, spec: JobSpec) -> float:
         return o.lr * (step + 1) / o.warmup_steps
     if o.schedule == "constant":
         return o.lr
-    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    # Steps run 0 .. max_steps - 1: the last one trained gets the floor.
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total - 1 - o.warmup_steps))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * shape)
 
