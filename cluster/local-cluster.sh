@@ -22,6 +22,16 @@
 # included. This script starts the head in a session of its own and stops that process group.
 set -euo pipefail
 
+# The repository's own environment (cluster/setup-local.sh), activated or not: its `ray` and
+# `python` start the cluster, and `env` puts them first on the PATH of the shell that submits.
+VENV_BIN="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
+if [ -x "$VENV_BIN/ray" ]; then
+  PATH="$VENV_BIN:$PATH"
+elif ! command -v ray >/dev/null 2>&1; then
+  echo "ray is not installed: run 'bash cluster/setup-local.sh' first (it makes .venv)" >&2
+  exit 1
+fi
+
 DIR="${RAYTRAIN_CLUSTER_DIR:-.raytrain/cluster}"
 mkdir -p "$DIR"
 DIR="$(cd "$DIR" && pwd)"
@@ -34,6 +44,7 @@ NUM_CPUS="${RAYTRAIN_NUM_CPUS:-$(( (CORES > 4 ? CORES : 4) + 2 ))}"
 
 env_lines() {
   # Ray 2.60 enables token authentication: every client (ray job, ray status) needs the token.
+  [ -x "$VENV_BIN/ray" ] && echo "export PATH=$VENV_BIN:\$PATH"
   echo "export RAY_AUTH_MODE=token"
   echo "export RAY_AUTH_TOKEN_PATH=$DIR/auth_token"
   echo "export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$(cat "$DIR/dashboard_port" 2>/dev/null || echo "$DASHBOARD_PORT")"

@@ -124,19 +124,20 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     started = time.time()
     connect(spec, address)
     run_id = tracking.start_run(spec)
-    write_job_file(spec)
-    job_control = control.start_actor(spec.run_dir)
-    _stop_on_signals(job_control)
-    print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, "
-          f"workers {spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
-          flush=True)
-    try:
+    job_control = None
+    try:  # from here on, whatever happens ends the MLflow run: it never stays RUNNING
+        write_job_file(spec)
+        job_control = control.start_actor(spec.run_dir)
+        _stop_on_signals(job_control)
+        print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, workers "
+              f"{spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
+              flush=True)
         prepared = prepare.ensure_inputs(spec)
         _resuming_on_same_data(spec, prepared["key"])
         result = build_trainer(spec, run_id, prepared).fit()
     except BaseException as exc:
         _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
-        message = user_message(exc)
+        message = user_message(exc) or (f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else None)
         if message:
             raise JobError(message) from None
         raise
@@ -149,10 +150,12 @@ def _close(spec: JobSpec, run_id: str, job_control, status: str, tags: dict | No
     """Record goodput and the attempts, then end the MLflow run."""
     import ray
 
-    goodput = ray.get(job_control.goodput.remote())
-    if status == "FINISHED" and ray.get(job_control.stop_requested.remote()):
-        status = "KILLED"  # stopped on request: resumable from its last checkpoint
-    tracking.log_goodput(spec, run_id, goodput)
+    goodput = {}
+    if job_control is not None:  # None: the job failed before its control actor started
+        goodput = ray.get(job_control.goodput.remote())
+        if status == "FINISHED" and ray.get(job_control.stop_requested.remote()):
+            status = "KILLED"  # stopped on request: resumable from its last checkpoint
+        tracking.log_goodput(spec, run_id, goodput)
+        ray.kill(job_control)
     tracking.end_run(spec, run_id, status, tags)
-    ray.kill(job_control)
     return goodput

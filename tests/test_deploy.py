@@ -151,13 +151,14 @@ def cluster(s3):
     env.update(s3[0], RAYTRAIN_CLUSTER_DIR=str(state), RAYTRAIN_NUM_CPUS="6", RAYTRAIN_STOP_WAIT_S="120",
                RAYTRAIN_GCS_PORT=str(free_port()), RAYTRAIN_DASHBOARD_PORT=str(free_port()),
                RAYTRAIN_CLIENT_PORT=str(free_port()), RAYTRAIN_AGENT_PORT=str(free_port()), RAY_DEDUP_LOGS="0",
-               PATH=f"{BIN}:{env.get('PATH', '')}")
+               # A user's shell after the README's command 1: the venv is not activated.
+               PATH=":".join(p for p in env.get("PATH", "").split(":") if p and Path(p).resolve() != BIN.resolve()))
     script = str(REPO / "cluster" / "local-cluster.sh")
     started = subprocess.run([script, "start"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stdout + started.stderr
     for line in started.stdout.splitlines():  # `export KEY=VALUE` lines: how a user's shell gets them via eval
         key, value = line.removeprefix("export ").split("=", 1)
-        env[key] = value
+        env[key] = value.replace("$PATH", env["PATH"])
     yield Cluster(env, state)
     subprocess.run([script, "stop"], cwd=REPO, env=env, capture_output=True, timeout=120)
     shutil.rmtree(state, ignore_errors=True)

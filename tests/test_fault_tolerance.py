@@ -103,3 +103,21 @@ def test_async_save_resumes_exactly_from_a_committed_checkpoint(reference, monke
     assert metric_history(spec, result.run_id) == reference
     assert latest_checkpoint(spec.run_dir).endswith(f"step_{STEPS:08d}")
 
+
+
+def test_a_failure_before_training_still_ends_the_mlflow_run(ray_address, assets, tmp_path):
+    # The run directory cannot be created (a file is in the way): the job fails with one line
+    # naming it, and its MLflow run ends FAILED instead of staying RUNNING forever.
+    from mlflow.tracking import MlflowClient
+
+    from raytrain.tracking import tracking_uri
+
+    spec = job(assets, tmp_path / "runs", "blocked")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "blocked").write_text("not a folder")
+    with pytest.raises(JobError, match="blocked"):
+        launcher.run(spec)
+    client = MlflowClient(tracking_uri(spec))
+    [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                               f"tags.`raytrain.run_dir` = '{spec.run_dir}'")
+    assert run.info.status == "FAILED"
