@@ -15,7 +15,9 @@ from . import preflight
 from .errors import JobError, user_message
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
-QUICKSTART_JOB = "jobs/quickstart.yaml"
+# The checkout's jobs/ folder (setup-local.sh installs raytrain editable from it), found from the
+# package rather than the working directory, so `raytrain quickstart` runs from any folder.
+QUICKSTART_JOB = Path(__file__).resolve().parents[1] / "jobs" / "quickstart.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,9 +124,13 @@ def cmd_prepare(args) -> int:
 def cmd_quickstart(args) -> int:
     from .demo_assets import make_all
 
+    if not QUICKSTART_JOB.is_file():
+        print(f"raytrain quickstart: {QUICKSTART_JOB} is not there: the quickstart runs from a checkout of raytrain "
+              "installed with cluster/setup-local.sh (pip install -e .)", file=sys.stderr)
+        return EXIT_INVALID
     root = make_all(Path(".raytrain/quickstart"))
     print(f"[raytrain] demo model and data in {root}")
-    args.job, args.json, args.skip_probes, args.address = QUICKSTART_JOB, False, False, None
+    args.job, args.json, args.skip_probes, args.address = str(QUICKSTART_JOB), False, False, None
     return cmd_run(args)
 
 
