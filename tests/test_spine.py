@@ -78,3 +78,17 @@ def test_full_finetune_on_chat_data(ray_address, assets, tmp_path):
     torch.testing.assert_close(logits_of(exported), logits_of(from_ckpt), rtol=0, atol=1e-6)
     base = AutoModelForCausalLM.from_pretrained(spec.model.path).eval()
     assert not torch.allclose(logits_of(exported), logits_of(base))
+
+
+def test_quickstart_runs_from_any_folder(ray_address, tmp_path):
+    # It used to look for jobs/quickstart.yaml in the working directory.
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "raytrain", "quickstart", "--set", "training.max_steps=2",
+                           "--set", "checkpoint.export_final=false"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "RAY_ADDRESS": ray_address})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "runs" / "quickstart" / "step_00000002" / "COMMITTED").is_file()
+    assert "eval_loss" in proc.stdout.splitlines()[-1]  # the quickstart shows its held-out loss
