@@ -76,38 +76,45 @@ class StopSignals:
     Nothing here waits for Ray and nothing adds a collective: each rank's flags ride on the
     loop's loss all-reduce (a SUM, so a flag is set somewhere iff its sum is > 0), then
     `agree` turns the summed flags into the bits every rank acts on at the same step.
-    Rank 0 reports progress to the job's control actor without waiting and reads the answer
-    of an earlier report once it has arrived, so a driver stop lands a step or two later.
+    Rank 0 reports progress to the job's control actor without waiting and reads the answers
+    that have arrived, however late: a slow actor delays a driver stop, it cannot starve it.
+    A Ray notice is acted on once per notice: a later, different one (another node drained)
+    commits another checkpoint.
     """
 
     N_FLAGS = 3
 
-    def __init__(self, control, check_ray_notice: bool = True):
+    def __init__(self, control, check_ray_notice: bool = True, notices=None):
         self.control, self.check_ray_notice = control, check_ray_notice
-        self.ray_notice_seen, self.driver_stop = False, False
-        self._answer = None  # the control actor's reply to the latest progress report
+        self.notices = notices or _local_preemption_info  # where this rank reads Ray's notice
+        self.driver_stop = False
+        self._answers: list = []  # the control actor's replies to progress reports not yet read
+        self._notice = None  # the notice this rank reported at its last local()
+        self._acted_on = None  # the last notice a checkpoint was committed for
 
     def local(self) -> list[float]:
         """This rank's flags, one float per bit, to append to the loss all-reduce."""
         import ray
 
         flags = SIGTERM if _sigterm.is_set() else 0
-        if self._answer is not None and ray.wait([self._answer], timeout=0)[0]:
+        if self._answers:
+            ready, self._answers = ray.wait(self._answers, num_returns=len(self._answers), timeout=0)
             try:
-                self.driver_stop |= bool(ray.get(self._answer))
+                self.driver_stop |= any(ray.get(ready))
             except ray.exceptions.RayError:
-                self.control = None  # the driver is gone; training needs no bookkeeping to go on
-            self._answer = None
+                self.control, self._answers = None, []  # the driver is gone; training needs no bookkeeping to go on
         if self.driver_stop:
             flags |= DRIVER_STOP
-        if self.check_ray_notice and not self.ray_notice_seen and _local_preemption_info() is not None:
+        self._notice = self.notices() if self.check_ray_notice else None
+        if self._notice is not None and self._notice != self._acted_on:
             flags |= RAY_NOTICE
         return [float((flags >> i) & 1) for i in range(self.N_FLAGS)]
 
     def agree(self, summed: list[float]) -> int:
         """The flags every rank acts on (0: keep training), from the all-reduced `local()`s."""
         agreed = sum(1 << i for i, v in enumerate(summed) if v > 0)
-        self.ray_notice_seen |= bool(agreed & RAY_NOTICE)
+        if agreed & RAY_NOTICE and self._notice is not None:
+            self._acted_on = self._notice
         return agreed
 
     def step_done(self, step: int, step_time: float, rank: int) -> None:
@@ -116,6 +123,6 @@ class StopSignals:
             import ray
 
             try:
-                self._answer = self.control.step_done.remote(step, step_time)
+                self._answers.append(self.control.step_done.remote(step, step_time))
             except ray.exceptions.RayError:
                 self.control = None

@@ -1,0 +1,47 @@
+"""The stop policy (preemption.StopSignals) on its own, against a real Ray actor: a driver
+stop is seen however slowly the control actor answers, and every new Ray preemption notice
+gets its own checkpoint (a repeat of the same notice does not)."""
+
+from __future__ import annotations
+
+import time
+
+from raytrain.preemption import DRIVER_STOP, RAY_NOTICE, StopSignals
+
+
+class SlowControl:
+    """The control actor's interface, answering each progress report after a delay."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.stop = delay_s, None
+
+    def step_done(self, step: int, step_time: float):
+        time.sleep(self.delay_s)
+        return self.stop
+
+    def request_stop(self, reason: str) -> None:
+        self.stop = reason
+
+
+def test_a_driver_stop_lands_although_the_actor_answers_slower_than_a_step(ray_address):
+    import ray
+
+    control = ray.remote(num_cpus=0)(SlowControl).options(max_concurrency=1).remote(0.2)
+    stops = StopSignals(control, check_ray_notice=False)
+    ray.get(control.request_stop.remote("SIGTERM"))
+    seen_at = None
+    for step in range(1, 60):  # 10 ms steps, answers every 200 ms: a stop must still be seen
+        flags = stops.agree(stops.local())
+        if flags & DRIVER_STOP:
+            seen_at = step
+            break
+        stops.step_done(step, 0.01, rank=0)
+        time.sleep(0.01)
+    assert seen_at is not None
+
+
+def test_each_new_preemption_notice_is_acted_on_once():
+    notices = iter([None, "node-a", "node-a", "node-a", None, "node-b", "node-b"])
+    stops = StopSignals(None, notices=lambda: next(notices))
+    acted = [bool(stops.agree(stops.local()) & RAY_NOTICE) for _ in range(7)]
+    assert acted == [False, True, False, False, False, True, False]
