@@ -25,6 +25,7 @@ from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
 from .data import FILE_EXTENSIONS, to_value
 from .data.sources import list_sources, sample_rows
 from .problems import NOTE, Problem, did_you_mean
+from .tracking import REMOTE_WITHOUT_SERVER, tracking_uri
 
 TIMEOUT_S = 3.0
 SAMPLE_FILES, SAMPLE_ROWS = 8, 20
@@ -190,9 +191,10 @@ def storage_problems(spec: JobSpec, network_required: bool = False) -> list[Prob
 
 
 def tracking_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
-    from .tracking import tracking_uri
-
-    uri, given = tracking_uri(spec), spec.tracking.uri
+    given = spec.tracking.uri
+    if given is None and storage.is_remote(spec.checkpoint.storage_path):
+        return [Problem("tracking.uri", "null", REMOTE_WITHOUT_SERVER.split(": ", 1)[1], "tracking")]
+    uri = tracking_uri(spec)
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     if scheme == "sqlite":
         return [] if given is None and not storage.is_remote(spec.checkpoint.storage_path) else _sqlite(uri)

@@ -8,7 +8,6 @@ secrets in it (pre-flight refuses them), and keys that look like secrets are dro
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -18,12 +17,20 @@ from . import storage
 SECRET_KEY = re.compile(r"(token|secret|password|passwd|api[_-]?key|credential|auth)", re.I)
 
 
+# The default store is a sqlite file beside the checkpoints; with checkpoints on an object
+# store there is no file every process of the job can open (the driver and rank 0 each made
+# one in their own working directory, and rank 0 could not find the run).
+REMOTE_WITHOUT_SERVER = ("checkpoint.storage_path is remote and tracking.uri is unset: the default MLflow store is a "
+                         "sqlite file, which the job's processes on other nodes cannot share; set tracking.uri to an "
+                         "MLflow server (http://mlflow:5000, as the k8s/ manifests run one)")
+
+
 def tracking_uri(spec: JobSpec) -> str:
     if spec.tracking.uri:
         return spec.tracking.uri
     root = spec.checkpoint.storage_path
-    if storage.is_remote(root):  # sqlite needs a local file; artifacts still go to the remote root
-        root = os.getcwd()
+    if storage.is_remote(root):
+        raise ValueError(REMOTE_WITHOUT_SERVER)
     return f"sqlite:///{storage.absolute(root)}/mlflow.db"
 
 

@@ -259,6 +259,10 @@ def chat_format_on_text_data(job, tmp, assets):
 def sharegpt_format_on_openai_messages(job, tmp, assets):
     job["data"].update(path=lines(tmp, [{"conversations": CHAT_OK["messages"]}] * 3), format="sharegpt")
 
+@case("tracking.uri = null", "the default MLflow store is a sqlite file, which the job's processes on other nodes cannot share")
+def remote_checkpoints_without_a_tracking_server(job, tmp, assets):
+    job["checkpoint"]["storage_path"] = "s3://my-bucket/runs"
+
 @case("data", "give data.path (one dataset) or data.sources (a blend), exactly one of them")
 def both_path_and_sources(job, tmp, assets):
     job["data"]["sources"] = [{"path": job["data"]["path"], "weight": 1}]
