@@ -50,7 +50,8 @@ def runtime_env(spec: JobSpec) -> dict:
     env = {"TOKENIZERS_PARALLELISM": "false", preemption.GRACE_ENV: str(spec.failure.preemption_grace_s)}
     if not spec.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
-    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "HF_TOKEN",
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                "AWS_DEFAULT_REGION", "HF_TOKEN",
                 "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "TORCH_EXTENSIONS_DIR", "RAYTRAIN_SAMPLE_LOG",
                 faults.ENV):
         if key in os.environ:  # secrets travel in the environment, never in the spec or MLflow

@@ -129,6 +129,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         if rank == 0:
             if state.step % spec.tracking.log_every_n_steps == 0 or state.step == t.max_steps:
                 pending.append((state.step, metrics))
+                if logger:
+                    logger.log_live(state.step, metrics)
             elapsed = time.perf_counter() - started
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
             mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""

@@ -8,7 +8,10 @@ secrets in it (pre-flight refuses them), and keys that look like secrets are dro
 
 from __future__ import annotations
 
+import queue
 import re
+import sys
+import threading
 import time
 
 from .config import JobSpec
@@ -103,11 +106,43 @@ def log_goodput(spec: JobSpec, run_id: str, goodput: dict) -> None:
     client.set_tag(run_id, "raytrain.goodput", json.dumps(goodput)[:5000])
 
 
+LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "eval_loss", "mfu")
+
+
 class StepLogger:
-    """Rank 0's metric logger: batches of step metrics into the job's run."""
+    """Rank 0's metric logger: batches of step metrics into the job's run.
+
+    Two histories: the committed one (`loss`, ...: each step once, written when its checkpoint
+    commits, so rolled-back steps never appear) and a live one (`live/loss`, ...: written by a
+    background thread within moments of each step, never waited for; after a restart a
+    rolled-back step may appear there twice)."""
 
     def __init__(self, spec: JobSpec, run_id: str):
         self.spec, self.run_id, self.client = spec, run_id, _client(spec)
+        self._live: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._write_live, name="raytrain-live-metrics", daemon=True).start()
+
+    def log_live(self, step: int, metrics: dict[str, float]) -> None:
+        """Queue a step's live metrics; the training thread never waits for MLflow."""
+        self._live.put((step, {f"live/{k}": metrics[k] for k in LIVE_KEYS if k in metrics}))
+
+    def _write_live(self) -> None:
+        from mlflow.entities import Metric
+
+        warned = False
+        while True:
+            items = [self._live.get()]
+            while not self._live.empty():
+                items.append(self._live.get())
+            now = int(time.time() * 1000)
+            try:
+                self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for step, m in items
+                                                            for k, v in m.items()][:1000])
+            except Exception as exc:  # live values are a convenience: training never stops for them
+                if not warned:
+                    print(f"[raytrain] live metrics not written ({type(exc).__name__}: {exc}); committed ones still "
+                          "are", file=sys.stderr, flush=True)
+                    warned = True
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric

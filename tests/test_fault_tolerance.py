@@ -87,6 +87,11 @@ def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, mon
         [MlflowClient(tracking_uri(spec)).get_experiment_by_name("tests").experiment_id],
         f"tags.`raytrain.run_dir` = '{spec.run_dir}'")
     assert [r.info.status for r in runs] == ["FAILED"]
+    # Live values arrive as the steps finish, before any checkpoint commits them: step 5 never
+    # committed (the job died at step 6, after the step-4 checkpoint), yet the user saw its loss.
+    committed, live = metric_history(spec, runs[0].info.run_id), metric_history(spec, runs[0].info.run_id, "live/loss")
+    assert sorted(committed) == [1, 2, 3, 4] and {1, 2, 3, 4, 5} <= set(live)
+    assert all(live[s] == committed[s] for s in committed)
     assert latest_checkpoint(spec.run_dir).endswith("step_00000004")
     export_checkpoint(spec.run_dir, str(tmp_path / "out"))  # the last committed checkpoint still loads
     assert (tmp_path / "out" / "model.safetensors").is_file()
