@@ -135,7 +135,7 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
               flush=True)
         prepared = prepare.ensure_inputs(spec)
         _resuming_on_same_data(spec, prepared["key"])
-        result = build_trainer(spec, run_id, prepared).fit()
+        result = _fit_off_the_main_thread(build_trainer(spec, run_id, prepared))
     except BaseException as exc:
         _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         message = user_message(exc) or (f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else None)
@@ -145,6 +145,28 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     ckpt = result.checkpoint.path if result.checkpoint else None
     goodput = _close(spec, run_id, job_control, "FINISHED", {"raytrain.latest_checkpoint": str(ckpt)})
     return JobResult(run_id, spec.run_dir, ckpt, dict(result.metrics or {}), time.time() - started, goodput)
+
+
+def _fit_off_the_main_thread(trainer):
+    """TorchTrainer.fit() on the main thread installs Ray Train's own SIGINT handler (abort the
+    run, no checkpoint) over raytrain's; off the main thread it does not, so Ctrl-C means what
+    `ray job stop` means: checkpoint at the next step, then stop. The main thread only waits
+    (in short joins, so that it runs the signal handlers)."""
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # handed to the main thread, which raises it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)  # a second Ctrl-C exits at once
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _close(spec: JobSpec, run_id: str, job_control, status: str, tags: dict | None = None) -> dict:

@@ -126,3 +126,40 @@ def test_a_failure_before_training_still_ends_the_mlflow_run(ray_address, assets
     [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
                                f"tags.`raytrain.run_dir` = '{spec.run_dir}'")
     assert run.info.status == "FAILED"
+
+
+def test_ctrl_c_on_the_driver_checkpoints_and_ends_the_run_killed(ray_address, assets, tmp_path):
+    # Ray Train's own SIGINT handler used to replace raytrain's: Ctrl-C aborted with no checkpoint
+    # and the run ended FAILED with no loss logged.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from raytrain.tracking import tracking_uri
+
+    spec = make_job(assets, tmp_path / "runs", name="ctrl-c", training={"max_steps": 400},
+                    checkpoint={"every_n_steps": 1000, "export_final": False})
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain", "run", str(job_file)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "RAY_ADDRESS": ray_address})
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if "[raytrain] step 3/400" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    output += proc.stdout.readlines()
+    assert proc.wait(timeout=300) == 0, "".join(output[-40:])
+    [committed] = [p for p in (tmp_path / "runs" / "ctrl-c").glob("step_*") if (p / "COMMITTED").is_file()]
+    stopped_at = int(committed.name.split("_")[1])
+    assert 3 <= stopped_at < 400
+    client = MlflowClient(tracking_uri(spec))
+    [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                               f"tags.`raytrain.run_dir` = '{spec.run_dir}'")
+    assert run.info.status == "KILLED"
+    assert sorted(metric_history(spec, run.info.run_id)) == list(range(1, stopped_at + 1))
