@@ -159,7 +159,8 @@ def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, 
 
         # A fresh unsharded copy: save_pretrained on a sharded module would see DTensors.
         with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(hf_model.config, dtype=modeling.DTYPES[spec.model.dtype])
+            plain = AutoModelForCausalLM.from_config(hf_model.config, dtype=modeling.DTYPES[spec.model.dtype],
+                                                     trust_remote_code=spec.model.trust_remote_code)
         plain.load_state_dict(full_state, strict=True, assign=True)
         plain.tie_weights()
         plain.save_pretrained(str(out))
