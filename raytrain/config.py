@@ -305,8 +305,8 @@ class CheckpointSpec(Section):
 
 
 class FailureSpec(Section):
-    max_failures: int = Field(0, ge=-1)
-    """Restarts from the latest checkpoint before the job fails; -1 retries forever."""
+    max_failures: int = Field(3, ge=-1)
+    """Worker failures (a crash, a node lost without notice) the job survives, each resumed from the latest committed checkpoint; -1: no limit. A preemption whose notice committed a checkpoint (SIGTERM, a Ray drain) and an elastic resize never count."""
     checkpoint_on_preemption: bool = True
     """Commit a checkpoint at the next step boundary on Ray's preemption/drain notice (checked every step)."""
     preemption_grace_s: float = Field(120.0, gt=0)

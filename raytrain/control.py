@@ -2,6 +2,12 @@
 while the driver lives. Workers report progress to it; the driver asks it to stop the job
 gracefully (ray job stop, Ctrl-C); at the end it gives the goodput accounting.
 
+It also owns the failure budget (`failure.max_failures`): Ray restarts the worker group
+whenever it breaks, and each new group asks `may_start` first. An attempt that ended after a
+preemption notice committed its checkpoint (SIGTERM, a Ray drain) was a preemption, one
+followed by a larger group was a resize: neither counts. A job error (bad input) is never
+worth a retry: the next group stops at once with its message.
+
 Goodput: a step counts as productive once it is in the final lineage of the run (it was
 never rolled back). Per failure: the steps lost (reached but not checkpointed) and the
 recovery time (last progress before the failure -> first step finished after it).
@@ -21,6 +27,8 @@ class Attempt:
     first_step_at: float | None = None
     last_step: int = 0
     last_step_at: float | None = None
+    preempted_at: int | None = None  # step whose checkpoint a preemption notice committed
+    error: str | None = None  # what ended it, as the worker said it
 
 
 @dataclass
@@ -34,13 +42,38 @@ class Goodput:
 class JobControl:
     """Plain class; `actor_for(run_name)` runs it as a named Ray actor."""
 
-    def __init__(self):
+    def __init__(self, max_failures: int = -1):
+        self.max_failures = max_failures
+        self.spent: str | None = None  # why the job must stop instead of restarting
         self.started = time.time()
         self.stop_reason: str | None = None
         self.attempts: list[Attempt] = []
         self.step_times: dict[int, float] = {}  # step -> seconds, latest attempt wins (rolled-back steps overwritten)
 
     # --- workers (rank 0) ---
+    def may_start(self, world_size: int) -> str | None:
+        """A new worker group asks before building anything: None, or why the job must end."""
+        worlds = [a.world_size for a in self.attempts[1:]] + [world_size]
+        failures = [a for a, next_world in zip(self.attempts, worlds)
+                    if a.preempted_at is None and next_world <= a.world_size]
+        last = next((a.error for a in reversed(self.attempts) if a.error), None)
+        if self.spent is None and 0 <= self.max_failures < len(failures):
+            self.spent = (f"{len(failures)} worker failures (preemptions and resizes not counted) exceed "
+                          f"failure.max_failures={self.max_failures}" + (f"; the last: {last}" if last else "") +
+                          "; the latest committed checkpoint is kept: raise failure.max_failures and run again to resume")
+        return self.spent
+
+    def preempted(self, step: int) -> None:
+        """A preemption notice's checkpoint committed at `step`: this attempt's end is not a failure."""
+        self.attempts[-1].preempted_at = step
+
+    def failed(self, error: str, retry: bool) -> None:
+        """A worker's error; a job error (retry=False) ends the job at the next group's start."""
+        if self.attempts:
+            self.attempts[-1].error = error
+        if not retry:
+            self.spent = error
+
     def attempt_started(self, world_size: int, resumed_from: int) -> int:
         self.attempts.append(Attempt(world_size, resumed_from, time.time()))
         for step in [s for s in self.step_times if s > resumed_from]:
@@ -63,13 +96,20 @@ class JobControl:
     def stop_requested(self) -> str | None:
         return self.stop_reason
 
+    def verdict(self) -> str | None:
+        """Why the job ended without finishing (the failure budget, a job error), or None."""
+        return self.spent
+
     def goodput(self) -> dict:
         wall = time.time() - self.started
         productive = sum(self.step_times.values())
         failures = []
         for before, after in zip(self.attempts, self.attempts[1:]):
             failed_at = before.last_step_at or before.started_at
+            kind = ("preemption" if before.preempted_at is not None else
+                    "resize" if after.world_size > before.world_size else "failure")
             failures.append({
+                "kind": kind,
                 "steps_lost": max(0, before.last_step - after.resumed_from),
                 "recovery_s": round((after.first_step_at or time.time()) - failed_at, 3),
                 "world_size_before": before.world_size, "world_size_after": after.world_size,
@@ -85,7 +125,7 @@ def actor_name(run_dir: str) -> str:
     return "raytrain-control:" + run_dir
 
 
-def start_actor(run_dir: str):
+def start_actor(run_dir: str, max_failures: int = -1):
     """Driver: the named control actor of this job (replaces a stale one of a dead driver)."""
     import ray
 
@@ -98,7 +138,7 @@ def start_actor(run_dir: str):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0)(JobControl).options(name=name, scheduling_strategy=here).remote()
+    return ray.remote(num_cpus=0)(JobControl).options(name=name, scheduling_strategy=here).remote(max_failures)
 
 
 def find_actor(run_dir: str):

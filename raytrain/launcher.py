@@ -77,7 +77,8 @@ def build_trainer(spec: JobSpec, run_id: str, prepared: dict):
                             elastic_resize_monitor_interval_s=spec.scaling.resize_check_interval_s)
     run = RunConfig(name=spec.name, storage_path=spec.checkpoint.storage_path,
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
-                    failure_config=FailureConfig(max_failures=spec.failure.max_failures),
+                    # Ray restarts without limit; raytrain's control actor decides what counts (control.py).
+                    failure_config=FailureConfig(max_failures=-1),
                     worker_runtime_env=runtime_env(spec))
     # No Ray Data inside the training workers: each rank reads its rows of each global
     # batch straight from the prepared token store (see raytrain/data/).
@@ -122,13 +123,15 @@ def _stop_on_signals(job_control) -> None:
 
 
 def run(spec: JobSpec, address: str | None = None) -> JobResult:
+    import ray
+
     started = time.time()
     connect(spec, address)
     run_id = tracking.start_run(spec)
     job_control = None
     try:  # from here on, whatever happens ends the MLflow run: it never stays RUNNING
         write_job_file(spec)
-        job_control = control.start_actor(spec.run_dir)
+        job_control = control.start_actor(spec.run_dir, spec.failure.max_failures)
         _stop_on_signals(job_control)
         print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, workers "
               f"{spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
@@ -136,6 +139,9 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
         prepared = prepare.ensure_inputs(spec)
         _resuming_on_same_data(spec, prepared["key"])
         result = _fit_off_the_main_thread(build_trainer(spec, run_id, prepared))
+        verdict = ray.get(job_control.verdict.remote())
+        if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
+            raise JobError(verdict)
     except BaseException as exc:
         _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         message = user_message(exc) or (f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else None)

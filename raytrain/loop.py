@@ -155,6 +155,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             if urgent:
                 _log_committed(logger, done, committed)
             pending = []
+        if flags & (SIGTERM | RAY_NOTICE):
+            stops.preempted(state.step, rank, wait=bool(flags & SIGTERM))
         if flags & SIGTERM:
             raise Preempted(f"SIGTERM: checkpoint committed at step {state.step}; restarting from it")
         if flags & DRIVER_STOP:

@@ -117,6 +117,20 @@ class StopSignals:
             self._acted_on = self._notice
         return agreed
 
+    def preempted(self, step: int, rank: int, wait: bool) -> None:
+        """Rank 0 tells the control actor that a preemption notice's checkpoint committed at
+        `step`: the end of this attempt is then no failure. Before leaving (SIGTERM) it waits
+        for the actor to have it."""
+        if rank == 0 and self.control is not None:
+            import ray
+
+            try:
+                answer = self.control.preempted.remote(step)
+                if wait:
+                    ray.get(answer, timeout=10)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # the driver is gone or slow: a restart counts it as a failure, nothing worse
+
     def step_done(self, step: int, step_time: float, rank: int) -> None:
         """Rank 0 tells the control actor (goodput, driver stop) and does not wait."""
         if rank == 0 and self.control is not None and not self.driver_stop:

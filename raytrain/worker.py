@@ -9,11 +9,14 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from . import checkpoint, control, loop, modeling, storage, tracking
 from .checkpoint import TrainState
 from .config import JobSpec
 from .data.batches import open_data
+from .errors import user_message
+from .preemption import Preempted
 from .strategies import build_strategy
 
 SAMPLE_LOG_ENV = "RAYTRAIN_SAMPLE_LOG"  # tests: a folder where each rank appends the sample ids it trained on
@@ -34,12 +37,33 @@ def train_func(config: dict) -> None:
         # them (P1 measured it). Size the pool as torchrun's ranks get it.
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
+    job_control = control.find_actor(spec.run_dir)
+    verdict = [ray.get(job_control.may_start.remote(world)) if rank == 0 and job_control else None]
+    dist.broadcast_object_list(verdict, src=0)  # every rank returns, or none does
+    if verdict[0]:
+        if rank == 0:
+            print(f"[raytrain] not restarting: {verdict[0]}", file=sys.stdout, flush=True)
+        return
+    try:
+        _train(spec, config, rank, world, device, job_control)
+    except Preempted:
+        raise
+    except Exception as exc:  # the control actor keeps what ended this attempt for the job's last word
+        if job_control is not None:
+            message = user_message(exc)
+            last_line = (str(exc).strip().splitlines() or [""])[-1]
+            job_control.failed.remote(message or f"{type(exc).__name__}: {last_line}", retry=message is None)
+        raise
+
+
+def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_control) -> None:
+    import ray
+
     tokenizer = modeling.load_tokenizer(spec)
     strategy = build_strategy(spec, device)
     state = checkpoint.restore(strategy) or TrainState()
     resumed_from = state.step
     state.world_size, state.run_id = world, config["run_id"]
-    job_control = control.find_actor(spec.run_dir)
     logger = tracking.StepLogger(spec, config["run_id"]) if rank == 0 else None
     if rank == 0:
         logger.log_missing(state.metrics)  # the restored checkpoint's steps, if the last attempt died before logging them
@@ -74,8 +98,6 @@ def _sample_logger(rank: int, world: int):
     folder = os.environ.get(SAMPLE_LOG_ENV)
     if not folder:
         return None
-    import torch.distributed as dist
-
     stamp = [f"{time.time():.6f}-{world}"]
     dist.broadcast_object_list(stamp, src=0)  # one id for the whole worker group of this attempt
     attempt = stamp[0]
