@@ -70,6 +70,17 @@ def test_jsonl_units_own_every_line_once_wherever_the_boundaries_fall(tmp_path):
             assert lines == text.split(b"\n"), unit
 
 
+def test_a_malformed_json_array_is_named_with_its_byte_position(tmp_path):
+    from raytrain.data.sources import list_sources, plan_units, read_unit
+
+    (tmp_path / "rows.json").write_text('[{"instruction": "a", "output": "b"},\n {"instruction": "c" "output": "d"}]')
+    fs = pafs.LocalFileSystem()
+    [unit] = plan_units(fs, list_sources(fs, str(tmp_path)), 1 << 20)
+    assert unit.kind == "array"  # a .json file starting with "[": one JSON array, not JSON Lines
+    with pytest.raises(ValueError, match=r"rows.json: not a valid JSON array \(Expecting ',' delimiter at byte 59\)"):
+        list(read_unit(fs, unit))
+
+
 # ---------------------------------------------------------------- the store on a real cluster
 def _tokens_hash(store: TokenStore) -> str:
     digest = hashlib.sha256()
