@@ -9,22 +9,23 @@ import time
 from raytrain.preemption import DRIVER_STOP, RAY_NOTICE, StopSignals
 
 
-class SlowControl:
-    """The control actor's interface, answering each progress report after a delay."""
-
-    def __init__(self, delay_s: float):
-        self.delay_s, self.stop = delay_s, None
-
-    def step_done(self, step: int, step_time: float):
-        time.sleep(self.delay_s)
-        return self.stop
-
-    def request_stop(self, reason: str) -> None:
-        self.stop = reason
-
-
 def test_a_driver_stop_lands_although_the_actor_answers_slower_than_a_step(ray_address):
     import ray
+
+    # Defined here so Ray pickles the class by value: the cluster's workers do not have
+    # tests/ on their import path.
+    class SlowControl:
+        """The control actor's interface, answering each progress report after a delay."""
+
+        def __init__(self, delay_s: float):
+            self.delay_s, self.stop = delay_s, None
+
+        def step_done(self, step: int, step_time: float):
+            time.sleep(self.delay_s)
+            return self.stop
+
+        def request_stop(self, reason: str) -> None:
+            self.stop = reason
 
     control = ray.remote(num_cpus=0)(SlowControl).options(max_concurrency=1).remote(0.2)
     stops = StopSignals(control, check_ray_notice=False)
