@@ -31,7 +31,7 @@ def d(s: h.Setting) -> dict:
 
     from raytrain.config import JobSpec
     from raytrain.data import DataPosition, encode_row
-    from raytrain.data.batches import GlobalBatches
+    from raytrain.data.batches import open_data
     from raytrain.data.prepare import ensure_store
     from raytrain.data.sources import list_sources, plan_units, read_unit
     from raytrain.demo_assets import text_rows, write_jsonl
@@ -73,7 +73,8 @@ def d(s: h.Setting) -> dict:
               f"({store.rows:,} packed rows of {store.seq_len})")
 
         world, steps = s.workers, 20
-        readers = [GlobalBatches(type(store).open(store.uri), spec, r, world, DataPosition()) for r in range(world)]
+        prepared = {"train": [store.uri], "weights": [1.0], "key": store.key}
+        readers = [open_data(spec, prepared, r, world, DataPosition(0, store.key))[0] for r in range(world)]
         before = _read_bytes()
         for _ in range(steps):
             for r in readers:
@@ -82,7 +83,7 @@ def d(s: h.Setting) -> dict:
             r.close()
         read = _read_bytes() - before
         want = steps * s.global_batch  # rows of all ranks' slices over the steps
-        got = sum(r.store.read_counters.rows for r in readers)
+        got = sum(r.stores[0].read_counters.rows for r in readers)
         d1 = got / want
         print(f"D1 rows read per rank per step / (G/N): {d1:.3f} ({got} rows for {steps} steps of {s.global_batch} over "
               f"{world} ranks; the extra is the one prefetched step); bytes read by the process {read:,} = "
@@ -90,11 +91,11 @@ def d(s: h.Setting) -> dict:
 
         seek = {}
         for frac in (0.01, 0.9):
-            position = DataPosition(0, int(frac * store.rows), store.key)
+            position = DataPosition(int(frac * store.rows), store.key)
             times = []
             for _ in range(5):
                 started = time.perf_counter()
-                reader = GlobalBatches(type(store).open(store.uri), spec, 0, world, position)
+                reader = open_data(spec, prepared, 0, world, position)[0]
                 next(reader)
                 times.append(time.perf_counter() - started)
                 reader.close()

@@ -15,6 +15,8 @@ import torch
 from . import modeling, storage
 from .checkpoint import COMMITTED_FILE, STATE_FILE
 from .config import JobSpec
+from .strategies import zero3
+from .strategies.base import read_checkpoint, write_hf_export
 
 JOB_FILE = "job.json"
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
@@ -44,25 +46,20 @@ def latest_checkpoint(run_dir: str) -> str:
 
 def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str) -> torch.nn.Module:
     """A plain single-process model with the checkpoint's weights (DCP reshards to one process)."""
-    import torch.distributed.checkpoint as dcp
-
     model = modeling.load_model(spec)
     trainable = modeling.trainable_names(model)
     full = model.state_dict()
     wanted = {k: v for k, v in full.items() if spec.training.finetune == "full" or k in trainable}
-    from .strategies import zero3
-
     if zero3.is_zero3_checkpoint(checkpoint_dir):  # DeepSpeed's own layout: its consolidation, not DCP
         wanted = zero3.consolidated_state_dict(checkpoint_dir, trainable_only=spec.training.finetune == "lora")
     else:
-        dcp.load({"model": wanted}, checkpoint_id=checkpoint_dir)
-    model.load_state_dict(wanted, strict=False)
+        read_checkpoint({"model": wanted}, checkpoint_dir)
+    result = model.load_state_dict(wanted, strict=False)
+    modeling.require_complete(model, result.missing_keys, result.unexpected_keys, spec.training.finetune, checkpoint_dir)
     return model
 
 
 def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None) -> str:
-    from .strategies.base import write_hf_export
-
     spec = JobSpec.model_validate_json(Path(run_dir, JOB_FILE).read_text())
     checkpoint_dir = checkpoint_dir or latest_checkpoint(run_dir)
     model = load_checkpoint_model(spec, checkpoint_dir)

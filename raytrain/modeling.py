@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import JobSpec
-
-from .config import DEFAULT_LORA_TARGETS  # torch-free home: pre-flight checks them too
+from .config import DEFAULT_LORA_TARGETS, JobSpec  # targets live torch-free: pre-flight checks them too
+from .errors import JobError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,3 +79,18 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 def trainable_names(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def require_complete(model: nn.Module, missing: list[str], unexpected: list[str], finetune: str, where: str) -> None:
+    """A checkpoint must give every weight it trained. With LoRA the frozen base is the one
+    expected absence (it comes from model.path); any other weight left at its initial value,
+    or a saved weight this model does not have (a renamed key), is refused: a silent
+    mismatch would train on, or export, weights nobody trained."""
+    frozen = set() if finetune == "full" else {n for n, p in model.named_parameters() if not p.requires_grad}
+    frozen |= {n for n, _ in model.named_buffers()}
+    absent = sorted(k for k in missing if k not in frozen)
+    if absent or unexpected:
+        parts = ([f"no saved value for {len(absent)} weight(s) of the model, e.g. {absent[:3]}"] if absent else []) + \
+                ([f"{len(unexpected)} saved weight(s) the model does not have, e.g. {sorted(unexpected)[:3]}"] if unexpected else [])
+        raise JobError(f"the checkpoint {where} does not match model.path ({'; '.join(parts)}): it was written for "
+                       f"another model or its keys were renamed. Point model.path at the model it was trained from")

@@ -47,3 +47,48 @@ def test_full_export_of_a_model_with_its_own_code(assets, tmp_path):
     probe = torch.tensor([[5, 17, 42, 9, 33]])
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=probe).logits, model.eval()(input_ids=probe).logits, rtol=0, atol=0)
+
+
+def _committed_checkpoint(spec, state: dict, tmp_path):
+    """A committed single-process DCP checkpoint of `state` in a run directory, as training leaves one."""
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain.checkpoint import COMMITTED_FILE, STATE_FILE
+    from raytrain.export import write_job_file
+
+    write_job_file(spec)
+    step = tmp_path / "runs" / spec.name / "step_00000004"
+    dcp.save({"model": state}, checkpoint_id=str(step))
+    (step / STATE_FILE).write_text("{}")
+    (step / COMMITTED_FILE).write_text("4")
+    return step
+
+
+def test_export_refuses_a_checkpoint_whose_weights_do_not_match_the_model(assets, tmp_path):
+    # Loading used to be strict=False: a renamed key left the initial weights in place and the
+    # export looked fine. Now the mismatch is named; the frozen LoRA base stays the one absence.
+    import pytest
+
+    from raytrain import modeling
+    from raytrain.errors import JobError
+    from raytrain.export import export_checkpoint
+
+    spec = make_job(assets, tmp_path / "runs", name="renamed", training={"finetune": "full"})
+    state = modeling.load_model(spec).state_dict()
+    key = next(k for k in state if k.endswith("q_proj.weight"))
+    state[key.replace("q_proj", "query")] = state.pop(key)
+    _committed_checkpoint(spec, state, tmp_path)
+    with pytest.raises(JobError, match=rf"has no value for model\.{key.replace('.', '[.]')}"):
+        export_checkpoint(spec.run_dir, str(tmp_path / "out"))
+
+    lora = make_job(assets, tmp_path / "runs", name="adapter")
+    model = modeling.load_model(lora)
+    with torch.no_grad():
+        trained = {k: v.clone() + 1 for k, v in model.state_dict().items() if k in modeling.trainable_names(model)}
+    _committed_checkpoint(lora, trained, tmp_path)
+    export_checkpoint(lora.run_dir, str(tmp_path / "adapter"))  # only the adapter saved: that is complete
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(saved) == len(trained) and all(torch.equal(v, trained[k].to(v.dtype)) for k, v in
+                                              zip(sorted(trained), [saved[k] for k in sorted(saved)]))

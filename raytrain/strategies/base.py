@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable
@@ -18,11 +19,26 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
 from .. import modeling
 from ..config import JobSpec
+from ..errors import JobError
+
+
+def read_checkpoint(state: dict, directory: str) -> None:
+    """dcp.load into `state` (resharding to this world size); a weight the checkpoint lacks is
+    a clear JobError, not DCP's traceback."""
+    try:
+        dcp.load(state, checkpoint_id=directory)
+    except CheckpointException as exc:  # each rank's error, wrapped (a BaseException, not an Exception)
+        missing = re.search(r"Missing key in checkpoint state_dict: ([\w.-]+?)\.(?:\s|$)", str(exc))
+        if missing is None:
+            raise
+        raise JobError(f"the checkpoint {directory} has no value for {missing.group(1)}: it was written for another "
+                       f"model or its keys were renamed. Point model.path at the model it was trained from") from None
 
 
 class Strategy(ABC):
@@ -122,9 +138,11 @@ class TorchStrategy(Strategy):
 
     def load(self, directory: str) -> None:
         state = self._state()
-        dcp.load(state, checkpoint_id=directory)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=False))
+        read_checkpoint(state, directory)
+        result = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                                optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
+        modeling.require_complete(self.model, result.missing_keys, result.unexpected_keys,
+                                  self.spec.training.finetune, directory)
 
     def export(self, directory: str, tokenizer) -> None:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
