@@ -15,6 +15,7 @@ handing Ray Train a train function that patches the worker, then runs raytrain's
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -72,7 +73,9 @@ def main() -> int:
                                             args.torch_threads)  # read by launcher.build_trainer
     from raytrain.cli import main as raytrain_main
 
-    return raytrain_main(["run", args.job] + (["--address", args.address] if args.address else []))
+    step_log = os.environ.get("BENCH_STEP_LOG")  # harness.run_arm: the steps are timed from raytrain's sample log
+    return raytrain_main(["run", args.job] + (["--address", args.address] if args.address else []) +
+                         (["--set", f"data.sample_log={step_log}"] if step_log else []))
 
 
 if __name__ == "__main__":

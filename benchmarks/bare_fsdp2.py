@@ -12,7 +12,7 @@ so that the difference between the two is framework overhead and nothing else:
   micro-batch; AdamW (betas 0.9/0.95), clipping at 1.0, the same warmup + cosine LR;
 - the same sharding: fully_shard per decoder block, then the root; fp32 on CPU, bf16
   params with fp32 reduction on GPU.
-Rank 0 appends one line per finished step to $RAYTRAIN_SAMPLE_LOG/rank0.jsonl (as raytrain
+Rank 0 appends one line per finished step to $BENCH_STEP_LOG/rank0.jsonl (as raytrain
 does with that variable), so the bench process times both arms the same way, and writes
 its own per-step timings to --out.
 """
@@ -130,7 +130,7 @@ def main() -> None:
     start_rss = rss_gb()
     model, params, optimizer = build(args, device, world)
     data = batches(args, rank, world)
-    step_log = os.environ.get("RAYTRAIN_SAMPLE_LOG")
+    step_log = os.environ.get("BENCH_STEP_LOG")
     timings: dict[str, list[float]] = {k: [] for k in ("step_time_s", "data_wait_s", "forward_backward_s", "optimizer_s", "loss")}
     for step in range(args.steps):
         step_start = time.perf_counter()

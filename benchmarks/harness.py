@@ -2,7 +2,7 @@
 
 Both arms of every benchmark are timed the same way, from the bench process: each arm
 appends one line per finished step to `<step_log>/rank0.jsonl` (raytrain through its
-RAYTRAIN_SAMPLE_LOG hook, the bare script by itself), and a watcher thread here polls
+`data.sample_log`, the bare script by itself), and a watcher thread here polls
 that file every 2 ms. So "first finished step" and "steady step period" mean the same
 wall-clock thing for both arms, whatever each framework reports about itself.
 """
@@ -25,6 +25,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "benchmarks" / ".cache"  # built models and data, reused between runs (git-ignored)
+STEP_LOG_ENV = "BENCH_STEP_LOG"  # each arm's step-log folder (raytrain: passed on as data.sample_log)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def run_arm(label: str, command: list[str], step_log: Path, env: dict | None = N
     step_log.mkdir(parents=True, exist_ok=True)
     target = step_log / "rank0.jsonl"
     log = step_log / "output.log"
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAYTRAIN_SAMPLE_LOG": str(step_log), **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", STEP_LOG_ENV: str(step_log), **(env or {})}
     run = ArmRun(label, command, time.time(), log=log)
     stop = threading.Event()
 
@@ -191,6 +192,15 @@ def run_arm(label: str, command: list[str], step_log: Path, env: dict | None = N
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{label} exited with {run.returncode}; last output:\n{tail}")
     return run
+
+
+def fault_env(folder: Path, faults: list[dict]) -> dict:
+    """Environment for an arm whose private Ray cluster loads the tests' fault injector
+    (tests/inject/sitecustomize.py) armed with `faults`: raytrain itself has no fault code."""
+    (folder / "fault-markers").mkdir(parents=True, exist_ok=True)
+    (folder / "faults.json").write_text(json.dumps({"dir": str(folder / "fault-markers"), "faults": faults}))
+    path = os.pathsep.join(filter(None, [str(REPO / "tests" / "inject"), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "RAYTRAIN_TEST_FAULTS": str(folder / "faults.json")}
 
 
 def raytrain_command(job_file: Path, *extra: str) -> list[str]:

@@ -41,11 +41,10 @@ def p4(s: h.Setting) -> dict:
     for _ in range(s.reps):
         folder = h.scratch("p4")
         try:
-            (folder / "faults").mkdir()
-            faults = {"dir": str(folder / "faults"), "faults": [{"at": "step", "step": kill_at, "rank": 1, "action": "exit"}]}
+            faults = h.fault_env(folder, [{"at": "step", "step": kill_at, "rank": 1, "action": "exit"}])
             job_file = h.write_job(h.job(s, "p4", folder / "runs", model, data, failure={"max_failures": 1},
                                          checkpoint={"every_n_steps": every}), folder)
-            run = h.run_arm("p4", h.raytrain_command(job_file), folder / "steps", env={"RAYTRAIN_FAULTS": json.dumps(faults)},
+            run = h.run_arm("p4", h.raytrain_command(job_file), folder / "steps", env=faults,
                             timeout_s=s.timeout_s)
             _, mlrun = h.mlflow_run(folder / "runs")
             failure = json.loads(mlrun.data.tags["raytrain.goodput"])["failures"][0]

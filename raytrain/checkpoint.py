@@ -18,7 +18,6 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import faults
 from .data import DataPosition
 from .errors import JobError
 
@@ -34,6 +33,7 @@ class TrainState:
     bad_rows: int = 0
     world_size: int = 0
     run_id: str | None = None
+    model_commit: str | None = None  # the hub commit of model.path it was trained on (None: a local folder)
     # Step metrics of the steps this checkpoint completes: MLflow gets them after the commit,
     # and a restart re-sends any that a worker killed right after the commit never sent.
     metrics: list = field(default_factory=list)
@@ -77,7 +77,6 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
         strategy.save(tmp)
     else:
         files_complete = strategy.save_async(tmp)
-    faults.maybe_fire("save", state.step, strategy.rank)
     if strategy.rank == 0:
         Path(tmp, STATE_FILE).write_text(state.to_json())
     common = dict(checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=f"step_{state.step:08d}",

@@ -24,6 +24,9 @@ class Section(BaseModel):
 class ModelSpec(Section):
     path: str
     """Local directory or hub id of a Hugging Face causal LM, loaded with `from_pretrained`."""
+    revision: str | None = None
+    """Hub branch, tag or commit of `model.path` (default: the hub's main). The driver resolves it
+    to a commit once; every worker, every restart and the export load that commit."""
     tokenizer: str | None = None
     """Tokenizer path or hub id; defaults to `model.path`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -32,6 +35,12 @@ class ModelSpec(Section):
     """Run the model repository's own Python code. Off unless the job says so: it executes code from the hub."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
     """Attention kernel passed to transformers."""
+
+    def hub_kwargs(self, path: str | None = None) -> dict:
+        """What every `from_pretrained` of `path` (default: model.path) passes: the pinned
+        revision (for the tokenizer too when it is model.path's) and trust_remote_code."""
+        path = path or self.path
+        return {"revision": self.revision if path == self.path else None, "trust_remote_code": self.trust_remote_code}
 
 
 # The dataset shapes users already write, with LLaMA-Factory's names and defaults (its
@@ -145,9 +154,14 @@ class DataSpec(Section):
     """Rows shuffled together after the block permutation (rounded down to whole blocks of 64)."""
     bad_rows: Literal["skip", "fail"] = "skip"
     """A row that is empty, of the wrong type, or has invalid chat roles: `skip` counts it (reported in MLflow), `fail` stops the job naming file and row."""
+    sample_log: str | None = None
+    """A folder (local, or a filesystem every node mounts) where each rank appends one JSON line per step: the (source, epoch, row) ids it trained on, its world size and attempt. An audit trail of exactly which rows made each step, across restarts and world sizes."""
 
     @model_validator(mode="after")
     def _one_input(self):
+        if self.sample_log and "://" in self.sample_log:
+            raise ValueError(f"data.sample_log {self.sample_log!r}: appends to files, so it needs a local folder or a "
+                             "filesystem every node mounts (e.g. /mnt/shared/samples), not a URI")
         if (self.path is None) == (self.sources is None):
             raise ValueError("give data.path (one dataset) or data.sources (a blend), exactly one of them")
         if self.sources is not None and not self.sources:

@@ -52,7 +52,9 @@ class JobControl:
 
     # --- workers (rank 0) ---
     def may_start(self, world_size: int) -> str | None:
-        """A new worker group asks before building anything: None, or why the job must end."""
+        """A new worker group asks before building anything: None (and its attempt is on
+        record from here, so a group that dies while loading counts too), or why the job
+        must end."""
         worlds = [a.world_size for a in self.attempts[1:]] + [world_size]
         failures = [a for a, next_world in zip(self.attempts, worlds)
                     if a.preempted_at is None and next_world <= a.world_size]
@@ -61,6 +63,9 @@ class JobControl:
             self.spent = (f"{len(failures)} worker failures (preemptions and resizes not counted) exceed "
                           f"failure.max_failures={self.max_failures}" + (f"; the last: {last}" if last else "") +
                           "; the latest committed checkpoint is kept: raise failure.max_failures and run again to resume")
+        if self.spent is None:
+            resumed = self.attempts[-1].resumed_from if self.attempts else 0  # until the group says
+            self.attempts.append(Attempt(world_size, resumed, time.time()))
         return self.spent
 
     def preempted(self, step: int) -> None:
@@ -75,7 +80,10 @@ class JobControl:
             self.spent = error
 
     def attempt_started(self, world_size: int, resumed_from: int) -> int:
-        self.attempts.append(Attempt(world_size, resumed_from, time.time()))
+        """The group restored its checkpoint (or starts fresh) and is about to train."""
+        if not self.attempts:  # workers run without `may_start` (not through the launcher)
+            self.attempts.append(Attempt(world_size, resumed_from, time.time()))
+        self.attempts[-1].resumed_from = resumed_from
         for step in [s for s in self.step_times if s > resumed_from]:
             del self.step_times[step]  # rolled back: not part of the final lineage
         return len(self.attempts)

@@ -38,10 +38,13 @@ def base_fingerprint(state: dict[str, torch.Tensor]) -> str:
 
 
 def latest_checkpoint(run_dir: str) -> str:
-    steps = sorted(p for p in Path(run_dir).glob("step_*") if (p / COMMITTED_FILE).is_file() and (p / STATE_FILE).is_file())
-    if not steps:
-        raise FileNotFoundError(f"no committed checkpoint (step_*/ with {COMMITTED_FILE}) under {run_dir}")
-    return str(steps[-1])
+    """The newest committed step_*/ of a run directory, local or remote (a URI then)."""
+    steps = sorted(n for n in storage.subfolders(run_dir) if n.startswith("step_"))
+    for name in reversed(steps):
+        folder = storage.join(run_dir, name)
+        if storage.exists(storage.join(folder, COMMITTED_FILE)) and storage.exists(storage.join(folder, STATE_FILE)):
+            return folder
+    raise FileNotFoundError(f"no committed checkpoint (step_*/ with {COMMITTED_FILE}) under {run_dir}")
 
 
 def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str) -> torch.nn.Module:
@@ -60,12 +63,18 @@ def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str) -> torch.nn.Module
 
 
 def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None) -> str:
-    spec = JobSpec.model_validate_json(Path(run_dir, JOB_FILE).read_text())
+    """A run directory's latest (or the given) committed checkpoint as a plain HF folder at
+    `out`; either may be local or remote (a remote checkpoint is copied to a temp folder first)."""
+    spec = JobSpec.model_validate_json(storage.read_text(storage.join(run_dir, JOB_FILE)))
     checkpoint_dir = checkpoint_dir or latest_checkpoint(run_dir)
-    model = load_checkpoint_model(spec, checkpoint_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_hf_export(spec, model, model.state_dict(), tmp, modeling.load_tokenizer(spec))
-        storage.upload_dir(tmp, out)
+    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp:
+        local = checkpoint_dir
+        if storage.is_remote(checkpoint_dir):
+            local = str(Path(tmp, "checkpoint"))
+            storage.download_dir(checkpoint_dir, local)
+        model = load_checkpoint_model(spec, local)
+        write_hf_export(spec, model, model.state_dict(), str(Path(tmp, "model")), modeling.load_tokenizer(spec))
+        storage.upload_dir(str(Path(tmp, "model")), out)
     return checkpoint_dir
 
 

@@ -8,9 +8,8 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import control, faults, preemption, tracking
+from . import control, modeling, preemption, storage, tracking
 from .checkpoint import STATE_FILE, TrainState
 from .data import prepare
 from .export import latest_checkpoint, write_job_file
@@ -46,14 +45,44 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 
 
-def runtime_env(spec: JobSpec) -> dict:
+# What the workers need from the submitter's environment. Settings always travel; secrets
+# travel only where the cluster's nodes lack them, since whatever rides in a runtime_env is
+# readable in Ray's dashboard and state API (on Kubernetes the manifests set them on every
+# pod from the Secret raytrain-secrets, and nothing is forwarded).
+SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
+SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
+               "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
+def lacking(wanted: list[str], present_per_node: list[list[str]]) -> list[str]:
+    """The secrets of `wanted` that at least one node does not have."""
+    return [k for k in wanted if not all(k in present for present in present_per_node)]
+
+
+def secrets_the_cluster_lacks() -> list[str]:
+    """Ask every alive node which of the secrets set here its processes already have."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    wanted = [k for k in SECRETS_ENV if k in os.environ]
+    if not wanted:
+        return []
+    present = ray.remote(num_cpus=0)(_present)
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    answers = ray.get([present.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(wanted)
+                       for n in nodes])
+    return lacking(wanted, answers)
+
+
+def _present(names: list[str]) -> list[str]:
+    return [n for n in names if n in os.environ]  # names only: no value leaves the node
+
+
+def runtime_env(spec: JobSpec, forward: list[str]) -> dict:
     env = {"TOKENIZERS_PARALLELISM": "false", preemption.GRACE_ENV: str(spec.failure.preemption_grace_s)}
     if not spec.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
-    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                "AWS_DEFAULT_REGION", "HF_TOKEN",
-                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "TORCH_EXTENSIONS_DIR", "RAYTRAIN_SAMPLE_LOG",
-                faults.ENV):
+    for key in (*SETTINGS_ENV, *forward):
         if key in os.environ:  # secrets travel in the environment, never in the spec or MLflow
             env[key] = os.environ[key]
     # A worker-process setup hook runs in each worker's main thread at start-up, so that
@@ -65,7 +94,7 @@ def runtime_env(spec: JobSpec) -> dict:
     return {"env_vars": env}
 
 
-def build_trainer(spec: JobSpec, run_id: str, prepared: dict):
+def build_trainer(spec: JobSpec, run_id: str, prepared: dict, forward: list[str] = ()):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -79,7 +108,7 @@ def build_trainer(spec: JobSpec, run_id: str, prepared: dict):
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
                     # Ray restarts without limit; raytrain's control actor decides what counts (control.py).
                     failure_config=FailureConfig(max_failures=-1),
-                    worker_runtime_env=runtime_env(spec))
+                    worker_runtime_env=runtime_env(spec, list(forward)))
     # No Ray Data inside the training workers: each rank reads its rows of each global
     # batch straight from the prepared token store (see raytrain/data/).
     return TorchTrainer(worker.train_func, scaling_config=scaling, run_config=run,
@@ -98,14 +127,29 @@ def prepare_data(spec: JobSpec, address: str | None = None) -> dict:
         raise
 
 
-def _resuming_on_same_data(spec: JobSpec, key: str) -> None:
-    """Refuse, before any worker starts, to resume a run on data that changed under it."""
+def _latest_state(spec: JobSpec) -> tuple[TrainState | None, str | None]:
+    """(the state of the run directory's latest committed checkpoint, its folder), or Nones."""
     try:
         latest = latest_checkpoint(spec.run_dir)
     except FileNotFoundError:
-        return
-    state = TrainState.from_json(Path(latest, STATE_FILE).read_text())
-    state.require_same_data(key, latest)
+        return None, None
+    return TrainState.from_json(storage.read_text(storage.join(latest, STATE_FILE))), latest
+
+
+def pin_model(spec: JobSpec, latest: TrainState | None, where: str | None) -> JobSpec:
+    """The job with model.revision fixed to one hub commit for its whole life: the one its
+    checkpoints were trained on when it resumes, else the one model.revision names now."""
+    saved = latest.model_commit if latest else None
+    if saved and modeling.COMMIT.fullmatch(spec.model.revision or "") and spec.model.revision != saved:
+        raise JobError(f"model.revision {spec.model.revision} differs from commit {saved} that {where} was trained on; "
+                       "a resumed run keeps its base model. Remove model.revision (or set it to that commit), "
+                       "or start a new run (a new name or checkpoint.storage_path)")
+    commit = saved or modeling.resolve_commit(spec)
+    if commit is None:
+        return spec
+    if saved and spec.model.revision != saved:
+        print(f"[raytrain] resuming on commit {saved} of {spec.model.path}, the one {where} was trained on", flush=True)
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"revision": commit})})
 
 
 def _stop_on_signals(job_control) -> None:
@@ -127,8 +171,12 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
 
     started = time.time()
     connect(spec, address)
+    latest, where = _latest_state(spec)
+    spec = pin_model(spec, latest, where)
     run_id = tracking.start_run(spec)
     job_control = None
+    if modeling.COMMIT.fullmatch(spec.model.revision or ""):
+        tracking.set_tags(spec, run_id, {"raytrain.model_commit": spec.model.revision})
     try:  # from here on, whatever happens ends the MLflow run: it never stays RUNNING
         write_job_file(spec)
         job_control = control.start_actor(spec.run_dir, spec.failure.max_failures)
@@ -137,8 +185,14 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
               f"{spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
               flush=True)
         prepared = prepare.ensure_inputs(spec)
-        _resuming_on_same_data(spec, prepared["key"])
-        result = _fit_off_the_main_thread(build_trainer(spec, run_id, prepared))
+        if latest:  # positions in other data would be other rows
+            latest.require_same_data(prepared["key"], where)
+        forward = secrets_the_cluster_lacks()
+        if forward:
+            print(f"[raytrain] forwarding {', '.join(forward)} from this shell to the workers: the cluster's nodes lack "
+                  "them, and a forwarded value is readable in Ray's dashboard; set them on the nodes instead "
+                  "(k8s: the Secret raytrain-secrets)", flush=True)
+        result = _fit_off_the_main_thread(build_trainer(spec, run_id, prepared, forward))
         verdict = ray.get(job_control.verdict.remote())
         if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
             raise JobError(verdict)

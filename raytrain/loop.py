@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import checkpoint, faults, telemetry
+from . import checkpoint, telemetry
 from .checkpoint import TrainState
 from .preemption import DRIVER_STOP, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 from .config import JobSpec
@@ -140,7 +140,6 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                   f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
                   file=sys.stdout, flush=True)
         stops.step_done(state.step, step_time, rank)
-        faults.maybe_fire("step", state.step, rank)
         checkpoint_s = 0.0
         if flags or state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
             save_start = time.perf_counter()

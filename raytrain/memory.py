@@ -201,6 +201,11 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
                  (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt)]
     for term, on_host in terms:
         (out.host if on_host else out.device).append(term)
+    if t.strategy == "fsdp2" and spec.accumulation_steps(workers) > 1:
+        # FSDP2 skips the reduce-scatter on all but the last micro-batch and keeps each
+        # parameter's whole (unsharded) fp32 gradient on every rank until the step.
+        n = N if t.finetune == "full" else facts.lora_params(_lora_targets(spec, facts), t.lora.rank)
+        out.device.append(Term("unsharded gradients while accumulating", f"4 B × {_n(n)}", 4 * n))
     if sharded and P > 1:
         layer = facts.layer_params
         out.device.append(Term("gathered layers", f"2 × {_n(layer)} × {c} B", 2 * layer * c))

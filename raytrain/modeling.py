@@ -3,18 +3,41 @@ parallelism is the strategies' business (torchtitan's split)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from .config import DEFAULT_LORA_TARGETS, JobSpec  # targets live torch-free: pre-flight checks them too
 from .errors import JobError
+
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub commit id, as git names it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_commit(spec: JobSpec) -> str | None:
+    """The hub commit `model.revision` names now (None for a local folder). The driver calls it
+    once and pins the job to it, so a push to the hub mid-run cannot change the frozen base."""
+    if Path(spec.model.path).is_dir():
+        return None
+    from huggingface_hub import hf_hub_download
+
+    try:
+        config = hf_hub_download(spec.model.path, "config.json", revision=spec.model.revision)
+    except Exception as exc:  # offline and not cached, no such repo or revision, no access
+        raise JobError(f"model.path {spec.model.path!r} at model.revision {spec.model.revision or 'main'!r}: cannot "
+                       f"resolve it to a commit ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+                       "Check the hub id and revision, HF_TOKEN for a gated model, or download it into the "
+                       "Hugging Face cache of every node (hf download)") from None
+    return Path(config).parent.name  # the cache keeps each file under snapshots/<commit>/
 
 
 def load_tokenizer(spec: JobSpec):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path, trust_remote_code=spec.model.trust_remote_code)
+    name = spec.model.tokenizer or spec.model.path
+    tok = AutoTokenizer.from_pretrained(name, **spec.model.hub_kwargs(name))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -42,14 +65,14 @@ def load_model(spec: JobSpec, *, on_meta: bool = False) -> nn.Module:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(dtype=DTYPES[spec.model.dtype], trust_remote_code=spec.model.trust_remote_code,
-                  attn_implementation=spec.model.attn_implementation)
+    kwargs = dict(dtype=DTYPES[spec.model.dtype], attn_implementation=spec.model.attn_implementation,
+                  trust_remote_code=spec.model.trust_remote_code)
     if on_meta:
-        config = AutoConfig.from_pretrained(spec.model.path, trust_remote_code=spec.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs())
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(spec.model.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
     if spec.training.finetune == "lora":
         model = apply_lora(spec, model)

@@ -76,6 +76,7 @@ def absolutize(raw: dict, base: str) -> dict:
     evaluation = data.get("eval") if isinstance(data, dict) and isinstance(data.get("eval"), dict) else {}
     for section, key, always in ((model, "path", False), (model, "tokenizer", False), (data, "path", True),
                                  *((s, "path", True) for s in sources), (evaluation, "path", True),
+                                 (data, "sample_log", True),
                                  (ck, "storage_path", True)):
         value = section.get(key) if isinstance(section, dict) else None
         if isinstance(value, str) and value and not storage.is_remote(value):
@@ -174,7 +175,7 @@ def model_folder(spec: JobSpec) -> tuple[Path | None, bool, list[Problem]]:
                               "Hugging Face model folder or a hub id like meta-llama/Llama-3.1-8B", "model")]
     from huggingface_hub import try_to_load_from_cache  # the cache on disk only: never the network
 
-    cached = try_to_load_from_cache(path, "config.json")
+    cached = try_to_load_from_cache(path, "config.json", revision=spec.model.revision)
     if isinstance(cached, str):
         return Path(cached).parent, True, []
     return None, False, [Problem("model.path", repr(path), "a hub id, not in the local Hugging Face cache, and nothing is "

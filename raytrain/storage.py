@@ -45,6 +45,33 @@ def upload_dir(local_dir: str, uri: str) -> None:
     pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
+def download_dir(uri: str, local_dir: str) -> None:
+    """Copy a folder at a local path or URI into a local folder."""
+    fs, path = filesystem(uri)
+    os.makedirs(local_dir, exist_ok=True)
+    pafs.copy_files(path, local_dir, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+
+
+def read_text(uri: str) -> str:
+    fs, path = filesystem(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read().decode()
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *parts])
+
+
+def subfolders(uri: str) -> list[str]:
+    """The folders directly under a local path or URI, as names."""
+    fs, path = filesystem(uri)
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [e.base_name for e in entries if e.type == pafs.FileType.Directory]
+
+
 def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
     return fs.get_file_info(path).type != pafs.FileType.NotFound

@@ -9,15 +9,13 @@ secrets in it (pre-flight refuses them), and keys that look like secrets are dro
 from __future__ import annotations
 
 import queue
-import re
 import sys
 import threading
 import time
 
-from .config import JobSpec
 from . import storage
-
-SECRET_KEY = re.compile(r"(token|secret|password|passwd|api[_-]?key|credential|auth)", re.I)
+from .config import JobSpec
+from .problems import SECRET_KEY  # pre-flight refuses secrets in a job file; they are never logged either
 
 
 # The default store is a sqlite file beside the checkpoints; with checkpoints on an object
@@ -82,11 +80,15 @@ def start_run(spec: JobSpec) -> str:
     return run.info.run_id
 
 
-def end_run(spec: JobSpec, run_id: str, status: str, tags: dict | None = None) -> None:
+def set_tags(spec: JobSpec, run_id: str, tags: dict) -> None:
     client = _client(spec)
-    for key, value in (tags or {}).items():
+    for key, value in tags.items():
         client.set_tag(run_id, key, value)
-    client.set_terminated(run_id, status=status)
+
+
+def end_run(spec: JobSpec, run_id: str, status: str, tags: dict | None = None) -> None:
+    set_tags(spec, run_id, tags or {})
+    _client(spec).set_terminated(run_id, status=status)
 
 
 def log_goodput(spec: JobSpec, run_id: str, goodput: dict) -> None:

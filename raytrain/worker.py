@@ -19,7 +19,6 @@ from .errors import user_message
 from .preemption import Preempted
 from .strategies import build_strategy
 
-SAMPLE_LOG_ENV = "RAYTRAIN_SAMPLE_LOG"  # tests: a folder where each rank appends the sample ids it trained on
 
 
 def train_func(config: dict) -> None:
@@ -61,7 +60,7 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
 
     tokenizer = modeling.load_tokenizer(spec)
     strategy = build_strategy(spec, device)
-    state = checkpoint.restore(strategy) or TrainState()
+    state = checkpoint.restore(strategy) or TrainState(model_commit=spec.model.revision)  # pinned by the driver
     resumed_from = state.step
     state.world_size, state.run_id = world, config["run_id"]
     logger = tracking.StepLogger(spec, config["run_id"]) if rank == 0 else None
@@ -77,7 +76,7 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
     batches, eval_batches, key = open_data(spec, config["data"], rank, world, state.data)
     state.require_same_data(key, f"the checkpoint at step {state.step}")
     state.bad_rows = sum(s.bad_rows for s in batches.stores)
-    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(rank, world),
+    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(spec.data.sample_log, rank, world),
                      eval_batches=eval_batches)
 
     if spec.checkpoint.export_final and not state.stopped:
@@ -93,11 +92,11 @@ def export(spec: JobSpec, strategy, tokenizer, logger) -> None:
             print(f"[raytrain] exported final model to {spec.run_dir}/final_model", file=sys.stdout, flush=True)
 
 
-def _sample_logger(rank: int, world: int):
-    """Tests and the chaos script: which samples each rank trained on at each step, per attempt."""
-    folder = os.environ.get(SAMPLE_LOG_ENV)
+def _sample_logger(folder: str | None, rank: int, world: int):
+    """`data.sample_log`: which samples each rank trained on at each step, per attempt."""
     if not folder:
         return None
+    os.makedirs(folder, exist_ok=True)
     stamp = [f"{time.time():.6f}-{world}"]
     dist.broadcast_object_list(stamp, src=0)  # one id for the whole worker group of this attempt
     attempt = stamp[0]
@@ -105,6 +104,6 @@ def _sample_logger(rank: int, world: int):
     def on_step(state, batch) -> None:
         with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": state.step,
-                                "samples": batch.sample_ids}) + "\n")
+                                "time": time.time(), "samples": batch.sample_ids}) + "\n")
 
     return on_step

@@ -3,12 +3,17 @@
     python tests/chaos.py kill   [--kills 3] [--steps 32] [--seed 0]
     python tests/chaos.py resize [--steps 48]
     python tests/chaos.py drain  [--steps 24]
+    python tests/chaos.py soak   [--minutes 10] [--seed 0]
 
 `kill` SIGKILLs a random training worker every few seconds during a run on a local Ray
 cluster. `resize` runs an elastic job (1..2 workers) on a two-node local cluster, removes
 a node (the job continues on 1 worker), then adds one back (it grows to 2 again). `drain` gives a node Ray's preemption notice (what
 `ray drain-node --reason PREEMPTION`, KubeRay's preStop hook, sends), checks that a checkpoint
 is committed at the next step, then reclaims the node: the job resumes from that checkpoint.
+`soak` runs an elastic job (1..2 workers) on a four-node local cluster for `--minutes` and breaks
+it at random every 15-35 s (a SIGKILLed worker, a SIGTERMed worker, a drained-then-reclaimed
+node, a node lost without notice; each lost node is replaced), then stops it as `ray job stop`
+does; it reports the faults, restarts, steps redone and recovery time per fault.
 
 Both compare with an uninterrupted run of the same job: the samples trained on at each
 step of the final lineage (steps rolled back by a restart are replaced by their re-run)
@@ -81,17 +86,19 @@ def _job(assets: Path, storage: Path, name: str, steps: int, **over):
 
 def _throttle(seconds: float) -> None:
     """Slow every step (rank 0 pauses; the others wait at the next collective) so that a
-    tiny model's run lasts long enough to be broken and to recover on any machine."""
-    os.environ["RAYTRAIN_FAULTS"] = json.dumps({"dir": tempfile.mkdtemp(), "faults": [
-        {"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": seconds}]})
+    tiny model's run lasts long enough to be broken and to recover on any machine. Through
+    the test fault injector (inject/sitecustomize.py), which main() puts on the cluster's path."""
+    from conftest import write_plan
+
+    write_plan(Path(os.environ["RAYTRAIN_TEST_FAULTS"]), [
+        {"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": seconds}], Path(tempfile.mkdtemp()))
 
 
 def _run_logged(spec, log_dir: Path):
     from conftest import metric_history
     from raytrain import launcher
 
-    log_dir.mkdir(parents=True)
-    os.environ["RAYTRAIN_SAMPLE_LOG"] = str(log_dir)
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"sample_log": str(log_dir)})})
     result = launcher.run(spec)
     return result, metric_history(spec, result.run_id), final_lineage(log_dir)
 
@@ -250,22 +257,111 @@ def chaos_drain(args, root: Path, assets: Path) -> dict:
             "failures": result.goodput["failures"], "problems": problems}
 
 
+def _workers() -> list[dict]:
+    """The live training workers: pid and node."""
+    from ray.util.state import list_actors
+
+    return [{"pid": a.pid, "node_id": a.node_id} for a in
+            list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)]
+
+
+def chaos_soak(args, root: Path, assets: Path) -> dict:
+    import ray
+    from mlflow.tracking import MlflowClient
+    from ray.cluster_utils import Cluster
+
+    from raytrain.control import actor_name
+    from raytrain.tracking import tracking_uri
+
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"  # see chaos_drain
+    global _CLUSTER
+    cluster = _CLUSTER = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})  # driver, Ray Data, controller
+    nodes = {n.node_id: n for n in (cluster.add_node(num_cpus=1, resources={"slot": 1}) for _ in range(3))}
+    ray.init(address=cluster.address, log_to_driver=False)
+    period, steps = 0.4, int(args.minutes * 60 / 0.4) + 200  # more steps than the soak lasts: it ends with a stop
+    elastic = {"scaling": {"num_workers": None, "min_workers": 1, "max_workers": 2, "resize_check_interval_s": 5,
+                           "resources_per_worker": {"slot": 1}}, "failure": {"max_failures": 1000}}
+    ref_spec = _job(assets, root / "ref", "ref", steps, scaling={"num_workers": 2, "resources_per_worker": {"slot": 1}})
+    _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
+
+    _throttle(period)
+    spec = _job(assets, root / "soak", "soak", steps, **elastic)
+    log = root / "soak-log"
+    thread, box = _in_thread(lambda: _run_logged(spec, log))
+    rng, faults, started = random.Random(args.seed), [], time.monotonic()
+    while thread.is_alive() and time.monotonic() - started < args.minutes * 60:
+        time.sleep(rng.uniform(15, 35))
+        workers = _workers()
+        if len(workers) < 2 or not thread.is_alive():
+            continue  # wait for the group to be whole again before the next fault
+        kind, victim = rng.choice(["sigkill", "sigterm", "drain", "node_loss"]), rng.choice(workers)
+        fault = {"kind": kind, "after_step": _steps_done(log), "at_s": round(time.monotonic() - started, 1)}
+        if kind in ("sigkill", "sigterm"):
+            os.kill(victim["pid"], signal.SIGKILL if kind == "sigkill" else signal.SIGTERM)
+        else:
+            if kind == "drain":  # the spot notice, then the reclaim once its checkpoint committed
+                before = _latest_commit(spec)
+                _drain(cluster.address, victim["node_id"], deadline_s=60)
+                deadline = time.monotonic() + 60
+                while thread.is_alive() and _latest_commit(spec) == before and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                fault["checkpoint_step"] = _latest_commit(spec)
+            cluster.remove_node(nodes.pop(victim["node_id"]), allow_graceful=False)
+            fresh = cluster.add_node(num_cpus=1, resources={"slot": 1})  # the spot pool's replacement
+            nodes[fresh.node_id] = fresh
+        faults.append(fault)
+    ray.get(ray.get_actor(actor_name(spec.run_dir)).request_stop.remote("SIGTERM"))  # what `ray job stop` does
+    thread.join()
+    result, losses, lineage = box["value"]
+    problems = compare({s: ref_lineage[s] for s in lineage}, lineage, spec.training.global_batch_size)
+    if sorted(lineage) != list(range(1, max(lineage) + 1)):
+        problems.append("the trained steps are not 1..last")
+    client = MlflowClient(tracking_uri(spec))
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                              f"tags.`raytrain.run_dir` = '{spec.run_dir}'")
+    if [r.info.status for r in runs] != ["KILLED"]:
+        problems.append(f"expected one MLflow run, KILLED: {[r.info.status for r in runs]}")
+    history = client.get_metric_history(runs[0].info.run_id, "loss") if runs else []
+    if sorted(m.step for m in history) != sorted(lineage):
+        problems.append("MLflow's loss history is not each trained step once")
+    if runs and "goodput_wall_s" not in runs[0].data.metrics:
+        problems.append("no goodput figures in MLflow")
+    worst = max(abs(losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in losses)
+    failures = result.goodput["failures"]
+    recovery = sorted(f["recovery_s"] for f in failures)
+    return {"mode": "soak", "minutes": round((time.monotonic() - started) / 60, 1), "steps": max(lineage),
+            "faults": faults, "faults_by_kind": {k: sum(f["kind"] == k for f in faults) for k in
+                                                 ("sigkill", "sigterm", "drain", "node_loss")},
+            "restarts": len(failures), "restarts_by_kind": {k: sum(f["kind"] == k for f in failures) for k in
+                                                            ("failure", "preemption", "resize")},
+            "steps_redone": sum(f["steps_lost"] for f in failures),
+            "recovery_s_median": recovery[len(recovery) // 2] if recovery else None,
+            "recovery_s_max": recovery[-1] if recovery else None, "goodput": {k: v for k, v in result.goodput.items()
+                                                                              if k != "failures"},
+            "max_rel_loss_diff": worst, "problems": problems}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["kill", "resize", "drain"])
+    parser.add_argument("mode", choices=["kill", "resize", "drain", "soak"])
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--out", help="folder for runs and logs (default: a temp dir)")
     args = parser.parse_args(argv)
     from raytrain.demo_assets import make_all
 
     root = Path(args.out or tempfile.mkdtemp(prefix="raytrain-chaos-"))
     assets = make_all(root / "assets")
+    from conftest import with_fault_injection
+
+    with_fault_injection(root / "faults.json")  # before any cluster starts: its processes inherit it
     import ray
 
     try:
-        summary = {"kill": chaos_kill, "resize": chaos_resize, "drain": chaos_drain}[args.mode](args, root, assets)
+        modes = {"kill": chaos_kill, "resize": chaos_resize, "drain": chaos_drain, "soak": chaos_soak}
+        summary = modes[args.mode](args, root, assets)
     finally:
         ray.shutdown()
         if _CLUSTER:

@@ -4,7 +4,12 @@ model/tokenizer/data built once (the same files `raytrain quickstart` makes)."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,15 +25,75 @@ def assets(tmp_path_factory) -> Path:
     return make_all(tmp_path_factory.mktemp("assets"))
 
 
+INJECT = Path(__file__).resolve().parent / "inject"  # the fault injector (inject/sitecustomize.py)
+
+
+def with_fault_injection(plan_file: Path) -> None:
+    """Before a cluster starts: its Python processes load the injector and read `plan_file`."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), os.environ.get("PYTHONPATH")]))
+    os.environ["RAYTRAIN_TEST_FAULTS"] = str(plan_file)
+
+
+def write_plan(plan_file: Path, faults: list[dict], marker_dir: Path) -> None:
+    marker_dir.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(json.dumps({"dir": str(marker_dir), "faults": faults}))
+
+
 @pytest.fixture(scope="session")
-def ray_address():
-    """A real local Ray cluster (6 logical CPUs on 2 cores: 2 train workers + Ray Data)."""
+def plan_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("faults") / "plan.json"
+
+
+@pytest.fixture(scope="session")
+def ray_address(plan_file):
+    """A real local Ray cluster (6 logical CPUs on 2 cores: 2 train workers + Ray Data), whose
+    processes load the fault injector (tests/inject): a test arms it with `inject_faults`."""
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    with_fault_injection(plan_file)
     ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=True)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture
+def inject_faults(ray_address, plan_file, tmp_path):
+    """inject_faults([{"at": "step", "step": 6, "rank": 1, "action": "exit"}, ...]) arms the
+    cluster's injector for this test; it is disarmed afterwards."""
+    yield lambda faults: write_plan(plan_file, faults, tmp_path / "fault-markers")
+    plan_file.unlink(missing_ok=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """(environment, boto3 client) of a real S3 API on loopback: moto in server mode, with the
+    dummy credentials it accepts. Each user makes its own bucket."""
+    import boto3
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    for _ in range(300):
+        assert proc.poll() is None, f"moto_server exited with {proc.returncode}"
+        try:
+            client.list_buckets()
+            break
+        except Exception:  # not up yet
+            time.sleep(0.2)
+    yield env, client
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)
 
 
 def deep_merge(base: dict, over: dict) -> dict:

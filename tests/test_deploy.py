@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,18 +30,12 @@ import psutil
 import pytest
 import yaml
 
-from conftest import REPO, make_job
+from conftest import REPO, free_port, make_job
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 BUCKET = "raytrain-test"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -68,22 +61,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 # ---------------------------------------------------------------- real servers on 127.0.0.1
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """moto in server mode: a real HTTP S3 endpoint; credentials are dummies it accepts."""
-    import boto3
-
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
-    wait_http(f"http://127.0.0.1:{port}/moto-api/", proc)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
+def s3(s3_server):
+    env, client = s3_server
     client.create_bucket(Bucket=BUCKET)
-    yield env, client
-    stop(proc)
-    log.close()
+    return env, client
 
 
 @pytest.fixture(scope="module")

@@ -92,3 +92,28 @@ def test_export_refuses_a_checkpoint_whose_weights_do_not_match_the_model(assets
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert len(saved) == len(trained) and all(torch.equal(v, trained[k].to(v.dtype)) for k, v in
                                               zip(sorted(trained), [saved[k] for k in sorted(saved)]))
+
+
+def test_export_reads_a_run_directory_on_s3(assets, tmp_path, s3_server, monkeypatch):
+    # The shipped GPU jobs checkpoint to S3; export used to read local run directories only.
+    from safetensors.torch import load_file
+
+    from raytrain import modeling, storage
+    from raytrain.export import export_checkpoint
+
+    env, client = s3_server
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    client.create_bucket(Bucket="exports")
+    spec = make_job(assets, tmp_path / "runs", name="adapter")
+    model = modeling.load_model(spec)
+    with torch.no_grad():
+        trained = {k: v.clone() + 1 for k, v in model.state_dict().items() if k in modeling.trainable_names(model)}
+    local = _committed_checkpoint(spec, trained, tmp_path)
+    storage.upload_dir(str(tmp_path / "runs" / "adapter"), "s3://exports/runs/adapter")  # as the job left it
+    storage.upload_dir(str(local), "s3://exports/runs/adapter/step_00000008")  # a newer commit on S3 only
+    used = export_checkpoint("s3://exports/runs/adapter", str(tmp_path / "out"))
+    assert used == "s3://exports/runs/adapter/step_00000008"
+    saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert len(saved) == len(trained) and all(torch.equal(saved[k], trained[k2].to(saved[k].dtype))
+                                              for k, k2 in zip(sorted(saved), sorted(trained)))

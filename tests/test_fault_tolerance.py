@@ -5,7 +5,6 @@ bit, MLflow must hold each step once, and the goodput record must tell what was 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -32,30 +31,31 @@ def reference(ray_address, assets, tmp_path_factory):
     return metric_history(spec, result.run_id)
 
 
-def run_with_faults(monkeypatch, tmp_path, assets, name, faults, **over):
-    monkeypatch.setenv("RAYTRAIN_FAULTS", json.dumps({"dir": str(tmp_path), "faults": faults}))
+def run_with_faults(inject_faults, tmp_path, assets, name, faults, **over):
+    inject_faults(faults)
     spec = job(assets, tmp_path / "runs", name, **over)
     return spec, launcher.run(spec)
 
 
-@pytest.mark.parametrize("rank,step", [(1, 6), (0, 5), (1, 8)], ids=["mid-interval", "just-after-ckpt", "just-before-ckpt"])
-def test_worker_killed_resumes_bit_identical(reference, monkeypatch, tmp_path, assets, rank, step):
-    spec, result = run_with_faults(monkeypatch, tmp_path, assets, f"kill-{rank}-{step}",
+# (rank killed, after step, resumed from, steps redone); checkpoints every 4 steps, and the
+# kill fires before that step's own save (so step 8's checkpoint never happens).
+@pytest.mark.parametrize("rank,step,resumed,lost", [(1, 6, 4, 2), (0, 5, 4, 1), (1, 8, 4, 4)],
+                         ids=["mid-interval", "just-after-ckpt", "just-before-ckpt"])
+def test_worker_killed_resumes_bit_identical(reference, inject_faults, tmp_path, assets, rank, step, resumed, lost):
+    spec, result = run_with_faults(inject_faults, tmp_path, assets, f"kill-{rank}-{step}",
                                    [{"at": "step", "step": step, "rank": rank, "action": "exit"}])
     assert metric_history(spec, result.run_id) == reference  # every step once, bit-identical
     [failure] = result.goodput["failures"]
-    last_commit = (step // EVERY) * EVERY if step % EVERY else step - EVERY  # the kill fires before step's own save
-    assert failure["resumed_from"] == last_commit
-    assert failure["steps_lost"] == step - last_commit
+    assert (failure["resumed_from"], failure["steps_lost"]) == (resumed, lost)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, monkeypatch, tmp_path, assets,
+def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, inject_faults, tmp_path, assets,
                                                                   async_save):
     # Rank 1 dies after writing its shards of step 8 (async: while a background thread is
     # still writing them) but before the checkpoint is reported: the step-8 checkpoint must
     # stay invisible and the run resumes from step 4.
-    spec, result = run_with_faults(monkeypatch, tmp_path, assets, "torn",
+    spec, result = run_with_faults(inject_faults, tmp_path, assets, "torn",
                                    [{"at": "save", "step": 8, "rank": 1, "action": "exit"}],
                                    checkpoint={"async_save": async_save})
     [failure] = result.goodput["failures"]
@@ -63,11 +63,11 @@ def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, mon
     assert metric_history(spec, result.run_id) == reference
 
 
-def test_sigterm_checkpoints_at_the_notice_and_loses_no_step(reference, monkeypatch, tmp_path, assets):
+def test_sigterm_checkpoints_at_the_notice_and_loses_no_step(reference, inject_faults, tmp_path, assets):
     # SIGTERM lands after step 6 (during step 7): every rank finishes step 7, commits it, leaves.
     # A preemption that committed its checkpoint is no failure: the job survives it with no
     # failure budget at all (it used to fail with the default of 0).
-    spec, result = run_with_faults(monkeypatch, tmp_path, assets, "sigterm",
+    spec, result = run_with_faults(inject_faults, tmp_path, assets, "sigterm",
                                    [{"at": "step", "step": 6, "rank": 1, "action": "sigterm"}],
                                    failure={"max_failures": 0})
     [failure] = result.goodput["failures"]
@@ -75,13 +75,12 @@ def test_sigterm_checkpoints_at_the_notice_and_loses_no_step(reference, monkeypa
     assert metric_history(spec, result.run_id) == reference
 
 
-def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, monkeypatch, tmp_path, assets):
+def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, inject_faults, tmp_path, assets):
     from mlflow.tracking import MlflowClient
 
     from raytrain.tracking import tracking_uri
 
-    monkeypatch.setenv("RAYTRAIN_FAULTS", json.dumps({"dir": str(tmp_path), "faults": [
-        {"at": "step", "step": 6, "rank": 0, "action": "exit"}]}))
+    inject_faults([{"at": "step", "step": 6, "rank": 0, "action": "exit"}])
     spec = job(assets, tmp_path / "runs", "exhausted", failure={"max_failures": 0})
     with pytest.raises(JobError, match=r"1 worker failures \(preemptions and resizes not counted\) exceed "
                                         r"failure.max_failures=0"):
@@ -100,17 +99,18 @@ def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, mon
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
-def test_async_save_resumes_exactly_from_a_committed_checkpoint(reference, monkeypatch, tmp_path, assets):
-    # Periodic checkpoints upload in the background; a kill soon after one resumes from it if
-    # it committed, else from the one before: either way exactly, with each step logged once.
-    spec, result = run_with_faults(monkeypatch, tmp_path, assets, "async",
-                                   [{"at": "step", "step": 9, "rank": 1, "action": "exit"}],
-                                   checkpoint={"async_save": True})
+def test_a_kill_after_a_background_upload_committed_resumes_from_it(reference, inject_faults, tmp_path, assets):
+    # Step 8's checkpoint uploads in the background and Ray commits it while training goes on;
+    # rank 1 dies at step 10, before the loop ever confirmed it (that happens at the next save).
+    # The restart resumes from step 8, and MLflow still gets steps 5-8 (from the checkpoint).
+    spec = job(assets, tmp_path / "runs", "async", checkpoint={"async_save": True})
+    inject_faults([{"at": "step", "step": 10, "rank": 1, "action": "exit",
+                    "after_commit": {"run_dir": spec.run_dir, "step": 8}}])
+    result = launcher.run(spec)
     [failure] = result.goodput["failures"]
-    assert failure["resumed_from"] in (4, 8)
+    assert (failure["resumed_from"], failure["steps_lost"]) == (8, 2)
     assert metric_history(spec, result.run_id) == reference
     assert latest_checkpoint(spec.run_dir).endswith(f"step_{STEPS:08d}")
-
 
 
 def test_a_failure_before_training_still_ends_the_mlflow_run(ray_address, assets, tmp_path):

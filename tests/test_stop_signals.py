@@ -1,6 +1,6 @@
-"""The stop policy (preemption.StopSignals) on its own, against a real Ray actor: a driver
-stop is seen however slowly the control actor answers, and every new Ray preemption notice
-gets its own checkpoint (a repeat of the same notice does not)."""
+"""The stop and restart policies on their own: a driver stop is seen however slowly the control
+actor (a real Ray actor) answers, every new Ray preemption notice gets its own checkpoint (a
+repeat of the same notice does not), and every failed group counts against the budget."""
 
 from __future__ import annotations
 
@@ -46,3 +46,17 @@ def test_each_new_preemption_notice_is_acted_on_once():
     stops = StopSignals(None, notices=lambda: next(notices))
     acted = [bool(stops.agree(stops.local()) & RAY_NOTICE) for _ in range(7)]
     assert acted == [False, True, False, False, False, True, False]
+
+
+def test_a_group_that_dies_while_loading_counts_against_the_failure_budget():
+    # A group that failed before its first step (model load, OOM while sharding) was never on
+    # record: the budget never ran out and Ray restarted it forever (seen: 96 restarts).
+    from raytrain.control import JobControl
+
+    control = JobControl(max_failures=2)
+    for _ in range(3):
+        assert control.may_start(2) is None
+        control.failed("TypeError: LlamaForCausalLM.__init__() got an unexpected keyword argument", retry=True)
+    verdict = control.may_start(2)
+    assert verdict and verdict.startswith("3 worker failures (preemptions and resizes not counted) exceed "
+                                          "failure.max_failures=2; the last: TypeError")

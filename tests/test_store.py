@@ -160,7 +160,7 @@ def user_datasets(folder: Path, assets: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_across_a_kill_and_a_resize(
-        ray_address, assets, tmp_path, monkeypatch):
+        ray_address, assets, tmp_path, inject_faults):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -172,9 +172,10 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
 
     sources = user_datasets(tmp_path / "data", assets)
 
-    def job(name, storage, workers, steps=10, **over):
+    def job(name, storage, workers, steps=10, samples=None, **over):
         return make_job(assets, storage, name=name, data={
-            "path": None, "sources": sources, "pack": False, "seq_len": 48, "eval": {"fraction": 0.1, "every_n_steps": 5}},
+            "path": None, "sources": sources, "pack": False, "seq_len": 48, "eval": {"fraction": 0.1, "every_n_steps": 5},
+            "sample_log": str(samples) if samples else None},
             training={"finetune": "full", "max_steps": steps}, scaling={"num_workers": workers},
             checkpoint={"every_n_steps": 4}, **over)
 
@@ -182,14 +183,11 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
     one_run = launcher.run(one).run_id
     reference, reference_evals = metric_history(one, one_run), metric_history(one, one_run, "eval_loss")
 
-    monkeypatch.setenv("RAYTRAIN_SAMPLE_LOG", str(tmp_path / "samples"))
-    (tmp_path / "samples").mkdir()
-    monkeypatch.setenv("RAYTRAIN_FAULTS", json.dumps({"dir": str(tmp_path), "faults": [
-        {"at": "step", "step": 6, "rank": 1, "action": "exit"}]}))
-    three = job("resize", tmp_path / "runs", 3, failure={"max_failures": 0})
+    inject_faults([{"at": "step", "step": 6, "rank": 1, "action": "exit"}])
+    three = job("resize", tmp_path / "runs", 3, failure={"max_failures": 0}, samples=tmp_path / "samples")
     with pytest.raises(Exception):
         launcher.run(three)  # rank 1 dies at step 6; the step-4 checkpoint committed
-    two = job("resize", tmp_path / "runs", 2)
+    two = job("resize", tmp_path / "runs", 2, samples=tmp_path / "samples")
     result = launcher.run(two)  # the same run directory, resumed on 2 workers
     losses = metric_history(two, result.run_id)
     assert sorted(losses) == list(range(1, 11))

@@ -100,11 +100,10 @@ def test_per_step_losses_agree_across_strategies(trained, finetune):
 
 # fsdp2's kill-and-resume is tests/test_fault_tolerance.py's subject (bit-identical at every kill point).
 @pytest.mark.parametrize("strategy,finetune", [("zero3", "full"), ("zero3", "lora"), ("ddp", "full")])
-def test_killed_run_resumes_from_its_checkpoint_with_the_same_next_step(trained, monkeypatch, tmp_path, assets,
+def test_killed_run_resumes_from_its_checkpoint_with_the_same_next_step(trained, inject_faults, tmp_path, assets,
                                                                         strategy, finetune):
     reference = trained[strategy, finetune]
-    monkeypatch.setenv("RAYTRAIN_FAULTS", json.dumps(
-        {"dir": str(tmp_path), "faults": [{"at": "step", "step": 12, "rank": 1, "action": "exit"}]}))
+    inject_faults([{"at": "step", "step": 12, "rank": 1, "action": "exit"}])
     spec = job(assets, tmp_path / "runs", strategy, finetune, f"resume-{strategy}-{finetune}",
                failure={"max_failures": 1})
     result = launcher.run(spec)

@@ -50,7 +50,7 @@ def tokenizer_fingerprint(spec: JobSpec) -> str:
             if (folder / file).is_file():
                 digest.update(file.encode() + b"\0" + (folder / file).read_bytes())
     else:
-        digest.update(f"{name}@{getattr(spec.model, 'revision', None)}".encode())
+        digest.update(f"{name}@{spec.model.hub_kwargs(name)['revision']}".encode())
     for lib in ("tokenizers", "transformers"):
         digest.update(f"{lib}=={metadata.version(lib)}".encode())
     return digest.hexdigest()[:16]

@@ -50,7 +50,7 @@ class Zero3Strategy(Strategy):
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         s = self.spec
-        model_config = AutoConfig.from_pretrained(s.model.path, trust_remote_code=s.model.trust_remote_code)
+        model_config = AutoConfig.from_pretrained(s.model.path, **s.model.hub_kwargs())
         hidden = model_config.get_text_config().hidden_size
         try:
             self.ds_config = deepspeed_config.build(s, self.world_size, hidden)

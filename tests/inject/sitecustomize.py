@@ -1,0 +1,135 @@
+"""Fault injection for raytrain's tests and chaos script, from outside the product.
+
+raytrain has no fault code. A test cluster starts with this folder on PYTHONPATH and
+RAYTRAIN_TEST_FAULTS naming a plan file, so every Python process of the cluster imports this
+module at start-up (Python's `sitecustomize`). It wraps two raytrain functions as they are
+imported, the way a site's own instrumentation would, and reads the plan (when the file
+exists) at each step:
+
+    {"dir": marker folder, "faults": [{"at": "step"|"save", "step": k|"*", "rank": r,
+                                       "action": "exit"|"sigterm"|"pause", "seconds": s}]}
+
+"step" fires after rank r finished step k; "save" after rank r wrote its part of step k's
+checkpoint and before the checkpoint is reported (so it is never committed). A fault with
+"after_commit": {"run_dir": d, "step": j} first waits until Ray Train has registered the
+checkpoint of step j in d (its checkpoint_manager_snapshot.json names it): a kill that must
+come after a background upload committed. Each fault fires
+once per job (a marker file in "dir" remembers it across restarts): "kill rank 1 after step 7"
+is a real process death at a known point, which a test compares bit for bit with an
+uninterrupted run. `"step": "*"` with "pause" slows every step (a chaos run lasts long enough
+to be broken).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+PLAN_ENV = "RAYTRAIN_TEST_FAULTS"
+_saving = {"step": 0}  # the step whose checkpoint this process is writing
+
+
+def fire(at: str, step: int, rank: int) -> None:
+    try:
+        plan = json.loads(Path(os.environ[PLAN_ENV]).read_text())
+    except (KeyError, FileNotFoundError, json.JSONDecodeError):  # no plan: nothing to do
+        return
+    for i, fault in enumerate(plan["faults"]):
+        if fault["at"] != at or fault["rank"] != rank:
+            continue
+        if fault["step"] == "*" and fault["action"] == "pause":
+            time.sleep(fault["seconds"])
+            continue
+        marker = Path(plan["dir"], f"fault-{i}")
+        if fault["step"] != step or marker.exists():
+            continue
+        marker.write_text(json.dumps(fault))
+        if "after_commit" in fault:
+            _wait_for_commit(**fault["after_commit"])
+        print(f"[test] fault injection: {fault['action']} rank {rank} at {at} of step {step}", flush=True)
+        if fault["action"] == "exit":
+            os._exit(1)
+        if fault["action"] == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _wait_for_commit(run_dir: str, step: int, timeout_s: float = 120) -> None:
+    snapshot, name = Path(run_dir, "checkpoint_manager_snapshot.json"), f"step_{step:08d}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if name in snapshot.read_text():
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"the checkpoint of step {step} was not committed in {run_dir} within {timeout_s} s")
+
+
+def _after_step(module) -> None:  # raytrain.preemption: every rank reports each finished step here
+    original = module.StopSignals.step_done
+
+    def step_done(self, step, step_time, rank):
+        original(self, step, step_time, rank)
+        fire("step", step, rank)
+
+    module.StopSignals.step_done = step_done
+
+
+def _around_save(module) -> None:  # raytrain.checkpoint: the step being saved
+    original = module.save_and_report
+
+    def save_and_report(strategy, state, *args, **kwargs):
+        _saving["step"] = state.step
+        return original(strategy, state, *args, **kwargs)
+
+    module.save_and_report = save_and_report
+
+
+def _after_write(cls_name: str):
+    def patch(module) -> None:  # a strategy's save/save_async: its files written (or staged)
+        cls = getattr(module, cls_name)
+        for name in ("save", "save_async"):
+            original = cls.__dict__.get(name)
+            if original is None:
+                continue
+
+            def wrapped(self, directory, _original=original):
+                out = _original(self, directory)
+                fire("save", _saving["step"], self.rank)
+                return out
+
+            setattr(cls, name, wrapped)
+    return patch
+
+
+PATCHES = {"raytrain.preemption": _after_step, "raytrain.checkpoint": _around_save,
+           "raytrain.strategies.base": _after_write("TorchStrategy"),
+           "raytrain.strategies.zero3": _after_write("Zero3Strategy")}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            PATCHES[name](module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if os.environ.get(PLAN_ENV):
+    sys.meta_path.insert(0, _PatchOnImport())
