@@ -190,12 +190,12 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         p_b, opt_b, opt_label = (2, 12, "AdamW m, v + fp32 master") if c == 2 else (4, 8, "AdamW m, v")
     else:
         p_b, opt_b, opt_label = w, 2 * w, "AdamW m, v"
+    n_lora = facts.lora_params(_lora_targets(spec, facts), t.lora.rank) if t.finetune == "lora" else 0
     if t.finetune == "full":
         terms = [(Term("weights", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params),
                  (Term("gradients", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_opt and t.strategy == "fsdp2"),
                  (Term(f"optimizer ({opt_label})", f"{opt_b} B × {_n(N)}{per}", opt_b * N / P), host_opt)]
     else:
-        n_lora = facts.lora_params(_lora_targets(spec, facts), t.lora.rank)
         base_b = 2 if t.strategy == "zero3" and c == 2 else w
         terms = [(Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P), host_params),
                  (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt)]
@@ -204,7 +204,7 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     if t.strategy == "fsdp2" and spec.accumulation_steps(workers) > 1:
         # FSDP2 skips the reduce-scatter on all but the last micro-batch and keeps each
         # parameter's whole (unsharded) fp32 gradient on every rank until the step.
-        n = N if t.finetune == "full" else facts.lora_params(_lora_targets(spec, facts), t.lora.rank)
+        n = N if t.finetune == "full" else n_lora
         out.device.append(Term("unsharded gradients while accumulating", f"4 B × {_n(n)}", 4 * n))
     if sharded and P > 1:
         layer = facts.layer_params
