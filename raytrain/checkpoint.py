@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import signing
 from .data import DataPosition
 from .errors import JobError
 
@@ -73,13 +74,19 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     from ray.train import CheckpointUploadMode
 
     tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # Ray deletes it after the upload
-    if wait:
-        strategy.save(tmp)
-    else:
-        files_complete = strategy.save_async(tmp)
+    name = f"step_{state.step:08d}"
     if strategy.rank == 0:
         Path(tmp, STATE_FILE).write_text(state.to_json())
-    common = dict(checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=f"step_{state.step:08d}",
+
+    def sign() -> None:  # this rank's files, once complete (signing.py)
+        signing.sign_checkpoint(tmp, strategy.spec.name, name, strategy.rank, strategy.world_size)
+
+    if wait:
+        strategy.save(tmp)
+        sign()
+    else:
+        files_complete = strategy.save_async(tmp)
+    common = dict(checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
                   delete_local_checkpoint_after_upload=True)
     if wait:
         ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.SYNC, **common)
@@ -88,6 +95,7 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
 
     def upload(checkpoint, dir_name: str):
         files_complete()
+        sign()
         return storage.persist_current_checkpoint(checkpoint, dir_name)
 
     ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=upload, **common)
@@ -117,6 +125,7 @@ def restore(strategy) -> TrainState | None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
-    with checkpoint.as_directory() as directory:
+    with checkpoint.as_directory() as directory:  # nothing is unpickled before every file verifies
+        signing.verify_checkpoint(directory, strategy.spec.name, Path(checkpoint.path).name, where=checkpoint.path)
         strategy.load(directory)
         return TrainState.from_json(Path(directory, STATE_FILE).read_text())

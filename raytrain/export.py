@@ -4,39 +4,19 @@ base-weight fingerprint that ties an adapter to the exact base it was trained on
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import tempfile
 from pathlib import Path
 
 import torch
 
-from . import modeling, storage
+from . import modeling, signing, storage
 from .checkpoint import COMMITTED_FILE, STATE_FILE
 from .config import JobSpec
 from .strategies import zero3
 from .strategies.base import read_checkpoint, write_hf_export
 
 JOB_FILE = "job.json"
-_PEFT_PREFIX = re.compile(r"^base_model\.model\.")
-
-
-def base_name(name: str) -> str:
-    """A peft parameter name as the base model calls it."""
-    return _PEFT_PREFIX.sub("", name).replace(".base_layer.", ".")
-
-
-def base_fingerprint(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over the frozen base weights (names and bytes), LoRA weights excluded."""
-    digest = hashlib.sha256()
-    for name in sorted(k for k in state if "lora_" not in k):
-        tensor = state[name].detach().to("cpu").contiguous()
-        digest.update(base_name(name).encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
 def latest_checkpoint(run_dir: str) -> str:
     """The newest committed step_*/ of a run directory, local or remote (a URI then)."""
     steps = sorted(n for n in storage.subfolders(run_dir) if n.startswith("step_"))
@@ -47,8 +27,10 @@ def latest_checkpoint(run_dir: str) -> str:
     raise FileNotFoundError(f"no committed checkpoint (step_*/ with {COMMITTED_FILE}) under {run_dir}")
 
 
-def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str) -> torch.nn.Module:
-    """A plain single-process model with the checkpoint's weights (DCP reshards to one process)."""
+def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str, name: str | None = None) -> torch.nn.Module:
+    """A plain single-process model with the checkpoint's weights (DCP reshards to one process),
+    once every file of the local folder `checkpoint_dir` (checkpoint `name`) verifies."""
+    signing.verify_checkpoint(checkpoint_dir, spec.name, name or Path(checkpoint_dir).name)
     model = modeling.load_model(spec)
     trainable = modeling.trainable_names(model)
     full = model.state_dict()
@@ -65,21 +47,27 @@ def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str) -> torch.nn.Module
 def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None) -> str:
     """A run directory's latest (or the given) committed checkpoint as a plain HF folder at
     `out`; either may be local or remote (a remote checkpoint is copied to a temp folder first)."""
-    spec = JobSpec.model_validate_json(storage.read_text(storage.join(run_dir, JOB_FILE)))
+    spec = read_job_file(run_dir)
     checkpoint_dir = checkpoint_dir or latest_checkpoint(run_dir)
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp:
         local = checkpoint_dir
         if storage.is_remote(checkpoint_dir):
             local = str(Path(tmp, "checkpoint"))
             storage.download_dir(checkpoint_dir, local)
-        model = load_checkpoint_model(spec, local)
+        model = load_checkpoint_model(spec, local, name=checkpoint_dir.rstrip("/").rsplit("/", 1)[-1])
         write_hf_export(spec, model, model.state_dict(), str(Path(tmp, "model")), modeling.load_tokenizer(spec))
         storage.upload_dir(str(Path(tmp, "model")), out)
     return checkpoint_dir
 
 
 def write_job_file(spec: JobSpec) -> None:
+    """The job as it ran, signed: export rebuilds the model from it (trust_remote_code included)."""
     fs, path = storage.filesystem(spec.run_dir)
     fs.create_dir(path, recursive=True)
     with fs.open_output_stream(f"{path}/{JOB_FILE}") as f:
-        f.write(json.dumps(spec.model_dump(mode="json"), indent=2).encode())
+        f.write(json.dumps(signing.sign_document(spec.model_dump(mode="json")), indent=2).encode())
+
+
+def read_job_file(run_dir: str) -> JobSpec:
+    uri = storage.join(run_dir, JOB_FILE)
+    return JobSpec.model_validate(signing.verify_document(json.loads(storage.read_text(uri)), uri))

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import control, modeling, preemption, storage, tracking
+from . import control, modeling, preemption, signing, tracking
 from .checkpoint import STATE_FILE, TrainState
 from .data import prepare
 from .export import latest_checkpoint, write_job_file
@@ -51,7 +51,7 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
 # pod from the Secret raytrain-secrets, and nothing is forwarded).
 SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
 SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
-               "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+               "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", signing.KEY_ENV)
 
 
 def lacking(wanted: list[str], present_per_node: list[list[str]]) -> list[str]:
@@ -69,13 +69,16 @@ def secrets_the_cluster_lacks() -> list[str]:
         return []
     present = ray.remote(num_cpus=0)(_present)
     nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    answers = ray.get([present.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(wanted)
-                       for n in nodes])
+    answers = ray.get([present.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+                       .remote(wanted, signing.key_id()) for n in nodes])
     return lacking(wanted, answers)
 
 
-def _present(names: list[str]) -> list[str]:
-    return [n for n in names if n in os.environ]  # names only: no value leaves the node
+def _present(names: list[str], key_id: str | None) -> list[str]:
+    """Names only: no value leaves the node. The signing key counts as present where the node
+    would sign with the same key (from its environment or its key file)."""
+    have = [n for n in names if n in os.environ and n != signing.KEY_ENV]
+    return have + ([signing.KEY_ENV] if signing.key_id() == key_id else [])
 
 
 def runtime_env(spec: JobSpec, forward: list[str]) -> dict:
@@ -133,7 +136,8 @@ def _latest_state(spec: JobSpec) -> tuple[TrainState | None, str | None]:
         latest = latest_checkpoint(spec.run_dir)
     except FileNotFoundError:
         return None, None
-    return TrainState.from_json(storage.read_text(storage.join(latest, STATE_FILE))), latest
+    state = signing.verified_read(latest, spec.name, latest.rstrip("/").rsplit("/", 1)[-1], STATE_FILE)
+    return TrainState.from_json(state.decode()), latest
 
 
 def pin_model(spec: JobSpec, latest: TrainState | None, where: str | None) -> JobSpec:
@@ -170,6 +174,10 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     import ray
 
     started = time.time()
+    signing.ensure_key()
+    # In this process's environment too, so that the forwarding below can send it to nodes that
+    # would sign with another key (or none); nodes that have the same key get nothing.
+    os.environ.setdefault(signing.KEY_ENV, signing.key().decode())
     connect(spec, address)
     latest, where = _latest_state(spec)
     spec = pin_model(spec, latest, where)

@@ -3,6 +3,7 @@ parallelism is the strategies' business (torchtitan's split)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -117,3 +118,21 @@ def require_complete(model: nn.Module, missing: list[str], unexpected: list[str]
                 ([f"{len(unexpected)} saved weight(s) the model does not have, e.g. {sorted(unexpected)[:3]}"] if unexpected else [])
         raise JobError(f"the checkpoint {where} does not match model.path ({'; '.join(parts)}): it was written for "
                        f"another model or its keys were renamed. Point model.path at the model it was trained from")
+
+
+_PEFT_PREFIX = re.compile(r"^base_model\.model\.")
+
+
+def base_name(name: str) -> str:
+    """A peft parameter name as the base model calls it."""
+    return _PEFT_PREFIX.sub("", name).replace(".base_layer.", ".")
+
+
+def base_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the frozen base weights (names and bytes), LoRA weights excluded."""
+    digest = hashlib.sha256()
+    for name in sorted(k for k in state if "lora_" not in k):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(base_name(name).encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()

@@ -58,6 +58,19 @@ def read_text(uri: str) -> str:
         return f.read().decode()
 
 
+def read_bytes(uri: str) -> bytes:
+    fs, path = filesystem(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def files(uri: str) -> list[str]:
+    """The files directly under a local path or URI, as names."""
+    fs, path = filesystem(uri)
+    entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return [e.base_name for e in entries if e.type == pafs.FileType.File]
+
+
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 

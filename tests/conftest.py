@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -18,6 +19,9 @@ from raytrain.config import JobSpec
 from raytrain.demo_assets import make_all
 
 REPO = Path(__file__).resolve().parents[1]
+# The session's checkpoint-signing key, as a cluster's Secret would set it on every node: the
+# Ray cluster below inherits it, and no test writes ~/.raytrain.
+os.environ.setdefault("RAYTRAIN_CHECKPOINT_KEY", secrets.token_hex(32))
 
 
 @pytest.fixture(scope="session")

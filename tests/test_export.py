@@ -49,18 +49,20 @@ def test_full_export_of_a_model_with_its_own_code(assets, tmp_path):
         torch.testing.assert_close(exported(input_ids=probe).logits, model.eval()(input_ids=probe).logits, rtol=0, atol=0)
 
 
-def _committed_checkpoint(spec, state: dict, tmp_path):
+def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4):
     """A committed single-process DCP checkpoint of `state` in a run directory, as training leaves one."""
     import torch.distributed.checkpoint as dcp
 
+    from raytrain import signing
     from raytrain.checkpoint import COMMITTED_FILE, STATE_FILE
     from raytrain.export import write_job_file
 
     write_job_file(spec)
-    step = tmp_path / "runs" / spec.name / "step_00000004"
+    step = tmp_path / "runs" / spec.name / f"step_{step_number:08d}"
     dcp.save({"model": state}, checkpoint_id=str(step))
     (step / STATE_FILE).write_text("{}")
-    (step / COMMITTED_FILE).write_text("4")
+    (step / COMMITTED_FILE).write_text(str(step_number))
+    signing.sign_checkpoint(str(step), spec.name, step.name, rank=0, world_size=1)  # as one rank of 1 signs
     return step
 
 
@@ -109,8 +111,9 @@ def test_export_reads_a_run_directory_on_s3(assets, tmp_path, s3_server, monkeyp
     model = modeling.load_model(spec)
     with torch.no_grad():
         trained = {k: v.clone() + 1 for k, v in model.state_dict().items() if k in modeling.trainable_names(model)}
-    local = _committed_checkpoint(spec, trained, tmp_path)
+    _committed_checkpoint(spec, {k: v - 1 for k, v in trained.items()}, tmp_path)
     storage.upload_dir(str(tmp_path / "runs" / "adapter"), "s3://exports/runs/adapter")  # as the job left it
+    local = _committed_checkpoint(spec, trained, tmp_path, step_number=8)
     storage.upload_dir(str(local), "s3://exports/runs/adapter/step_00000008")  # a newer commit on S3 only
     used = export_checkpoint("s3://exports/runs/adapter", str(tmp_path / "out"))
     assert used == "s3://exports/runs/adapter/step_00000008"

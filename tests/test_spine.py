@@ -10,7 +10,8 @@ import torch
 
 from conftest import make_job, metric_history
 from raytrain import launcher
-from raytrain.export import base_fingerprint, export_checkpoint, latest_checkpoint
+from raytrain.export import export_checkpoint, latest_checkpoint
+from raytrain.modeling import base_fingerprint
 
 pytestmark = pytest.mark.slow
 PROBE = torch.tensor([[5, 17, 42, 9, 33, 120, 7, 64, 1, 200, 88, 13]])

@@ -17,6 +17,7 @@ fp32 on CPU with 2 gloo workers on a real Ray cluster, trained 20 steps under `f
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import statistics
@@ -28,7 +29,8 @@ import torch
 
 from conftest import make_job, metric_history
 from raytrain import launcher
-from raytrain.export import base_fingerprint, export_checkpoint, latest_checkpoint
+from raytrain.export import export_checkpoint, latest_checkpoint
+from raytrain.modeling import base_fingerprint
 
 pytestmark = pytest.mark.slow
 STRATEGIES = ("fsdp2", "zero3", "ddp")
@@ -177,3 +179,88 @@ def test_exports_give_the_same_logits(trained, finetune, tmp_path):
         if finetune == "lora":  # the adapter names the exact base it was trained on
             meta = json.loads((run.run_dir / "final_model" / "raytrain.json").read_text())
             assert meta["base_fingerprint"] == base_fingerprint(AutoModelForCausalLM.from_pretrained(run.spec.model.path).state_dict())
+
+
+class Planted:
+    """Unpickling it creates a file: what a forged checkpoint file would do on a worker."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+# The file a forged pickle replaces, and a shard to change a byte of, per checkpoint layout.
+PICKLED = {"fsdp2": ".metadata", "zero3": "ds/zero_pp_rank_0_mp_rank_00_model_states.pt"}
+SHARD = {"fsdp2": "__1_0.distcp", "zero3": "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+
+
+def tamper(step: Path, case: str, strategy: str, side_effect: Path) -> None:
+    import pickle
+
+    if case == "changed":
+        data = bytearray((step / SHARD[strategy]).read_bytes())
+        data[len(data) // 2] ^= 1
+        (step / SHARD[strategy]).write_bytes(bytes(data))
+    elif case in ("pickle", "resigned"):
+        (step / PICKLED[strategy]).write_bytes(pickle.dumps(Planted(side_effect)))
+        if case == "resigned":  # the attacker also puts the new hash into the manifest (no key: the old HMAC)
+            manifest = json.loads((step / "MANIFEST.rank-00000.json").read_text())
+            manifest["files"][PICKLED[strategy]] = hashlib.sha256((step / PICKLED[strategy]).read_bytes()).hexdigest()
+            (step / "MANIFEST.rank-00000.json").write_text(json.dumps(manifest))
+    elif case == "planted":
+        (step / "extra.pt").write_bytes(pickle.dumps(Planted(side_effect)))
+    elif case == "no-manifest":
+        (step / "MANIFEST.rank-00001.json").unlink()
+    elif case == "replayed":  # a valid checkpoint put where a newer one should be
+        step.rename(step.with_name("step_00000030"))
+
+
+REFUSALS = {"changed": "{shard} was changed after it was written", "pickle": "{pickled} was changed after it was written",
+            "resigned": "MANIFEST.rank-00000.json has a wrong signature", "planted": "extra.pt is in no manifest",
+            "no-manifest": r"manifests are ranks \[0\] of world sizes \[2\]: one is missing",
+            "replayed": "signs checkpoint step_00000020 of run"}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
+def test_export_refuses_a_tampered_checkpoint_before_reading_it(trained, tmp_path, strategy):
+    import re
+    import shutil
+
+    from raytrain.errors import JobError
+
+    run = trained[strategy, "full"]
+    side_effect = tmp_path / "pwned"
+    for case, message in REFUSALS.items():
+        copy = tmp_path / case / run.run_dir.name
+        shutil.copytree(run.run_dir, copy)
+        tamper(copy / f"step_{STEPS:08d}", case, strategy, side_effect)
+        expected = message.format(shard=re.escape(SHARD[strategy]), pickled=re.escape(PICKLED[strategy]))
+        with pytest.raises(JobError, match=expected):
+            export_checkpoint(str(copy), str(tmp_path / case / "out"))
+        assert not side_effect.exists(), case  # refused before anything was unpickled
+        assert not (tmp_path / case / "out").exists()
+    # The job file export rebuilds the model from is signed too (trust_remote_code lives there).
+    copy = tmp_path / "job" / run.run_dir.name
+    shutil.copytree(run.run_dir, copy)
+    job_file = json.loads((copy / "job.json").read_text())
+    job_file["model"]["trust_remote_code"] = True
+    (copy / "job.json").write_text(json.dumps(job_file))
+    with pytest.raises(JobError, match="job.json: its signature is wrong"):
+        export_checkpoint(str(copy), str(tmp_path / "job" / "out"))
+
+
+@pytest.mark.parametrize("strategy,case", [("fsdp2", "pickle"), ("zero3", "changed")])
+def test_restore_refuses_a_tampered_checkpoint(assets, tmp_path, strategy, case):
+    from raytrain.errors import JobError
+
+    storage = tmp_path / "runs"
+    spec = job(assets, storage, strategy, "full", "tampered", steps=2)
+    launcher.run(spec)
+    side_effect = tmp_path / "pwned"
+    tamper(Path(latest_checkpoint(spec.run_dir)), case, strategy, side_effect)
+    with pytest.raises(JobError, match=REFUSALS[case].format(shard=SHARD[strategy], pickled=PICKLED[strategy])
+                       .replace(".", r"\.") + ".*Nothing in it was loaded"):
+        launcher.run(job(assets, storage, strategy, "full", "tampered", steps=3))
+    assert not side_effect.exists()

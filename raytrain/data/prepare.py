@@ -92,6 +92,7 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
     uri = f"{datasets_root(spec)}/{key}"
     store = TokenStore.open(uri)
     if store is not None:
+        store.verify_contents()
         print(f"[raytrain] data: reusing token store {store.describe()}", flush=True)
         return store
     started = time.perf_counter()
@@ -158,9 +159,10 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict) 
         return {"index": item["index"], "result": json.dumps({"file_error": str(file_problem)})}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ids, labels, positions = (pack if d.pack else pad_rows)(docs, d.seq_len, pad)
+    rows = np.stack([ids, labels, positions], axis=1).astype(np.int32).tobytes()
     with out_fs.open_output_stream(f"{out_path}/{shard_name(item['index'])}") as f:
-        f.write(np.stack([ids, labels, positions], axis=1).astype(np.int32).tobytes())
-    result = {"rows": len(ids), "lines": lines, "pad_id": int(pad), "bad": bad, "examples": examples, "docs": len(docs),
+        f.write(rows)
+    result = {"rows": len(ids), "sha256": hashlib.sha256(rows).hexdigest(), "lines": lines, "pad_id": int(pad), "bad": bad, "examples": examples, "docs": len(docs),
               "tokens": int(sum(len(d[0]) for d in docs))}
     return {"index": item["index"], "result": json.dumps(result)}
 
@@ -180,7 +182,7 @@ def _manifest(data: DataSpec, key: str, sources: list[Source], units: list[Unit]
         before = first_line.get(unit.file, 0)  # a file's units are consecutive, in file order
         named += [f"{unit.file} row {before + n}: {why}" for n, why in r["examples"]]
         first_line[unit.file] = before + r["lines"]
-        shards.append({"file": shard_name(index), "rows": r["rows"], "first_row": row})
+        shards.append({"file": shard_name(index), "rows": r["rows"], "first_row": row, "sha256": r["sha256"]})
         row += r["rows"]
     bad = sum(r["bad"] for r in results)
     if bad and data.bad_rows == "fail":

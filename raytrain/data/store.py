@@ -4,15 +4,19 @@ Layout under `<checkpoint.storage_path>/datasets/<key>/`:
   part-000000.bin ...  rows of int32 [input_ids | labels | position_ids], 12 x seq_len bytes each, so row i
                        of a shard is at byte i x row_bytes: one ranged read per row (or run
                        of rows), local or on an object store, nothing else read to reach it
-  manifest.json        rows, seq_len, the shards with their row ranges and sizes, the key's
-                       inputs, the bad-row count and the first bad rows named; written last
+  manifest.json        rows, seq_len, the shards with their row ranges, sizes and sha256, the
+                       key's inputs, the bad-row count and the first bad rows named; signed
+                       (signing.py) and written last
 
 A store without its manifest, or whose shards do not have the sizes the manifest says, is
-never opened: `open()` returns None and the prepare step builds it again.
+never opened: `open()` returns None and the prepare step builds it again. A manifest whose
+signature fails is refused, and so is a shard whose bytes are not the signed ones (the
+driver hashes every shard when it reuses a store; a worker checks sizes and the signature).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from dataclasses import dataclass
@@ -20,10 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.fs as pafs
 
-from .. import storage
+from .. import signing, storage
+from ..errors import JobError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # 2: position ids stored with each row (documents packed without cross-talk)
+FORMAT_VERSION = 3  # 2: position ids stored with each row (documents packed without cross-talk); 3: signed
 PLANES = 3  # input_ids, labels, position_ids
 
 
@@ -58,6 +63,7 @@ class TokenStore:
             return None
         if manifest.get("format_version") != FORMAT_VERSION:
             return None
+        manifest = signing.verify_document(manifest, f"the token store {uri}/{MANIFEST}")
         infos = fs.get_file_info([f"{path}/{s['file']}" for s in manifest["shards"]])
         row_bytes = 4 * PLANES * manifest["seq_len"]
         if any(i.type != pafs.FileType.File or i.size != s["rows"] * row_bytes for i, s in zip(infos, manifest["shards"])):
@@ -92,6 +98,17 @@ class TokenStore:
                 self._files[shard] = self.fs.open_input_file(f"{self.path}/{self.manifest['shards'][shard]['file']}")
             return self._files[shard]
 
+    def verify_contents(self) -> None:
+        """Every shard's bytes against the signed sha256 (reads the whole store once)."""
+        for shard in self.manifest["shards"]:
+            digest = hashlib.sha256()
+            with self.fs.open_input_stream(f"{self.path}/{shard['file']}") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+            if digest.hexdigest() != shard["sha256"]:
+                raise JobError(f"refusing the token store {self.uri}: {shard['file']} was changed after it was prepared "
+                               "(its sha256 is not the signed one). Delete the folder to prepare it again")
+
     def describe(self) -> str:
         return (f"{self.uri} ({self.rows:,} rows of {self.seq_len} tokens from {len(self.manifest['sources'])} file(s), "
                 f"{self.bad_rows} bad row(s) skipped)")
@@ -102,5 +119,5 @@ def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict) -> None:
     a single object on an object store), so a reader sees the whole manifest or none."""
     tmp = f"{path}/{MANIFEST}.tmp"
     with fs.open_output_stream(tmp) as f:
-        f.write(json.dumps({**manifest, "format_version": FORMAT_VERSION}, indent=1).encode())
+        f.write(json.dumps(signing.sign_document({**manifest, "format_version": FORMAT_VERSION}), indent=1).encode())
     fs.move(tmp, f"{path}/{MANIFEST}")

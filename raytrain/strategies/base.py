@@ -183,9 +183,7 @@ def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, 
         plain.tie_weights()
         plain.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    from ..export import base_fingerprint
-
     meta = {"job": spec.name, "finetune": spec.training.finetune, "base_model": spec.model.path}
     if spec.training.finetune == "lora":
-        meta["base_fingerprint"] = base_fingerprint(full_state)  # the base this adapter was trained on
+        meta["base_fingerprint"] = modeling.base_fingerprint(full_state)  # the base this adapter was trained on
     (out / "raytrain.json").write_text(json.dumps(meta, indent=2))
