@@ -21,6 +21,7 @@ from raytrain.data.order import Stream
 from raytrain.data.prepare import ensure_store
 from raytrain.data.sources import owned_lines
 from raytrain.data.store import MANIFEST, TokenStore
+from raytrain.errors import JobError
 
 
 # ---------------------------------------------------------------- pure: order, slices, line ownership
@@ -117,7 +118,8 @@ def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its
     assert next(resumed).sample_ids == next(whole).sample_ids
 
 
-def test_a_half_written_store_is_never_used_and_a_changed_source_gets_a_new_store(ray_address, assets, tmp_path):
+def test_a_half_written_store_is_rebuilt_a_tampered_one_refused_and_a_changed_source_gets_a_new_store(
+        ray_address, assets, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text((assets / "text.jsonl").read_text().splitlines(keepends=True)[0] * 50)
     spec = make_job(assets, tmp_path / "runs", data={"path": str(data)})
@@ -127,8 +129,19 @@ def test_a_half_written_store_is_never_used_and_a_changed_source_gets_a_new_stor
     rebuilt = ensure_store(spec)
     assert rebuilt.key == store.key and rebuilt.rows == store.rows
     shard = Path(store.path, store.manifest["shards"][0]["file"])
-    shard.write_bytes(shard.read_bytes()[:-8])  # a shard shorter than its manifest says
+    rows = shard.read_bytes()
+    shard.write_bytes(rows[:-8])  # a shard shorter than its manifest says
     assert TokenStore.open(store.uri) is None
+    # Same size, other tokens (poisoned data): the driver hashes each shard when it reuses a store.
+    shard.write_bytes(rows[:8] + bytes(8) + rows[16:])
+    with pytest.raises(JobError, match=f"refusing the token store .*{shard.name} was changed after it was prepared"):
+        ensure_store(spec)
+    shard.write_bytes(rows)
+    manifest = json.loads(Path(store.path, MANIFEST).read_text())
+    manifest["rows"] -= 1  # any edit of the manifest without the key
+    Path(store.path, MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(JobError, match=f"refusing the token store {store.uri}/{MANIFEST}: its signature is wrong"):
+        TokenStore.open(store.uri)
     data.write_text(data.read_text() + data.read_text().splitlines(keepends=True)[0])
     assert ensure_store(spec).key != store.key
 
