@@ -285,6 +285,9 @@ class ScalingSpec(Section):
     """Elastic jobs: how often Ray Train checks whether more workers fit (growing restarts from the latest checkpoint)."""
     accelerator_memory_gb: float | None = Field(None, gt=0)
     """Memory of one accelerator, for the pre-flight memory estimate (e.g. 80 for an H100)."""
+    workers_per_node: int = Field(1, gt=0)
+    """Training workers on one machine (e.g. 8 on an 8-GPU node): `raytrain k8s` packs them into one
+    pod, so ranks of a node share its NVLink; worker counts must be multiples of it."""
 
     @model_validator(mode="after")
     def _one_way_to_size(self):
@@ -294,6 +297,9 @@ class ScalingSpec(Section):
             raise ValueError("an elastic job needs both `min_workers` and `max_workers`")
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
             raise ValueError(f"min_workers={self.min_workers} > max_workers={self.max_workers}: swap them")
+        if any(n % self.workers_per_node for n in self.worker_range):
+            raise ValueError(f"workers_per_node={self.workers_per_node} does not divide the worker count(s) "
+                             f"{sorted(set(self.worker_range))}: nodes are whole, so use multiples of it")
         return self
 
     @property

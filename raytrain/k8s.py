@@ -5,9 +5,11 @@ The source of truth is `k8s/rayjob.template.yaml` (a complete ConfigMap + PodDis
 the job file can never disagree:
 
 - the job file itself goes into the ConfigMap, mounted on the head at /etc/raytrain/job.yaml;
-- the worker group's replica range *is* `scaling.worker_range` (one Ray worker pod per
-  training worker, one GPU each when `use_gpu`), so KubeRay's autoscaler grows and shrinks
-  the cluster inside exactly the range Ray Train's elastic scaling uses;
+- one worker pod per node holds `scaling.workers_per_node` training workers, and the worker
+  group's replica range is `scaling.worker_range` in such pods, so KubeRay's autoscaler grows
+  and shrinks the cluster inside exactly the range Ray Train's elastic scaling uses; the pods'
+  GPUs, CPUs, memory and ephemeral storage come from the job (pod_sizing.py);
+- the job's NetworkPolicy admits the Ray ports from its own pods (and KubeRay's operator) only;
 - grace periods come from `failure.preemption_grace_s`: the preStop drain window equals it and
   the pod's terminationGracePeriodSeconds leaves a margin on top, so a checkpoint that the
   worker may take that long to commit is never cut off by the kubelet's SIGKILL.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from . import preflight, storage
+from . import memory, pod_sizing, preflight, storage
 
 TEMPLATE_NAME = "rayjob.template.yaml"
 JOB_MOUNT = "/etc/raytrain"  # where the head mounts the ConfigMap; the entrypoint reads job.yaml there
@@ -33,7 +35,6 @@ SHARED_MOUNT = "/mnt/shared"  # paths under it live on the shared PVC (k8s/share
 SHARED_CLAIM = "raytrain-shared"
 MAX_NAME = 47  # KubeRay: RayJob names longer than 47 characters are rejected
 GRACE_MARGIN_S = 30  # kubelet SIGKILL comes this long after the worker's own checkpoint deadline
-DATA_CPUS = 2  # CPUs per worker pod beside the training worker, for Ray Data's read/tokenize tasks
 EXIT_OK, EXIT_INVALID = 0, 2
 
 
@@ -88,16 +89,20 @@ def _pod_templates(rayjob: dict) -> list[dict]:
     return [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
 
 
-def render(spec, job_text: str, image: str, namespace: str, template: Path | None = None) -> list[dict]:
-    """ConfigMap, PodDisruptionBudget and RayJob for `spec`, whose file text is `job_text`."""
+def render(spec, job_text: str, image: str, namespace: str, template: Path | None = None,
+           facts: memory.ModelFacts | None = None) -> list[dict]:
+    """ConfigMap, PodDisruptionBudget, NetworkPolicy and RayJob for `spec`, whose file text is
+    `job_text`; `facts` (the model's dimensions) size the worker pods."""
     docs = load_template(template)
-    config_map, pdb, rayjob = docs["ConfigMap"], docs["PodDisruptionBudget"], docs["RayJob"]
+    config_map, pdb, policy, rayjob = (docs[k] for k in ("ConfigMap", "PodDisruptionBudget", "NetworkPolicy", "RayJob"))
     name = k8s_name(spec.name)
-    for doc, doc_name in ((config_map, f"{name}-job"), (pdb, name), (rayjob, name)):
+    for doc, doc_name in ((config_map, f"{name}-job"), (pdb, name), (policy, f"{name}-ray"), (rayjob, name)):
         doc["metadata"]["name"], doc["metadata"]["namespace"] = doc_name, namespace
         _labels(doc["metadata"], name)
     config_map["data"] = {"job.yaml": job_text}
     pdb["spec"]["selector"]["matchLabels"]["raytrain.io/job"] = name
+    policy["spec"]["podSelector"]["matchLabels"]["raytrain.io/job"] = name
+    policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["raytrain.io/job"] = name
 
     cluster = rayjob["spec"]["rayClusterSpec"]
     submitter = rayjob["spec"]["submitterPodTemplate"]
@@ -126,32 +131,41 @@ def render(spec, job_text: str, image: str, namespace: str, template: Path | Non
         if volume["name"] == "job":
             volume["configMap"]["name"] = f"{name}-job"
 
-    _size_workers(cluster["workerGroupSpecs"][0], spec)
-    return [config_map, pdb, rayjob]
+    _size_workers(cluster["workerGroupSpecs"][0], pod_sizing.size_pods(spec, facts), spec.scaling.use_gpu)
+    return [config_map, pdb, policy, rayjob]
 
 
-def _size_workers(group: dict, spec) -> None:
-    """One Ray worker pod per training worker: replicas follow the job's range exactly."""
-    lo, hi = spec.scaling.worker_range
-    gpu = spec.scaling.use_gpu
+def _size_workers(group: dict, size: pod_sizing.PodSize, gpu: bool) -> None:
+    """One worker pod per node, `size.workers` training workers in it; replicas follow the job's range."""
     group["groupName"] = "gpu-spot" if gpu else "cpu-spot"
-    group["replicas"], group["minReplicas"], group["maxReplicas"] = lo, lo, hi
+    group["replicas"], group["minReplicas"] = size.pods[0], size.pods[0]
+    group["maxReplicas"] = size.pods[1]
     pod = group["template"]["spec"]
     container = pod["containers"][0]
-    cpus = str(math.ceil(spec.scaling.cpus_per_worker) + DATA_CPUS)
     for kind in ("requests", "limits"):
         res = container["resources"][kind]
-        res["cpu"] = cpus
+        res["cpu"] = str(size.cpus)
         if gpu:
-            res["nvidia.com/gpu"] = "1"
+            res["nvidia.com/gpu"] = str(size.gpus)
         else:
             res.pop("nvidia.com/gpu", None)
-            res["memory"] = f"{4 * int(cpus)}Gi"  # CPU pods: memory scales with cores, not a GPU's host RAM
+            res["memory"] = f"{4 * size.cpus}Gi"  # CPU pods without an estimate: memory scales with cores
+        if size.memory_gib:
+            res["memory"] = f"{size.memory_gib}Gi"
+        if size.disk_gib:
+            res["ephemeral-storage"] = f"{size.disk_gib}Gi"
+    for volume in pod["volumes"]:
+        if volume["name"] == "tmp" and size.disk_gib:
+            volume["emptyDir"]["sizeLimit"] = f"{size.disk_gib}Gi"
+        if volume["name"] == "dshm":
+            volume["emptyDir"]["sizeLimit"] = f"{size.shm_gib}Gi"
+    if size.basis:  # how each figure was reached, for `kubectl describe`
+        group["template"]["metadata"].setdefault("annotations", {})["raytrain.io/sizing"] = "; ".join(size.basis)
     if not gpu:  # no GPU: no GPU taint to tolerate, and no reason to land on a GPU node
         pod["tolerations"] = [t for t in pod.get("tolerations", []) if t.get("key") != "nvidia.com/gpu"]
 
 
-def cluster_warnings(spec, namespace: str) -> list[str]:
+def cluster_warnings(spec, namespace: str, facts: memory.ModelFacts | None) -> list[str]:
     """Things that validate but would not work, or not survive, on a Kubernetes cluster."""
     out = []
     local = lambda p: not storage.is_remote(p) and not (p == SHARED_MOUNT or p.startswith(SHARED_MOUNT + "/"))
@@ -169,6 +183,10 @@ def cluster_warnings(spec, namespace: str) -> list[str]:
                    f"http://mlflow.{namespace}.svc.cluster.local:5000 (k8s/mlflow.yaml)")
     if not spec.scaling.use_gpu:
         out.append("scaling.use_gpu is false: rendering CPU worker pods")
+    if facts is None:
+        out.append(f"model.path={spec.model.path!r}: its dimensions are not readable here, so the worker pods keep the "
+                   f"template's memory and disk; to size them from the job, run `hf download {spec.model.path} config.json` "
+                   "(or point model.path at a local copy) and render again")
     return out
 
 
@@ -203,8 +221,10 @@ def cmd_render(args) -> int:
             print(f"  - {p}", file=sys.stderr)
         return EXIT_INVALID
     namespace = getattr(args, "namespace", None) or "raytrain"
-    docs = render(spec, job_text(args.job, overrides), getattr(args, "image", None) or "raytrain:latest", namespace)
-    for warning in cluster_warnings(spec, namespace):
+    facts = preflight.model_facts(spec)
+    docs = render(spec, job_text(args.job, overrides), getattr(args, "image", None) or "raytrain:latest", namespace,
+                  facts=facts)
+    for warning in cluster_warnings(spec, namespace, facts):
         print(f"# warning: {warning}", file=sys.stderr)
     sys.stdout.write(dump(docs))
     return EXIT_OK

@@ -190,7 +190,7 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         p_b, opt_b, opt_label = (2, 12, "AdamW m, v + fp32 master") if c == 2 else (4, 8, "AdamW m, v")
     else:
         p_b, opt_b, opt_label = w, 2 * w, "AdamW m, v"
-    n_lora = facts.lora_params(_lora_targets(spec, facts), t.lora.rank) if t.finetune == "lora" else 0
+    n_lora = trainable_params(spec, facts) if t.finetune == "lora" else 0
     if t.finetune == "full":
         terms = [(Term("weights", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params),
                  (Term("gradients", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_opt and t.strategy == "fsdp2"),
@@ -213,6 +213,22 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     if spec.scaling.use_gpu:
         out.device.append(Term("runtime (CUDA context, NCCL) ≈", "", GiB))
     return out
+
+
+def trainable_params(spec: JobSpec, facts: ModelFacts) -> int:
+    if spec.training.finetune == "full":
+        return facts.n_params
+    return facts.lora_params(_lora_targets(spec, facts), spec.training.lora.rank)
+
+
+def checkpoint_bytes(spec: JobSpec, facts: ModelFacts) -> int:
+    """One whole checkpoint: every trainable parameter's saved weights and AdamW state (a LoRA
+    checkpoint holds the adapter alone: fp32 weights, m and v)."""
+    if spec.training.finetune == "lora":
+        return 12 * trainable_params(spec, facts)
+    w = DTYPE_BYTES[spec.model.dtype]
+    per_param = 14 if spec.training.strategy == "zero3" and compute_bytes(spec) == 2 else 3 * w
+    return per_param * facts.n_params
 
 
 def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:

@@ -184,6 +184,18 @@ def model_folder(spec: JobSpec) -> tuple[Path | None, bool, list[Problem]]:
                           "model", NOTE)]
 
 
+def model_facts(spec: JobSpec) -> memory.ModelFacts | None:
+    """The model's dimensions where they can be read here (a local folder or the local hub
+    cache), else None; never the network."""
+    folder = model_folder(spec)[0]
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        return memory.read_facts(folder)
+    except (OSError, ValueError, KeyError, StructError):
+        return None
+
+
 def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
     folder, cached, out = model_folder(spec)
     path = repr(spec.model.path)

@@ -24,6 +24,34 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAYTRAIN_CHECKPOINT_KEY", secrets.token_hex(32))
 
 
+# The published config.json of hub models the shipped jobs use (what `hf download ID config.json`
+# fetches): with one in a Hugging Face cache, validate and `raytrain k8s` see the model's size.
+KNOWN_CONFIGS = {
+    "meta-llama/Llama-3.1-8B": {
+        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+        "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "vocab_size": 128256},
+    "Qwen/Qwen2.5-7B": {
+        "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
+        "max_position_embeddings": 131072, "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "vocab_size": 152064},
+}
+
+
+def hub_cache(root: Path, *hub_ids: str) -> dict:
+    """A Hugging Face cache under `root` holding only these models' config.json, laid out as the
+    hub client lays it out; returns the environment that points at it."""
+    for hub_id in hub_ids:
+        repo = root / f"models--{hub_id.replace('/', '--')}"
+        (repo / "snapshots" / "0e9e39f").mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text("0e9e39f")
+        (repo / "snapshots" / "0e9e39f" / "config.json").write_text(json.dumps(KNOWN_CONFIGS[hub_id]))
+    return {"HF_HUB_CACHE": str(root)}
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
     return make_all(tmp_path_factory.mktemp("assets"))

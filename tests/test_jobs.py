@@ -19,11 +19,11 @@ import yaml
 
 from raytrain import storage
 from raytrain.config import DataSpec
-from test_validate import LLAMA_31_8B, cli
+from conftest import KNOWN_CONFIGS, hub_cache
+from test_validate import cli
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
-KNOWN_CONFIGS = {"meta-llama/Llama-3.1-8B": LLAMA_31_8B}  # hub ids whose config.json the tests can put in a cache
 
 
 @pytest.fixture
@@ -66,12 +66,7 @@ def test_job_file_validates_and_says_what_it_could_not_check(job, workdir):
 def test_hub_model_job_fits_its_declared_memory(job, workdir):
     raw = yaml.safe_load(job.read_text())
     hub_id = raw["model"]["path"]
-    snapshot = workdir / "hf-cache" / f"models--{hub_id.replace('/', '--')}" / "snapshots" / "main0"
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(KNOWN_CONFIGS[hub_id]))
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("main0")
-    code, out, err = cli("validate", str(job), "--json", cwd=workdir, env={"HF_HUB_CACHE": str(workdir / "hf-cache")})
+    code, out, err = cli("validate", str(job), "--json", cwd=workdir, env=hub_cache(workdir / "hf-cache", hub_id))
     report = json.loads(out)
     assert code == 0, report["problems"] or err
     [memory] = [n for n in report["notes"] if n["field"] == "scaling.accelerator_memory_gb"]

@@ -1,8 +1,10 @@
-"""k8s/: every manifest, and the RayJob rendered for every jobs/*.yaml, validated against the
+"""k8s/: every manifest, and the objects rendered for every jobs/*.yaml, validated against the
 real KubeRay CRD schemas (../shared/schemas/kuberay, unknown fields are errors as with
 `kubectl apply --validate=strict`) and Kubernetes' own schemas (kubernetes-validate, strict);
-then the deployment's invariants: replica range = the job's worker range, grace periods and
-preStop drains, a PodDisruptionBudget, non-root, resources, nothing public, no secrets."""
+then the deployment's invariants: the `restricted` Pod Security rules one by one, the
+service-account token only where the autoscaler reads it, each job's NetworkPolicy, pods sized
+from the job, replica range = the job's worker range in whole nodes, grace periods and preStop
+drains, a PodDisruptionBudget, nothing public, no secrets."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from functools import lru_cache
+from unittest import mock
 from pathlib import Path
 
 import jsonschema
@@ -21,8 +25,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import REPO
-from raytrain import cli, k8s
+from conftest import KNOWN_CONFIGS, REPO, hub_cache
+from raytrain import cli, k8s, memory, pod_sizing, preflight
 from raytrain.config import JobSpec
 
 SCHEMAS = REPO.parent / "shared" / "schemas" / "kuberay"
@@ -148,10 +152,23 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 
 
 @lru_cache(maxsize=None)
+def cached_configs() -> str:
+    """A Hugging Face cache with the shipped jobs' model configs, as `hf download ID config.json` leaves it."""
+    return hub_cache(Path(tempfile.mkdtemp(prefix="hf-cache-")), *KNOWN_CONFIGS)["HF_HUB_CACHE"]
+
+
+@lru_cache(maxsize=None)
 def rendered(job: str, *extra: str) -> tuple[dict, ...]:
-    code, out, err = run_cli("k8s", job, *extra)
+    from huggingface_hub import constants
+
+    with mock.patch.object(constants, "HF_HUB_CACHE", cached_configs()):  # where the hub client looks
+        code, out, err = run_cli("k8s", job, *extra)
     assert code == 0, err
     return tuple(yaml.safe_load_all(out))
+
+
+def by_kind(docs) -> dict[str, dict]:
+    return {d["kind"]: d for d in docs}
 
 
 def spec_of(job: Path) -> JobSpec:
@@ -173,9 +190,11 @@ def test_every_manifest_validates(name, doc):
 
 @pytest.mark.parametrize("job", JOBS, ids=[j.name for j in JOBS])
 def test_rendered_objects_validate_and_follow_the_job(job):
-    config_map, pdb, rayjob = rendered(str(job))
-    for doc in (config_map, pdb, rayjob):
+    docs = rendered(str(job))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "PodDisruptionBudget", "NetworkPolicy", "RayJob"]
+    for doc in docs:
         assert validation_errors(doc) == []
+    config_map, pdb, rayjob = (by_kind(docs)[k] for k in ("ConfigMap", "PodDisruptionBudget", "RayJob"))
     spec = spec_of(job)
 
     # The ConfigMap is the job file, and the head mounts it where the entrypoint reads it.
@@ -185,14 +204,6 @@ def test_rendered_objects_validate_and_follow_the_job(job):
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
     (mount,) = [m for m in head["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
     assert rayjob["spec"]["entrypoint"] == f"python -m raytrain run {mount['mountPath']}/job.yaml"
-
-    # One worker group whose replica range is the job's worker range, with one GPU per pod.
-    (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    lo, hi = spec.scaling.worker_range
-    assert (group["minReplicas"], group["maxReplicas"], group["replicas"]) == (lo, hi, lo)
-    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert limits.get("nvidia.com/gpu") == ("1" if spec.scaling.use_gpu else None)
-    assert float(limits["cpu"]) >= spec.scaling.cpus_per_worker + 1  # room for Ray Data beside the worker
     assert rayjob["spec"]["rayClusterSpec"]["enableInTreeAutoscaling"] is True
 
     # The PDB covers exactly this job's Ray pods.
@@ -202,32 +213,115 @@ def test_rendered_objects_validate_and_follow_the_job(job):
         rayjob["spec"]["submitterPodTemplate"]["metadata"]["labels"].items()
 
 
-def test_an_elastic_job_gets_its_range_and_overrides_reach_the_configmap(tmp_path):
-    job = tmp_path / "elastic.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "Elastic_Job.v2", "model": {"path": "org/model"}, "data": {"path": "s3://b/d/"},
-        "training": {"global_batch_size": 48, "micro_batch_size": 1},
-        "scaling": {"min_workers": 2, "max_workers": 4, "use_gpu": True, "cpus_per_worker": 6},
-        "checkpoint": {"storage_path": "/mnt/shared/runs"}, "tracking": {"uri": "http://mlflow:5000"}}))
-    code, out, err = run_cli("k8s", str(job), "--set", "scaling.max_workers=3", "--image", "reg/rt:1", "--namespace", "ml")
-    assert code == 0, err
-    config_map, pdb, rayjob = yaml.safe_load_all(out)
-    for doc in (config_map, pdb, rayjob):
-        assert validation_errors(doc) == []
-        assert doc["metadata"]["namespace"] == "ml"
-    assert rayjob["metadata"]["name"] == "elastic-job-v2"  # a DNS-1035 label KubeRay accepts
+def matches(selector: dict, labels: dict) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[j.name for j in JOBS])
+def test_only_the_jobs_own_pods_and_the_operator_reach_its_ray_ports(job):
+    policy, rayjob = (by_kind(rendered(str(job)))[k] for k in ("NetworkPolicy", "RayJob"))
+    other = by_kind(rendered(str(next(j for j in JOBS if j != job))))["RayJob"]  # another job in the namespace
+    own_pods = [p["metadata"]["labels"] for p in ray_pods(rayjob)]
+    submitter = rayjob["spec"]["submitterPodTemplate"]["metadata"]["labels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert all(matches(policy["spec"]["podSelector"], labels) for labels in own_pods)  # it guards every Ray pod
+    assert not matches(policy["spec"]["podSelector"], submitter)
+
+    def admitted(labels: dict, namespace_labels: dict, port: int) -> bool:
+        for rule in policy["spec"]["ingress"]:
+            ports = {p["port"] for p in rule.get("ports", [])}
+            for peer in rule["from"]:
+                same_namespace = "namespaceSelector" not in peer
+                namespace_ok = same_namespace and namespace_labels.get("kubernetes.io/metadata.name") == "raytrain" \
+                    or not same_namespace and matches(peer["namespaceSelector"], namespace_labels)
+                if namespace_ok and matches(peer.get("podSelector", {}), labels) and (not ports or port in ports):
+                    return True
+        return False
+
+    here = {"kubernetes.io/metadata.name": "raytrain"}
+    for port in (6379, 8265, 10001, 20000):  # GCS, dashboard/job API, client, a worker port
+        assert all(admitted(labels, here, port) for labels in own_pods + [submitter])
+        assert not any(admitted(p["metadata"]["labels"], here, port) for p in ray_pods(other))
+        assert not admitted({"app": "anything"}, here, port) and not admitted({}, {"team": "x"}, port)
+    operator = {"app.kubernetes.io/name": "kuberay-operator"}
+    assert admitted(operator, {"kubernetes.io/metadata.name": "kuberay-system"}, 8265)
+    assert not admitted(operator, {"kubernetes.io/metadata.name": "kuberay-system"}, 6379)
+
+
+def test_mlflow_needs_a_password_and_admits_only_raytrain_pods():
+    docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "k8s" / "mlflow.yaml").read_text()) if d}
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert "--app-name=basic-auth" in container["args"]
+    env = {e["name"]: e for e in container["env"]}
+    for name in ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
+        assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-auth"
+    assert container["image"].endswith("-full")  # the image variant with mlflow[auth]
+    (rule,) = docs["NetworkPolicy"]["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert peer == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "raytrain"}}}
+    rayjob = by_kind(rendered(str(JOBS[0])))["RayJob"]
+    for template in pod_templates(rayjob):  # head, workers and submitter carry the label it admits
+        assert matches(peer["podSelector"], template["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[j.name for j in JOBS])
+def test_worker_pods_are_whole_nodes_sized_from_the_job(job, assets):
+    hub = spec_of(job).model.path in KNOWN_CONFIGS  # else the quickstart's local model: the demo one
+    docs = by_kind(rendered(str(job), *(() if hub else ("--set", f"model.path={assets / 'model'}"))))
+    spec, rayjob = JobSpec.model_validate(yaml.safe_load(docs["ConfigMap"]["data"]["job.yaml"])), docs["RayJob"]
     (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    assert (group["minReplicas"], group["maxReplicas"]) == (2, 3)
-    assert yaml.safe_load(config_map["data"]["job.yaml"])["scaling"]["max_workers"] == 3
-    images = {c["image"] for t in pod_templates(rayjob) for c in t["spec"]["containers"]}
-    assert images == {"reg/rt:1"}
-    # A path under /mnt/shared puts the shared PVC on every Ray pod, mounted there.
-    for pod in ray_pods(rayjob):
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]
-                  if "persistentVolumeClaim" in v}
-        mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-        assert {mounts[n] for n, c in claims.items() if c == "raytrain-shared"} == {"/mnt/shared"}
-    assert "is local to a pod" not in err
+    per, (lo, hi) = spec.scaling.workers_per_node, spec.scaling.worker_range
+    assert (group["minReplicas"] * per, group["maxReplicas"] * per, group["replicas"]) == (lo, hi, group["minReplicas"])
+    pod = group["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["requests"] == resources["limits"]  # Guaranteed QoS: never the first evicted
+    res = resources["limits"]
+    assert res.get("nvidia.com/gpu") == (str(per) if spec.scaling.use_gpu else None)
+    assert float(res["cpu"]) >= per * spec.scaling.cpus_per_worker + 1  # room for Ray Data beside the workers
+    gib = lambda q: float(q.removesuffix("Gi"))
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    shm, tmp = gib(volumes["dshm"]["emptyDir"]["sizeLimit"]), gib(volumes["tmp"]["emptyDir"]["sizeLimit"])
+    assert tmp == gib(res["ephemeral-storage"])  # the kubelet evicts at the volume's limit: they agree
+    facts = preflight.model_facts(spec) if not hub else \
+        memory.ModelFacts(KNOWN_CONFIGS[spec.model.path], memory.layout_from_config(KNOWN_CONFIGS[spec.model.path]),
+                          "config", False)
+    # What must fit, counted here independently of pod_sizing: the full copies a load holds
+    # (one under fsdp2, one per rank otherwise), a process per rank, /dev/shm (memory-backed);
+    # on disk the model's download and one whole checkpoint (a restart downloads it).
+    model = facts.n_params * memory.DTYPE_BYTES[spec.model.dtype] / memory.GiB
+    copies = 1 if spec.training.strategy == "fsdp2" else per
+    assert gib(res["memory"]) >= copies * model + per * 3 + shm
+    assert gib(res["ephemeral-storage"]) >= model + memory.checkpoint_bytes(spec, facts) / memory.GiB
+    assert "memory" in group["template"]["metadata"]["annotations"]["raytrain.io/sizing"]
+    if spec.scaling.use_gpu:
+        assert 100 < gib(res["memory"]) < 1000, res  # an 8-GPU node's share is 1-2 TB: it must be schedulable
+
+
+def test_a_model_not_readable_here_keeps_the_template_sizes_and_says_how_to_size(tmp_path):
+    job = tmp_path / "unknown.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "unknown", "model": {"path": "org/not-cached"}, "data": {"path": "s3://b/d/"},
+        "training": {"global_batch_size": 16, "micro_batch_size": 1}, "scaling": {"num_workers": 4, "use_gpu": True},
+        "checkpoint": {"storage_path": "s3://b/runs"}, "tracking": {"uri": "http://mlflow:5000"}}))
+    code, out, err = run_cli("k8s", str(job))
+    assert code == 0, err
+    (group,) = by_kind(yaml.safe_load_all(out))["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    template = k8s.load_template()["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    limits, template_limits = (g["template"]["spec"]["containers"][0]["resources"]["limits"] for g in (group, template))
+    assert (limits["memory"], limits["ephemeral-storage"]) == (template_limits["memory"], template_limits["ephemeral-storage"])
+    assert "hf download org/not-cached config.json" in err
+
+
+def test_sizing_counts_each_workers_share_per_node():
+    facts = memory.ModelFacts(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"], memory.layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]),
+                              "config", False)
+    base = spec_of(JOBS[-1])  # qwen full zero3, 8 workers
+    one = pod_sizing.size_pods(base.model_copy(update={"scaling": base.scaling.model_copy(update={"workers_per_node": 1})}), facts)
+    eight = pod_sizing.size_pods(base, facts)
+    assert (one.pods, one.gpus, eight.pods, eight.gpus) == ((8, 8), 1, (1, 1), 8)
+    # ZeRO-3 loads a full copy per rank: eight ranks in a pod need more than seven pods' worth more.
+    assert eight.memory_gib > 7 * one.memory_gib
+    assert eight.disk_gib > one.disk_gib  # all eight ranks stage their checkpoint parts on this pod's disk
 
 
 def test_an_invalid_job_renders_nothing_and_exits_2(tmp_path):
@@ -246,28 +340,133 @@ def test_names_become_kuberay_names():
 
 
 # ---------------------------------------------------------------- invariants of every pod and object
+def pods_as_deployed(doc: dict) -> list[dict]:
+    """The pod specs a document makes, with the containers KubeRay adds: the autoscaler runs in
+    the head pod (its securityContext from autoscalerOptions)."""
+    pods = [json.loads(json.dumps(t["spec"])) for t in pod_templates(doc)]
+    if doc["kind"] == "RayJob":
+        options = doc["spec"]["rayClusterSpec"]["autoscalerOptions"]
+        head = pods[1]  # submitter, head, workers
+        head["containers"].append({"name": "autoscaler", **{k: v for k, v in options.items()
+                                                            if k in ("securityContext", "resources", "volumeMounts")}})
+    return pods
+
+
+def containers(pod: dict) -> list[dict]:
+    return pod["containers"] + pod.get("initContainers", []) + pod.get("ephemeralContainers", [])
+
+
+def effective(pod: dict, container: dict, key: str):
+    """A container's security setting, or the pod's where the container leaves it unset."""
+    return container.get("securityContext", {}).get(key, pod.get("securityContext", {}).get(key))
+
+
+# The Pod Security Standards' `restricted` profile (which includes `baseline`), rule by rule as
+# https://kubernetes.io/docs/concepts/security/pod-security-standards/ states them, plus
+# raytrain's own read-only root filesystem. Each returns what violates it.
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                      "secret"}
+SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+PSS_RULES = {
+    "HostProcess": lambda pod: [c["name"] for c in containers(pod)
+                                if (effective(pod, c, "windowsOptions") or {}).get("hostProcess")],
+    "Host Namespaces": lambda pod: [k for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)],
+    "Privileged Containers": lambda pod: [c["name"] for c in containers(pod) if c.get("securityContext", {}).get("privileged")],
+    "Capabilities": lambda pod: [c["name"] for c in containers(pod)
+                                 if "ALL" not in c.get("securityContext", {}).get("capabilities", {}).get("drop", [])
+                                 or set(c["securityContext"]["capabilities"].get("add", [])) - {"NET_BIND_SERVICE"}],
+    "HostPath Volumes": lambda pod: [v["name"] for v in pod.get("volumes", []) if "hostPath" in v],
+    "Host Ports": lambda pod: [c["name"] for c in containers(pod) for p in c.get("ports", []) if p.get("hostPort")],
+    "AppArmor": lambda pod: [c["name"] for c in containers(pod)
+                             if (effective(pod, c, "appArmorProfile") or {}).get("type") == "Unconfined"],
+    "SELinux": lambda pod: [c["name"] for c in containers(pod) if (o := effective(pod, c, "seLinuxOptions") or {})
+                            and (o.get("type") not in SELINUX_TYPES or o.get("user") or o.get("role"))],
+    "/proc Mount Type": lambda pod: [c["name"] for c in containers(pod)
+                                     if c.get("securityContext", {}).get("procMount", "Default") != "Default"],
+    "Seccomp": lambda pod: [c["name"] for c in containers(pod)
+                            if (effective(pod, c, "seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost")],
+    "Sysctls": lambda pod: [s["name"] for s in pod.get("securityContext", {}).get("sysctls", []) if s["name"] not in SAFE_SYSCTLS],
+    "Volume Types": lambda pod: [v["name"] for v in pod.get("volumes", []) if not set(v) - {"name"} <= RESTRICTED_VOLUMES],
+    "Privilege Escalation": lambda pod: [c["name"] for c in containers(pod)
+                                         if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False],
+    "Running as Non-root": lambda pod: [c["name"] for c in containers(pod) if effective(pod, c, "runAsNonRoot") is not True],
+    "Running as Non-root user": lambda pod: [c["name"] for c in containers(pod) if effective(pod, c, "runAsUser") == 0],
+    "raytrain: read-only root filesystem": lambda pod: [c["name"] for c in containers(pod)
+                                                        if c.get("securityContext", {}).get("readOnlyRootFilesystem") is not True],
+}
+# One violation per rule, applied to a compliant pod: each rule above must catch its own.
+VIOLATIONS = {
+    "HostProcess": lambda pod: pod["containers"][0]["securityContext"].update(windowsOptions={"hostProcess": True}),
+    "Host Namespaces": lambda pod: pod.update(hostPID=True),
+    "Privileged Containers": lambda pod: pod["containers"][0]["securityContext"].update(privileged=True),
+    "Capabilities": lambda pod: pod["containers"][0]["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]),
+    "HostPath Volumes": lambda pod: pod["volumes"].append({"name": "host", "hostPath": {"path": "/"}}),
+    "Host Ports": lambda pod: pod["containers"][0].setdefault("ports", []).append({"containerPort": 80, "hostPort": 80}),
+    "AppArmor": lambda pod: pod["securityContext"].update(appArmorProfile={"type": "Unconfined"}),
+    "SELinux": lambda pod: pod["securityContext"].update(seLinuxOptions={"type": "spc_t"}),
+    "/proc Mount Type": lambda pod: pod["containers"][0]["securityContext"].update(procMount="Unmasked"),
+    "Seccomp": lambda pod: pod["containers"][0]["securityContext"].update(seccompProfile={"type": "Unconfined"}),
+    "Sysctls": lambda pod: pod["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
+    "Volume Types": lambda pod: pod["volumes"].append({"name": "nfs", "nfs": {"server": "x", "path": "/"}}),
+    "Privilege Escalation": lambda pod: pod["containers"][0]["securityContext"].pop("allowPrivilegeEscalation"),
+    "Running as Non-root": lambda pod: pod["containers"][0]["securityContext"].update(runAsNonRoot=False),
+    "Running as Non-root user": lambda pod: pod["containers"][0]["securityContext"].update(runAsUser=0),
+    "raytrain: read-only root filesystem": lambda pod: pod["containers"][0]["securityContext"].update(readOnlyRootFilesystem=False),
+}
+
+
+@pytest.mark.parametrize("rule", PSS_RULES)
+def test_every_pod_meets_the_restricted_pod_security_rule(rule):
+    checked = 0
+    for name, doc in all_docs():
+        for pod in pods_as_deployed(doc):
+            assert PSS_RULES[rule](pod) == [], (rule, name)
+            checked += 1
+    assert checked >= 10  # the submitter, head and workers of every job, and MLflow
+    namespace = yaml.safe_load((REPO / "k8s" / "namespace.yaml").read_text())
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    compliant = pods_as_deployed(by_kind(rendered(str(JOBS[0])))["RayJob"])[2]  # a worker pod
+    VIOLATIONS[rule](compliant)
+    assert PSS_RULES[rule](compliant), f"rule {rule!r} missed its violation"
+
+
+def test_only_the_autoscaler_holds_a_kubernetes_api_token():
+    token_path = "/var/run/secrets/kubernetes.io/serviceaccount"
+    for name, doc in all_docs():
+        for template in pod_templates(doc):
+            assert template["spec"].get("automountServiceAccountToken") is False, name
+            for container in containers(template["spec"]):
+                assert all(m["mountPath"] != token_path and m["name"] != "autoscaler-token"
+                           for m in container.get("volumeMounts", [])), (name, container["name"])
+        if doc["kind"] == "RayJob":
+            cluster = doc["spec"]["rayClusterSpec"]
+            (mount,) = cluster["autoscalerOptions"]["volumeMounts"]
+            assert (mount["mountPath"], mount["readOnly"]) == (token_path, True)
+            (volume,) = [v for v in cluster["headGroupSpec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+            sources = [next(iter(s)) for s in volume["projected"]["sources"]]
+            assert sources == ["serviceAccountToken", "configMap", "downwardAPI"]  # token, CA, namespace: what in-cluster clients read
+
+
 @pytest.mark.parametrize("name,doc", all_docs(), ids=[n for n, _ in all_docs()])
-def test_pods_run_non_root_with_resources_and_secrets_from_the_environment(name, doc):
-    templates = pod_templates(doc)
-    if doc["kind"] in ("RayJob",):
-        templates = templates + [{"spec": {"securityContext": {}, "containers": [
-            {"name": "autoscaler", **doc["spec"]["rayClusterSpec"]["autoscalerOptions"]}]}}]
-    for template in templates:
-        pod = template["spec"]
-        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
-        for container in pod["containers"] + pod.get("initContainers", []):
-            security = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
-            assert security.get("runAsNonRoot") is True and security.get("runAsUser", 1000) != 0, container["name"]
-            assert security.get("allowPrivilegeEscalation") is False and not security.get("privileged")
-            assert security.get("capabilities", {}).get("drop") == ["ALL"]
-            assert security.get("seccompProfile", {}).get("type") == "RuntimeDefault"
+def test_pods_have_resources_and_take_secrets_from_secrets(name, doc):
+    for pod in pods_as_deployed(doc):
+        for container in containers(pod):
             for kind in ("requests", "limits"):
                 assert {"cpu", "memory"} <= set(container["resources"][kind]), (container["name"], kind)
-            for port in container.get("ports", []):
-                assert "hostPort" not in port
+            writable = {m["mountPath"] for m in container.get("volumeMounts", []) if not m.get("readOnly")}
+            if container["name"] != "autoscaler":  # KubeRay gives it /tmp/ray
+                assert "/tmp" in writable or "/mlflow" in writable, container["name"]  # read-only root: a writable place
             for env in container.get("env", []):
                 if SECRETISH.search(env["name"]):  # a secret-looking variable never carries a literal
                     assert "value" not in env and "secretKeyRef" in env.get("valueFrom", {}), env
+    if doc["kind"] == "RayJob":  # the signing key: required on every Ray pod, from the Secret
+        for pod in ray_pods(doc):
+            (key,) = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "RAYTRAIN_CHECKPOINT_KEY"]
+            assert key["valueFrom"]["secretKeyRef"] == {"name": "raytrain-secrets", "key": "RAYTRAIN_CHECKPOINT_KEY"}
 
 
 @pytest.mark.parametrize("name,doc", all_docs(), ids=[n for n, _ in all_docs()])
@@ -300,7 +499,7 @@ def test_spot_workers_drain_on_termination_within_the_grace_period(job):
 
     spec = spec_of(job)
     worker_deadline = float(launcher.runtime_env(spec, [])["env_vars"][preemption.GRACE_ENV])
-    _, _, rayjob = rendered(str(job))
+    rayjob = by_kind(rendered(str(job)))["RayJob"]
     for pod in ray_pods(rayjob):
         grace = pod["spec"]["terminationGracePeriodSeconds"]
         container = pod["spec"]["containers"][0]
@@ -334,7 +533,7 @@ def test_spot_workers_drain_on_termination_within_the_grace_period(job):
 
 
 def test_prestop_scripts_are_valid_shell_using_real_ray_cli_options():
-    _, _, rayjob = rendered(str(JOBS[0]))
+    rayjob = by_kind(rendered(str(JOBS[0])))["RayJob"]
     help_text = subprocess.run([RAY, "drain-node", "--help"], capture_output=True, text=True, check=True).stdout
     for pod in ray_pods(rayjob):
         script = pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1]
@@ -348,7 +547,7 @@ def test_prestop_scripts_are_valid_shell_using_real_ray_cli_options():
 def test_renderer_builds_on_the_template():
     """What the renderer does not derive from the job is the template's, unchanged."""
     template = k8s.load_template()["RayJob"]["spec"]
-    _, _, rayjob = rendered(str(JOBS[0]))
+    rayjob = by_kind(rendered(str(JOBS[0])))["RayJob"]
     spec = rayjob["spec"]
     for key in ("entrypoint", "backoffLimit", "shutdownAfterJobFinishes", "submissionMode"):
         assert spec[key] == template[key]
@@ -374,7 +573,7 @@ def test_kustomization_lists_every_base_manifest():
 
 def test_the_validators_catch_what_a_strict_api_server_would():
     """The checks above can fail: typos, wrong types, bad quantities, duplicates, CEL rules."""
-    _, _, rayjob = rendered(str(JOBS[0]))
+    rayjob = by_kind(rendered(str(JOBS[0])))["RayJob"]
 
     def errors_after(change) -> list[str]:
         doc = json.loads(json.dumps(rayjob))

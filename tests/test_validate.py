@@ -18,13 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, free_port
-LLAMA_31_8B = {  # the published config.json of meta-llama/Llama-3.1-8B (what `hf download ... config.json` fetches)
-    "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
-    "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "vocab_size": 128256,
-}
+from conftest import KNOWN_CONFIGS, REPO, free_port, hub_cache
+LLAMA_31_8B = KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"]
 
 
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> tuple[int, str, str]:
@@ -438,13 +433,7 @@ def test_hub_id_is_a_note_checked_on_the_cluster(assets, tmp_path):
 
 @pytest.fixture
 def hf_cache(tmp_path) -> dict:
-    """A Hugging Face cache holding only Llama 3.1 8B's config.json, laid out as the hub client lays it out."""
-    repo = tmp_path / "hf-cache" / "models--meta-llama--Llama-3.1-8B"
-    (repo / "snapshots" / "0e9e39f").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0e9e39f")
-    (repo / "snapshots" / "0e9e39f" / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    return {"HF_HUB_CACHE": str(tmp_path / "hf-cache")}
+    return hub_cache(tmp_path / "hf-cache", "meta-llama/Llama-3.1-8B")
 
 
 def test_cached_hub_config_gets_the_memory_check(assets, tmp_path, hf_cache):
