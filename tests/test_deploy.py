@@ -15,12 +15,14 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -69,14 +71,28 @@ def s3(s3_server):
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
+    """`mlflow server` as k8s/mlflow.yaml runs it: the basic-auth app, its admin and CSRF key from
+    the environment (the Secret mlflow-auth there). Yields (uri, the login every client uses:
+    the cluster's nodes and this process, as raytrain-secrets gives it to the pods)."""
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
+    login = {"MLFLOW_TRACKING_USERNAME": "raytrain", "MLFLOW_TRACKING_PASSWORD": secrets.token_hex(12)}
+    server_env = {**os.environ, "MLFLOW_AUTH_ADMIN_USERNAME": login["MLFLOW_TRACKING_USERNAME"],
+                  "MLFLOW_AUTH_ADMIN_PASSWORD": login["MLFLOW_TRACKING_PASSWORD"],
+                  "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-                             "--artifacts-destination", str(root / "artifacts")], stdout=log, stderr=log)
+    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+                             "--artifacts-destination", str(root / "artifacts")], stdout=log, stderr=log, cwd=root,
+                            env=server_env)
     wait_http(f"http://127.0.0.1:{port}/health", proc)
-    yield f"http://127.0.0.1:{port}"
+    uri = f"http://127.0.0.1:{port}"
+    with pytest.raises(urllib.error.HTTPError, match="401"):  # no login, no runs
+        urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10)
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in login.items():
+            patch.setenv(key, value)
+        yield uri, login
     stop(proc)
     log.close()
 
@@ -123,13 +139,13 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(s3):
+def cluster(s3, mlflow_server):
     """The local cluster script, exactly as the README uses it, on free ports and a short state
-    dir (Ray's socket paths must stay under 107 characters). The S3 endpoint and its dummy
-    credentials are in the head's environment, as a Secret's would be in a pod's."""
+    dir (Ray's socket paths must stay under 107 characters). The S3 endpoint, its dummy
+    credentials and the MLflow login are in the head's environment, as a Secret's would be in a pod's."""
     state = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env.update(s3[0], RAYTRAIN_CLUSTER_DIR=str(state), RAYTRAIN_NUM_CPUS="6", RAYTRAIN_STOP_WAIT_S="120",
+    env.update(s3[0], **mlflow_server[1], RAYTRAIN_CLUSTER_DIR=str(state), RAYTRAIN_NUM_CPUS="6", RAYTRAIN_STOP_WAIT_S="120",
                RAYTRAIN_GCS_PORT=str(free_port()), RAYTRAIN_DASHBOARD_PORT=str(free_port()),
                RAYTRAIN_CLIENT_PORT=str(free_port()), RAYTRAIN_AGENT_PORT=str(free_port()), RAY_DEDUP_LOGS="0",
                # A user's shell after the README's command 1: the venv is not activated.
@@ -155,10 +171,10 @@ def submission_id(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
-def mlflow_run(server: str, experiment: str):
+def mlflow_run(server: tuple[str, dict], experiment: str):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(server)
+    client = MlflowClient(server[0])  # logs in with MLFLOW_TRACKING_USERNAME/PASSWORD from the environment
     (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
     return client, run, history
@@ -168,13 +184,15 @@ def mlflow_run(server: str, experiment: str):
 def test_ray_job_submit_runs_a_job_yaml_to_success(cluster, mlflow_server, assets, tmp_path):
     job = write_job(tmp_path / "job.yaml", assets, str(tmp_path / "runs"), name="submitted",
                     training={"max_steps": 6}, checkpoint={"every_n_steps": 3},
-                    tracking={"uri": mlflow_server, "experiment": "deploy-submit"})
+                    tracking={"uri": mlflow_server[0], "experiment": "deploy-submit"})
     job_id = submission_id("submitted")
     out = cluster.ray("job", "submit", "--submission-id", job_id, "--working-dir", ".", "--",
                       "python", "-m", "raytrain", "run", str(job), timeout=600)
     assert f"Job '{job_id}' succeeded" in out, out[-3000:]
     assert cluster.status(job_id) == "SUCCEEDED"
-    assert "[raytrain] done" in cluster.ray("job", "logs", job_id)
+    logs = cluster.ray("job", "logs", job_id)
+    assert "[raytrain] done" in logs
+    assert "forwarding" not in logs  # the nodes have the MLflow login and the signing key: nothing rides in runtime_env
 
     run_dir = tmp_path / "runs" / "submitted"
     for step in (3, 6):
@@ -195,7 +213,7 @@ def test_ray_job_stop_commits_a_final_checkpoint(cluster, mlflow_server, assets,
     # every_n_steps beyond max_steps: the only checkpoint there can be is the one the stop commits.
     job = write_job(tmp_path / "job.yaml", assets, str(tmp_path / "runs"), name="stopped",
                     training={"max_steps": 400}, checkpoint={"every_n_steps": 1000, "export_final": False},
-                    tracking={"uri": mlflow_server, "experiment": "deploy-stop"})
+                    tracking={"uri": mlflow_server[0], "experiment": "deploy-stop"})
     job_id = submission_id("stopped")
     cluster.ray("job", "submit", "--no-wait", "--submission-id", job_id, "--working-dir", ".", "--",
                 "python", "-m", "raytrain", "run", str(job))
@@ -220,7 +238,7 @@ def test_s3_data_and_checkpoints_resume_after_a_worker_is_killed(cluster, s3, ml
     job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="on-s3",
                     data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": 20},
                     checkpoint={"every_n_steps": 5}, failure={"max_failures": 1},
-                    tracking={"uri": mlflow_server, "experiment": "deploy-s3"})
+                    tracking={"uri": mlflow_server[0], "experiment": "deploy-s3"})
     job_id = submission_id("on-s3")
     cluster.ray("job", "submit", "--no-wait", "--submission-id", job_id, "--working-dir", ".", "--",
                 "python", "-m", "raytrain", "run", str(job))
