@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", help="the run directory, <storage_path>/<name>")
     e.add_argument("--out", required=True, help="output folder or URI")
     e.add_argument("--checkpoint", help="a step_* folder (default: the latest committed one)")
+    sub.add_parser("key", help="make this machine's checkpoint-signing key if it has none; print where it is")
     k = sub.add_parser("k8s", help="render the KubeRay RayJob (+ ConfigMap) that runs a job on Kubernetes")
     k.add_argument("job", help="job YAML file")
     k.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -141,10 +143,20 @@ def cmd_export(args) -> int:
 
     try:
         used = export_checkpoint(args.run_dir, args.out, args.checkpoint)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, JobError) as exc:  # a tampered checkpoint too: one message
         print(f"raytrain export: {exc}", file=sys.stderr)
         return EXIT_INVALID
     print(f"[raytrain] exported {used} to {args.out}")
+    return EXIT_OK
+
+
+def cmd_key(args) -> int:
+    from . import signing
+
+    signing.ensure_key()
+    where = f"${signing.KEY_ENV}" if os.environ.get(signing.KEY_ENV) else signing.KEY_FILE
+    print(f"[raytrain] checkpoints are signed with the key in {where} (id {signing.key_id()}); every node of a cluster "
+          "needs the same one (cluster/*.yaml mount the file; on Kubernetes it is in the Secret raytrain-secrets)")
     return EXIT_OK
 
 
@@ -157,7 +169,7 @@ def cmd_k8s(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     return {"validate": cmd_validate, "run": cmd_run, "prepare": cmd_prepare, "quickstart": cmd_quickstart,
-            "export": cmd_export, "k8s": cmd_k8s}[args.command](args)
+            "export": cmd_export, "key": cmd_key, "k8s": cmd_k8s}[args.command](args)
 
 
 if __name__ == "__main__":

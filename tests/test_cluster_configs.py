@@ -79,6 +79,13 @@ def test_private_dashboard_token_auth_and_spot_notices_become_ray_drains(cloud):
     assert "--dashboard-host=127.0.0.1" in head_start and "0.0.0.0" not in head_start
     assert "RAY_AUTH_MODE=token" in head_start and "RAY_AUTH_MODE=token" in worker_start
     assert "~/.ray/auth_token" in config["file_mounts"]
+    # The same signing key on every node and launch; only the package and the jobs from the
+    # checkout (never the whole of it: .venv, runs/, an .env), and nothing .gitignore names.
+    assert config["file_mounts"]["~/.raytrain/checkpoint.key"] == "~/.raytrain/checkpoint.key"
+    shipped = {src for src in config["file_mounts"].values() if not src.startswith("~/")}
+    assert shipped == {"./raytrain", "./jobs", "./pyproject.toml", "./README.md", "./k8s/constraints.txt"}
+    assert all((REPO / src).exists() for src in shipped)
+    assert config["rsync_filter"] == [".gitignore"] and "**/.env" in config["rsync_exclude"]
     assert "RAY_JOB_STOP_WAIT_TIME_S=" in head_start  # `ray job stop` leaves time for a checkpoint
     help_text = subprocess.run([RAY, "drain-node", "--help"], capture_output=True, text=True, check=True).stdout
     (drain,) = re.findall(r"ray drain-node[^']*", worker_start)
