@@ -112,14 +112,17 @@ class JobControl:
         wall = time.time() - self.started
         productive = sum(self.step_times.values())
         failures = []
-        for before, after in zip(self.attempts, self.attempts[1:]):
+        for i, (before, after) in enumerate(zip(self.attempts, self.attempts[1:])):
             failed_at = before.last_step_at or before.started_at
+            # Recovered at the next attempt's first step; if that attempt died before one, this
+            # recovery ends where the next one's begins (its start), so no second counts twice.
+            recovered_at = after.first_step_at or (after.started_at if i + 2 < len(self.attempts) else time.time())
             kind = ("preemption" if before.preempted_at is not None else
                     "resize" if after.world_size > before.world_size else "failure")
             failures.append({
                 "kind": kind,
                 "steps_lost": max(0, before.last_step - after.resumed_from),
-                "recovery_s": round((after.first_step_at or time.time()) - failed_at, 3),
+                "recovery_s": round(recovered_at - failed_at, 3),
                 "world_size_before": before.world_size, "world_size_after": after.world_size,
                 "resumed_from": after.resumed_from,
             })

@@ -60,3 +60,18 @@ def test_a_group_that_dies_while_loading_counts_against_the_failure_budget():
     verdict = control.may_start(2)
     assert verdict and verdict.startswith("3 worker failures (preemptions and resizes not counted) exceed "
                                           "failure.max_failures=2; the last: TypeError")
+
+
+def test_a_recovery_interrupted_by_another_failure_ends_where_the_next_begins():
+    # Seen in a soak: a node lost while the group was still loading after an earlier loss gave
+    # the earlier failure a 614 s recovery (counted to the end of the job) in a 644 s run.
+    from raytrain.control import Attempt, JobControl
+
+    control = JobControl()
+    control.started = 0.0
+    control.attempts = [Attempt(2, 0, started_at=0.0, first_step_at=5.0, last_step=10, last_step_at=30.0),
+                        Attempt(2, 10, started_at=40.0),  # lost again before its first step
+                        Attempt(2, 10, started_at=70.0, first_step_at=80.0, last_step=20, last_step_at=100.0)]
+    failures = control.goodput()["failures"]
+    assert [f["recovery_s"] for f in failures] == [10.0, 40.0]  # 30 -> 40, then 40 -> 80: 50 s in all, once
+    assert [f["steps_lost"] for f in failures] == [0, 0]
