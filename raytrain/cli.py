@@ -100,9 +100,11 @@ def cmd_run(args) -> int:
         return EXIT_FAILED
     m = result.metrics
     evaluated = f" eval_loss {m['eval_loss']:.4f};" if "eval_loss" in m else ""
+    # Only what exists: no final model when export_final is off or the job was stopped before the end.
+    exported = spec.checkpoint.export_final and m.get("step") == spec.training.max_steps
+    final = f"final model {result.run_dir}/final_model; " if exported else ""
     print(f"[raytrain] done in {result.wall_s:.0f}s: step {m.get('step', '?')} loss {m.get('loss', float('nan')):.4f};{evaluated} "
-          f"bad rows skipped {int(m.get('bad_rows', 0))}; checkpoint {result.checkpoint}; "
-          f"final model {result.run_dir}/final_model; mlflow run {result.run_id}")
+          f"bad rows skipped {int(m.get('bad_rows', 0))}; checkpoint {result.checkpoint}; {final}mlflow run {result.run_id}")
     return EXIT_OK
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from . import control, modeling, preemption, signing, tracking
+from .timeline import Timeline
 from .checkpoint import STATE_FILE, TrainState
 from .data import prepare
 from .export import latest_checkpoint, write_job_file
@@ -97,7 +98,7 @@ def runtime_env(spec: JobSpec, forward: list[str]) -> dict:
     return {"env_vars": env}
 
 
-def build_trainer(spec: JobSpec, run_id: str, prepared: dict, forward: list[str] = ()):
+def build_trainer(spec: JobSpec, run_id: str, prepared: dict, forward: list[str] = (), timeline: Timeline | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -115,7 +116,8 @@ def build_trainer(spec: JobSpec, run_id: str, prepared: dict, forward: list[str]
     # No Ray Data inside the training workers: each rank reads its rows of each global
     # batch straight from the prepared token store (see raytrain/data/).
     return TorchTrainer(worker.train_func, scaling_config=scaling, run_config=run,
-                        train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id, "data": prepared})
+                        train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id, "data": prepared,
+                                           "timeline": (timeline or Timeline()).to_config()})
 
 
 def prepare_data(spec: JobSpec, address: str | None = None) -> dict:
@@ -174,14 +176,17 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     import ray
 
     started = time.time()
+    timeline = Timeline(started)
     signing.ensure_key()
     # In this process's environment too, so that the forwarding below can send it to nodes that
     # would sign with another key (or none); nodes that have the same key get nothing.
     os.environ.setdefault(signing.KEY_ENV, signing.key().decode())
     connect(spec, address)
+    timeline.mark("ray")
     latest, where = _latest_state(spec)
     spec = pin_model(spec, latest, where)
     run_id = tracking.start_run(spec)
+    timeline.mark("mlflow")
     job_control = None
     if modeling.COMMIT.fullmatch(spec.model.revision or ""):
         tracking.set_tags(spec, run_id, {"raytrain.model_commit": spec.model.revision})
@@ -193,6 +198,7 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
               f"{spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
               flush=True)
         prepared = prepare.ensure_inputs(spec)
+        timeline.mark("data")
         if latest:  # positions in other data would be other rows
             latest.require_same_data(prepared["key"], where)
         forward = secrets_the_cluster_lacks()
@@ -200,7 +206,7 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
             print(f"[raytrain] forwarding {', '.join(forward)} from this shell to the workers: the cluster's nodes lack "
                   "them, and a forwarded value is readable in Ray's dashboard; set them on the nodes instead "
                   "(k8s: the Secret raytrain-secrets)", flush=True)
-        result = _fit_off_the_main_thread(build_trainer(spec, run_id, prepared, forward))
+        result = _fit_off_the_main_thread(build_trainer(spec, run_id, prepared, forward, timeline))
         verdict = ray.get(job_control.verdict.remote())
         if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
             raise JobError(verdict)

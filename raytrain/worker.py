@@ -18,6 +18,7 @@ from .data.batches import open_data
 from .errors import user_message
 from .preemption import Preempted
 from .strategies import build_strategy
+from .timeline import Timeline
 
 
 
@@ -25,6 +26,8 @@ def train_func(config: dict) -> None:
     import ray.train
 
     spec = JobSpec.model_validate(config["spec"])  # plain JSON crossed the wire: check it again
+    timeline = Timeline(**config["timeline"])
+    timeline.mark("workers")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = torch.device(f"cuda:{ctx.get_local_rank()}") if spec.scaling.use_gpu else torch.device("cpu")
@@ -44,7 +47,7 @@ def train_func(config: dict) -> None:
             print(f"[raytrain] not restarting: {verdict[0]}", file=sys.stdout, flush=True)
         return
     try:
-        _train(spec, config, rank, world, device, job_control)
+        _train(spec, config, rank, world, device, job_control, timeline)
     except Preempted:
         raise
     except Exception as exc:  # the control actor keeps what ended this attempt for the job's last word
@@ -55,15 +58,18 @@ def train_func(config: dict) -> None:
         raise
 
 
-def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_control) -> None:
+def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_control, timeline: Timeline) -> None:
     import ray
 
     tokenizer = modeling.load_tokenizer(spec)
     strategy = build_strategy(spec, device)
+    timeline.mark("model")
     state = checkpoint.restore(strategy) or TrainState(model_commit=spec.model.revision)  # pinned by the driver
+    timeline.mark("restored")
     resumed_from = state.step
     state.world_size, state.run_id = world, config["run_id"]
     logger = tracking.StepLogger(spec, config["run_id"]) if rank == 0 else None
+    attempt = 0  # rank 0 learns it from the control actor
     if rank == 0:
         logger.log_missing(state.metrics)  # the restored checkpoint's steps, if the last attempt died before logging them
         attempt = ray.get(job_control.attempt_started.remote(world, resumed_from)) if job_control else 1
@@ -76,8 +82,9 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
     batches, eval_batches, key = open_data(spec, config["data"], rank, world, state.data)
     state.require_same_data(key, f"the checkpoint at step {state.step}")
     state.bad_rows = sum(s.bad_rows for s in batches.stores)
-    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=_sample_logger(spec.data.sample_log, rank, world),
-                     eval_batches=eval_batches)
+    timeline.mark("data_open")
+    on_step = _first_step_reporter(timeline, logger, attempt, _sample_logger(spec.data.sample_log, rank, world))
+    state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=on_step, eval_batches=eval_batches)
 
     if spec.checkpoint.export_final and not state.stopped:
         export(spec, strategy, tokenizer, logger)
@@ -90,6 +97,22 @@ def export(spec: JobSpec, strategy, tokenizer, logger) -> None:
             storage.upload_dir(tmp, spec.run_dir + "/final_model")
             logger.log_model_dir(tmp)
             print(f"[raytrain] exported final model to {spec.run_dir}/final_model", file=sys.stdout, flush=True)
+
+
+def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
+    """After this attempt's first step, rank 0 (attempt > 0) says where its start-up went."""
+    reported = [attempt == 0]
+
+    def on_step(state, batch) -> None:
+        if not reported[0]:
+            reported[0] = True
+            timeline.mark("step_1")
+            print(f"[raytrain] {timeline.line(attempt)}", file=sys.stdout, flush=True)
+            logger.log(attempt, timeline.metrics(attempt))  # once per attempt
+        if then:
+            then(state, batch)
+
+    return on_step
 
 
 def _sample_logger(folder: str | None, rank: int, world: int):
