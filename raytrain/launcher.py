@@ -3,13 +3,16 @@ MLflow run, build the dataset, run the TorchTrainer, close the run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import control, modeling, preemption, signing, tracking
+from . import control, modeling, signing, tracking
+from .worker_env import HEALTH_CHECK_ENV, runtime_env, secrets_the_cluster_lacks
 from .timeline import Timeline
 from .checkpoint import STATE_FILE, TrainState
 from .data import prepare
@@ -44,58 +47,6 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
     cpus = max(os.cpu_count() or 1, int(hi * spec.scaling.cpus_per_worker)) + 2  # +2 logical CPUs for Ray Data
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
-
-
-# What the workers need from the submitter's environment. Settings always travel; secrets
-# travel only where the cluster's nodes lack them, since whatever rides in a runtime_env is
-# readable in Ray's dashboard and state API (on Kubernetes the manifests set them on every
-# pod from the Secret raytrain-secrets, and nothing is forwarded).
-SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
-SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
-               "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", signing.KEY_ENV)
-
-
-def lacking(wanted: list[str], present_per_node: list[list[str]]) -> list[str]:
-    """The secrets of `wanted` that at least one node does not have."""
-    return [k for k in wanted if not all(k in present for present in present_per_node)]
-
-
-def secrets_the_cluster_lacks() -> list[str]:
-    """Ask every alive node which of the secrets set here its processes already have."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    wanted = [k for k in SECRETS_ENV if k in os.environ]
-    if not wanted:
-        return []
-    present = ray.remote(num_cpus=0)(_present)
-    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    answers = ray.get([present.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-                       .remote(wanted, signing.key_id()) for n in nodes])
-    return lacking(wanted, answers)
-
-
-def _present(names: list[str], key_id: str | None) -> list[str]:
-    """Names only: no value leaves the node. The signing key counts as present where the node
-    would sign with the same key (from its environment or its key file)."""
-    have = [n for n in names if n in os.environ and n != signing.KEY_ENV]
-    return have + ([signing.KEY_ENV] if signing.key_id() == key_id else [])
-
-
-def runtime_env(spec: JobSpec, forward: list[str]) -> dict:
-    env = {"TOKENIZERS_PARALLELISM": "false", preemption.GRACE_ENV: str(spec.failure.preemption_grace_s)}
-    if not spec.scaling.use_gpu:
-        env["DS_ACCELERATOR"] = "cpu"
-    for key in (*SETTINGS_ENV, *forward):
-        if key in os.environ:  # secrets travel in the environment, never in the spec or MLflow
-            env[key] = os.environ[key]
-    # A worker-process setup hook runs in each worker's main thread at start-up, so that
-    # SIGTERM means "checkpoint, then go". Ray turns a job-level `worker_process_setup_hook`
-    # into this variable only in ray.init; for the train workers' own env we set it directly.
-    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-
-    env[WORKER_PROCESS_SETUP_HOOK_ENV_VAR] = "raytrain.preemption.install_sigterm_handler"
-    return {"env_vars": env}
 
 
 def build_trainer(spec: JobSpec, run_id: str, prepared: dict, forward: list[str] = (), timeline: Timeline | None = None):
@@ -181,12 +132,21 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     # In this process's environment too, so that the forwarding below can send it to nodes that
     # would sign with another key (or none); nodes that have the same key get nothing.
     os.environ.setdefault(signing.KEY_ENV, signing.key().decode())
-    connect(spec, address)
-    timeline.mark("ray")
+    # Ray Train's controller checks on the workers this often: a finished or failed group is
+    # noticed within it (its default, 2 s, is added to every exit and every restart).
+    os.environ.setdefault(HEALTH_CHECK_ENV, "0.5")
     latest, where = _latest_state(spec)
     spec = pin_model(spec, latest, where)
-    run_id = tracking.start_run(spec)
-    timeline.mark("mlflow")
+    with ThreadPoolExecutor(1) as pool:  # the MLflow run opens (a new store migrates its schema) while Ray starts
+        opening = pool.submit(_start_run, spec, timeline)
+        try:
+            connect(spec, address)
+        except BaseException:  # no Ray: the run that opened meanwhile ends FAILED, never stays RUNNING
+            with contextlib.suppress(Exception):
+                tracking.end_run(spec, opening.result(), "FAILED")
+            raise
+        timeline.mark("ray")
+        run_id = opening.result()
     job_control = None
     if modeling.COMMIT.fullmatch(spec.model.revision or ""):
         tracking.set_tags(spec, run_id, {"raytrain.model_commit": spec.model.revision})
@@ -197,16 +157,15 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
         print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, workers "
               f"{spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
               flush=True)
-        prepared = prepare.ensure_inputs(spec)
-        timeline.mark("data")
+        planned = prepare.plan_inputs(spec)
         if latest:  # positions in other data would be other rows
-            latest.require_same_data(prepared["key"], where)
+            latest.require_same_data(planned["key"], where)
         forward = secrets_the_cluster_lacks()
         if forward:
             print(f"[raytrain] forwarding {', '.join(forward)} from this shell to the workers: the cluster's nodes lack "
                   "them, and a forwarded value is readable in Ray's dashboard; set them on the nodes instead "
                   "(k8s: the Secret raytrain-secrets)", flush=True)
-        result = _fit_off_the_main_thread(build_trainer(spec, run_id, prepared, forward, timeline))
+        result = _prepare_and_fit(spec, job_control, lambda: build_trainer(spec, run_id, planned, forward, timeline))
         verdict = ray.get(job_control.verdict.remote())
         if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
             raise JobError(verdict)
@@ -221,26 +180,56 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     return JobResult(run_id, spec.run_dir, ckpt, dict(result.metrics or {}), time.time() - started, goodput)
 
 
-def _fit_off_the_main_thread(trainer):
-    """TorchTrainer.fit() on the main thread installs Ray Train's own SIGINT handler (abort the
-    run, no checkpoint) over raytrain's; off the main thread it does not, so Ctrl-C means what
-    `ray job stop` means: checkpoint at the next step, then stop. The main thread only waits
-    (in short joins, so that it runs the signal handlers)."""
-    outcome: dict = {}
+def _prepare_and_fit(spec: JobSpec, job_control, make_trainer):
+    """Prepare the token stores and train. Where Ray Data keeps CPUs beside the training workers,
+    the workers start and build the model while the stores are prepared (they wait for the
+    manifests, or for the verdict if preparing fails); where the workers would hold every CPU,
+    the stores come first, since Ray Data's tasks could never be scheduled beside them."""
+    import ray
 
-    def fit() -> None:
+    lo, hi = spec.scaling.worker_range
+    if ray.cluster_resources().get("CPU", 0) - hi * spec.scaling.cpus_per_worker < 1:
+        prepare.ensure_inputs(spec)
+        return _Fit(make_trainer()).wait()
+    fit = _Fit(make_trainer())
+    try:
+        prepare.ensure_inputs(spec)
+    except BaseException as exc:
+        ray.get(job_control.failed.remote(user_message(exc) or f"{type(exc).__name__}: {exc}", retry=False))
+        fit.wait(raise_error=False)
+        raise
+    return fit.wait()
+
+
+def _start_run(spec: JobSpec, timeline: Timeline) -> str:
+    run_id = tracking.start_run(spec)
+    timeline.mark("mlflow")
+    return run_id
+
+
+class _Fit:
+    """TorchTrainer.fit() off the main thread: on the main thread it installs Ray Train's own
+    SIGINT handler (abort the run, no checkpoint) over raytrain's; off it, Ctrl-C means what
+    `ray job stop` means: checkpoint at the next step, then stop. The main thread prepares the
+    data meanwhile, then only waits (in short joins, so that it runs the signal handlers)."""
+
+    def __init__(self, trainer):
+        self.outcome: dict = {}
+        self.thread = threading.Thread(target=self._fit, args=(trainer,), name="raytrain-fit", daemon=True)
+        self.thread.start()  # daemon: a second Ctrl-C exits at once
+
+    def _fit(self, trainer) -> None:
         try:
-            outcome["result"] = trainer.fit()
+            self.outcome["result"] = trainer.fit()
         except BaseException as exc:  # handed to the main thread, which raises it
-            outcome["error"] = exc
+            self.outcome["error"] = exc
 
-    thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)  # a second Ctrl-C exits at once
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.2)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+    def wait(self, raise_error: bool = True):
+        while self.thread.is_alive():
+            self.thread.join(0.2)
+        if "error" in self.outcome and raise_error:
+            raise self.outcome["error"]
+        return self.outcome.get("result")
 
 
 def _close(spec: JobSpec, run_id: str, job_control, status: str, tags: dict | None = None) -> dict:

@@ -1,9 +1,10 @@
 """Where a job's start-up goes: each phase as seconds since `raytrain run` started, so a user
 sees on their own cluster what the wait before step 1 was made of.
 
-The driver marks its phases (Ray connected, MLflow run open, token stores ready) and hands
-them to the workers with the job; rank 0 adds its own (worker up, model built and sharded,
-checkpoint restored, data open, step 1 done), prints the line once per attempt and logs each
+The driver marks its phases (MLflow run open, Ray connected) and hands them to the workers
+with the job; rank 0 adds its own (worker up, model built and sharded, checkpoint restored,
+token stores ready and open: the driver prepares them while the workers build the model,
+step 1 done), prints the line once per attempt and logs each
 phase to MLflow as `startup/<phase>_s` at step = the attempt's number. A restart's line is
 the same phases, counted from the moment its workers came up.
 """
@@ -13,8 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-DRIVER_PHASES = ("ray", "mlflow", "data")
-WORKER_PHASES = ("workers", "model", "restored", "data_open", "step_1")
+DRIVER_PHASES = ("mlflow", "ray")  # the MLflow run opens while Ray starts
+WORKER_PHASES = ("workers", "model", "restored", "data", "step_1")  # data: the stores ready (prepared meanwhile) and open
 
 
 @dataclass

@@ -15,6 +15,7 @@ from . import checkpoint, control, loop, modeling, storage, tracking
 from .checkpoint import TrainState
 from .config import JobSpec
 from .data.batches import open_data
+from .data.store import TokenStore
 from .errors import user_message
 from .preemption import Preempted
 from .strategies import build_strategy
@@ -79,10 +80,12 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
             print(f"[raytrain] attempt {attempt}: resumed at step {resumed_from} ({state.data.consumed:,} rows "
                   f"consumed) with {world} workers", file=sys.stdout, flush=True)
 
+    if not _data_ready(config["data"], job_control, device):
+        return  # preparing the data failed (the driver says why) or the job was stopped first
     batches, eval_batches, key = open_data(spec, config["data"], rank, world, state.data)
     state.require_same_data(key, f"the checkpoint at step {state.step}")
     state.bad_rows = sum(s.bad_rows for s in batches.stores)
-    timeline.mark("data_open")
+    timeline.mark("data")
     on_step = _first_step_reporter(timeline, logger, attempt, _sample_logger(spec.data.sample_log, rank, world))
     state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=on_step, eval_batches=eval_batches)
 
@@ -97,6 +100,23 @@ def export(spec: JobSpec, strategy, tokenizer, logger) -> None:
             storage.upload_dir(tmp, spec.run_dir + "/final_model")
             logger.log_model_dir(tmp)
             print(f"[raytrain] exported final model to {spec.run_dir}/final_model", file=sys.stdout, flush=True)
+
+
+def _data_ready(prepared: dict, job_control, device) -> bool:
+    """Wait for the token stores the driver is preparing while this group started. False on
+    every rank if any rank saw the job end first (a failed prepare, a stop): all return."""
+    import ray
+
+    uris = [*prepared["train"], *([prepared["eval"]] if prepared.get("eval") else [])]
+    ready = True
+    while job_control is not None and not all(TokenStore.open(uri) for uri in uris):
+        if ray.get(job_control.verdict.remote()) or ray.get(job_control.stop_requested.remote()):
+            ready = False
+            break
+        time.sleep(0.25)
+    flag = torch.tensor([int(ready)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):

@@ -495,10 +495,10 @@ def test_spot_workers_drain_on_termination_within_the_grace_period(job):
     # SIGKILLs it terminationGracePeriodSeconds after the start. The worker's own timer (the
     # checkpoint deadline raytrain gives it in its runtime_env) must fit between the latest
     # moment the drain notice can land and that SIGKILL, and preStop must end before it.
-    from raytrain import launcher, preemption
+    from raytrain import preemption, worker_env
 
     spec = spec_of(job)
-    worker_deadline = float(launcher.runtime_env(spec, [])["env_vars"][preemption.GRACE_ENV])
+    worker_deadline = float(worker_env.runtime_env(spec, [])["env_vars"][preemption.GRACE_ENV])
     rayjob = by_kind(rendered(str(job)))["RayJob"]
     for pod in ray_pods(rayjob):
         grace = pod["spec"]["terminationGracePeriodSeconds"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from raytrain import launcher, signing
+from raytrain import signing, worker_env
 
 
 def test_the_key_is_generated_once_private_and_the_environment_wins(tmp_path, monkeypatch):
@@ -28,5 +28,5 @@ def test_the_key_is_generated_once_private_and_the_environment_wins(tmp_path, mo
     except signing.JobError as exc:
         assert "doc: its signature is wrong" in str(exc)
     # A node with the same key has it (nothing forwarded); a node with another key lacks it.
-    assert launcher._present([signing.KEY_ENV], signing.key_id()) == [signing.KEY_ENV]
-    assert launcher._present([signing.KEY_ENV], first) == []
+    assert worker_env._present([signing.KEY_ENV], signing.key_id()) == [signing.KEY_ENV]
+    assert worker_env._present([signing.KEY_ENV], first) == []

@@ -64,18 +64,42 @@ def store_key(d: DataSpec, sources: list[Source], tokenizer: str, unit_bytes: in
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def ensure_inputs(spec: JobSpec) -> dict:
-    """Every store the job trains and evaluates on (what the workers open): {"train": [uri, ...],
-    "weights": [...], "eval": uri | None, "key": what a checkpoint's data position refers to}."""
-    train = [(ensure_store(spec, data), weight) for data, weight in spec.data.inputs()]
+def plan_inputs(spec: JobSpec) -> dict:
+    """Every store the job trains and evaluates on, as the workers open them, before any is
+    prepared (a store's place follows from its key): {"train": [uri, ...], "weights": [...],
+    "eval": uri | None, "key": what a checkpoint's data position refers to}. The driver starts
+    the workers with it and prepares the stores (`ensure_inputs`) while they build the model."""
+    train = [(_planned(spec, data)[:2], weight) for data, weight in spec.data.inputs()]
     eval_data = spec.data.eval_input()
-    eval_store = ensure_store(spec, eval_data) if eval_data else None
+    eval_key, eval_uri = _planned(spec, eval_data)[:2] if eval_data else (None, None)
     fraction = spec.data.eval.fraction if spec.data.eval else None
     # The stores' keys (not their URIs: the same data under another storage path is the same data).
-    identity = ([s.key for s, _ in train], [w for _, w in train], eval_store.key if eval_store else None, fraction)
-    return {"train": [s.uri for s, _ in train], "weights": [w for _, w in train],
-            "eval": eval_store.uri if eval_store else None,
+    identity = ([key for (key, _), _ in train], [w for _, w in train], eval_key, fraction)
+    return {"train": [uri for (_, uri), _ in train], "weights": [w for _, w in train], "eval": eval_uri,
             "key": hashlib.sha256(repr(identity).encode()).hexdigest()[:20]}
+
+
+def ensure_inputs(spec: JobSpec) -> dict:
+    """`plan_inputs`, with every store in it prepared (or found complete and verified)."""
+    planned = plan_inputs(spec)
+    datasets = [data for data, _ in spec.data.inputs()] + ([spec.data.eval_input()] if spec.data.eval_input() else [])
+    prepared = {ensure_store(spec, data).uri for data in datasets}
+    if prepared != {*planned["train"], *([planned["eval"]] if planned["eval"] else [])}:
+        raise JobError("the data changed while it was being prepared (a source file was written meanwhile); "
+                       "run the job again once the files are final")
+    return planned
+
+
+def _planned(spec: JobSpec, data: DataSpec, unit_bytes: int = UNIT_BYTES) -> tuple[str, str, object, list[Source]]:
+    """(key, uri, the sources' filesystem, the sources) of one dataset's store; the key hashes
+    everything that changes its tokens."""
+    fs, root = storage.filesystem(data.path)
+    try:
+        sources = list_sources(fs, root)
+    except FileNotFoundError as exc:
+        raise JobError(str(exc)) from None
+    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes)
+    return key, f"{datasets_root(spec)}/{key}", fs, sources
 
 
 def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = UNIT_BYTES,
@@ -83,13 +107,7 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
     """The token store of one dataset (default: `data.path`): reused when complete, else
     prepared on the cluster (Ray is up)."""
     data = data or spec.data
-    fs, root = storage.filesystem(data.path)
-    try:
-        sources = list_sources(fs, root)
-    except FileNotFoundError as exc:
-        raise JobError(str(exc)) from None
-    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes)
-    uri = f"{datasets_root(spec)}/{key}"
+    key, uri, fs, sources = _planned(spec, data, unit_bytes)
     store = TokenStore.open(uri)
     if store is not None:
         store.verify_contents()
