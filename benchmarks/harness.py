@@ -10,6 +10,7 @@ wall-clock thing for both arms, whatever each framework reports about itself.
 from __future__ import annotations
 
 import json
+import re
 import os
 import platform
 import shutil
@@ -122,6 +123,18 @@ class ArmRun:
     def seen(self, text: str) -> float | None:
         """Seconds from launch to the first output line containing `text`."""
         return next((t - self.launched for t, line in self.output if text in line), None)
+
+    def startup(self, attempt: int = 1) -> dict[str, float]:
+        """The phases of raytrain's own start-up line (`timeline.py`) for that attempt, in seconds
+        (attempt 1: since `raytrain run` started; later ones: since their workers came up)."""
+        marker = "] start-up: " if attempt == 1 else f"] attempt {attempt} start-up"
+        line = next((text for _, text in self.output if marker in text), "")
+        return {name: float(value) for name, value in re.findall(r"(\w+) \+?([\d.]+)s", line.split(marker, 1)[-1])}
+
+    @property
+    def exit_s(self) -> float:
+        """Last finished step -> process exit, seconds."""
+        return self.launched + self.wall_s - self.step_times[-1]
 
     @property
     def first_step_s(self) -> float:

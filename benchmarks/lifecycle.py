@@ -58,6 +58,7 @@ def p4(s: h.Setting) -> dict:
         watched.append(run.step_times[second] - killed)
         cold.append(run.first_step_s)
         lost.append(failure["steps_lost"])
+        print(f"    attempt 2 start-up (s after its workers came up): {run.startup(2)}; cold: {run.startup(1)}", flush=True)
         print(f"    killed rank 1 after step {kill_at} (checkpoint every {every}): recovery {recovery[-1]:.2f} s "
               f"(goodput), {watched[-1]:.2f} s (step lines), of which {rebuilt[-1]:.2f} s until the new workers had "
               f"built the model and restored; steps lost {lost[-1]}; cold start -> first step {cold[-1]:.2f} s", flush=True)
