@@ -3,7 +3,7 @@ shell is forwarded (and said), since a forwarded value is readable in Ray's dash
 
 from __future__ import annotations
 
-from raytrain.launcher import lacking, runtime_env, secrets_the_cluster_lacks
+from raytrain.worker_env import lacking, runtime_env, secrets_the_cluster_lacks
 
 
 def test_only_secrets_some_node_lacks_are_forwarded():
