@@ -2,7 +2,8 @@
 
 P1  steady step period, raytrain (Ray Train, FSDP2) / bare torchrun FSDP2.   goal <= 1.02
 P2  submit -> first finished step, raytrain / bare torchrun (raytrain cold: it starts its
-    own local Ray cluster, as `raytrain run` does; warm: joins a running one, as on a cluster).
+    own local Ray cluster, as `raytrain run` does; warm: joins a running one, as on a cluster,
+    and finds its token store already prepared by an earlier job on the same data).
 P7  FSDP2 / FSDP1 tokens/s and peak memory, both bare.
 P8  ZeRO-3 / FSDP2 step period and peak memory, both through raytrain.
 """
@@ -18,12 +19,17 @@ from . import harness as h
 
 
 def raytrain_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str, env: dict | None = None,
-                 inspect=None, probe: bool = False, **over) -> dict:
+                 inspect=None, probe: bool = False, primed: bool = False, **over) -> dict:
     """One raytrain run; its step timings as seen from outside and as logged to MLflow.
     `inspect(folder)`, if given, looks at the run's files before they are deleted;
-    `probe` times the workers' per-step stop check (probe.py)."""
+    `probe` times the workers' per-step stop check (probe.py); `primed`: an untimed run of
+    the same data first, so the timed one finds its token store prepared and its MLflow store made."""
     folder = h.scratch(label)
     try:
+        if primed:
+            prime = h.write_job(h.job(s, f"{label}-prime", folder / "runs", model, data, **over), folder / "prime")
+            h.run_arm(f"{label}-prime", h.raytrain_command(prime, *extra), folder / "prime-steps", env=env,
+                      timeout_s=s.timeout_s)
         job_file = h.write_job(h.job(s, label, folder / "runs", model, data, **over), folder)
         extra += ("--probe-log", str(folder)) if probe else ()
         run = h.run_arm(label, h.raytrain_command(job_file, *extra), folder / "steps", env=env, timeout_s=s.timeout_s)
@@ -128,7 +134,7 @@ def p2(s: h.Setting) -> dict:
             r = raytrain_arm(s, f"p2-{arm}", model, data)
         else:
             with warm_cluster(s) as address:
-                r = raytrain_arm(s, "p2-warm", model, data, "--address", address)
+                r = raytrain_arm(s, "p2-warm", model, data, "--address", address, primed=True)
         first[arm].append(r["run"].first_step_s)
         exits[arm].append(r["run"].exit_s)
         marks = {}

@@ -19,7 +19,9 @@ pip_install() {  # quiet, minus the noise of this image's local index; a failed 
   .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
 }
 pip_install "torch==${TORCH_VERSION}"
-pip_install -e ".[dev]"
+# Through the constraints the image and cloud nodes install with: the versions the tests ran
+# are the versions users get (a new release on the registry changes nothing until the file does).
+pip_install -e ".[dev]" -c k8s/constraints.txt
 .venv/bin/python - <<'PY'
 import torch, ray, deepspeed, transformers, peft, mlflow  # noqa: F401  (fails loudly if the install is broken)
 print(f"setup: ok (torch {torch.__version__}, cuda {torch.cuda.is_available()}, ray {ray.__version__}, "

@@ -1,6 +1,7 @@
 """What the image installs is what the tests ran: k8s/constraints.txt pins every distribution
 the package needs at run time (its dependencies and theirs, exactly), pip resolves it to
-exactly itself, the Dockerfile and the cloud configs install through it, and every module the
+exactly itself, the Dockerfile, the cloud configs and the README's setup (so CI's fresh venv
+too) install through it, and every module the
 package imports comes from a declared dependency (the package imports with nothing else there).
 
 Regenerate the constraints after changing a dependency or the venv:
@@ -58,13 +59,17 @@ def test_constraints_pin_the_whole_runtime_closure_at_the_tested_versions():
     assert {n: v for n, v in closure.items() if constraints[n] != v} == {}, "the venv and the image would differ"
 
 
-def test_the_image_and_the_cloud_nodes_install_through_the_constraints():
+def test_the_image_the_cloud_nodes_and_the_dev_venv_install_through_the_constraints():
     dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
     installs = [line for line in dockerfile.splitlines() if "pip install" in line]
     assert installs and all("-c " in line and "constraints.txt" in line for line in installs), installs
     for cloud in ("aws", "gcp"):
         setup = [line for line in (REPO / "cluster" / f"{cloud}.yaml").read_text().splitlines() if "pip install" in line]
         assert setup and all(line.count("pip install") == line.count("-c ~/raytrain/k8s/constraints.txt") for line in setup)
+    # The README's command 1 (and so CI's fresh venv): the package with its dev extra, through the file,
+    # so the versions the tests run are the pinned ones, whatever the registry released since.
+    local = (REPO / "cluster" / "setup-local.sh").read_text()
+    assert 'pip_install -e ".[dev]" -c k8s/constraints.txt' in local.splitlines()
 
 
 # A fresh interpreter without site-packages (-S), whose path holds the standard library,
