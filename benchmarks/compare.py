@@ -41,12 +41,14 @@ def raytrain_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str,
         h.cleanup(folder)
 
 
-def bare_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str) -> dict:
+def bare_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str, in_ray_train: bool = False) -> dict:
+    """The bare FSDP2 loop under torchrun, or (`in_ray_train`) in a plain TorchTrainer."""
     folder = h.scratch(label)
     try:
         out = folder / "bare.json"
-        run = h.run_arm(label, h.torchrun_command(s, model, data, out, *extra), folder / "steps", env=h.bare_env(s),
-                        timeout_s=s.timeout_s)
+        command = (h.ray_train_command(s, model, data, out) if in_ray_train else
+                   h.torchrun_command(s, model, data, out, *extra))
+        run = h.run_arm(label, command, folder / "steps", env=h.bare_env(s), timeout_s=s.timeout_s)
         result = json.loads(out.read_text())
         return {"run": run, **result}
     finally:
@@ -124,12 +126,13 @@ def p2(s: h.Setting) -> dict:
     h.header("P2 submit -> first finished step: raytrain / bare torchrun", s)
     s = h.with_overrides(s, steps=3)
     model, data = h.assets(s)
-    first = {"raytrain-cold": [], "raytrain-warm": [], "torchrun": []}
+    # ray-train: the bare loop in a plain TorchTrainer on its own cluster, Ray Train's own floor.
+    first = {"raytrain-cold": [], "raytrain-warm": [], "torchrun": [], "ray-train": []}
     exits: dict[str, list[float]] = {arm: [] for arm in first}
     milestones: dict[tuple[str, str], list[float]] = {}
     for arm in h.alternate(s.reps, list(first)):
-        if arm == "torchrun":
-            r = bare_arm(s, "p2-torchrun", model, data)
+        if arm in ("torchrun", "ray-train"):
+            r = bare_arm(s, f"p2-{arm}", model, data, in_ray_train=arm == "ray-train")
         elif arm == "raytrain-cold":
             r = raytrain_arm(s, f"p2-{arm}", model, data)
         else:
@@ -138,7 +141,7 @@ def p2(s: h.Setting) -> dict:
         first[arm].append(r["run"].first_step_s)
         exits[arm].append(r["run"].exit_s)
         marks = {}
-        if arm != "torchrun":
+        if arm.startswith("raytrain"):
             marks = {name: r["run"].seen(text) for name, text in MILESTONES.items()}
             # raytrain's own start-up line (seconds since `raytrain run` started, launch ~ the same instant)
             marks.update({f"start-up: {name}": t for name, t in r["run"].startup().items()})
@@ -153,11 +156,16 @@ def p2(s: h.Setting) -> dict:
                         first["torchrun"], fmt=".2f")
     exit_ratio = h.ratio_line("P2 last step -> exit, own local cluster", "raytrain", exits["raytrain-cold"], "torchrun",
                               exits["torchrun"], fmt=".2f", goal="<= 1.5")
+    over_ray = h.ratio_line("P2 submit -> first step, both on their own local cluster", "raytrain",
+                            first["raytrain-cold"], "plain TorchTrainer", first["ray-train"], fmt=".2f")
+    h.ratio_line("P2 last step -> exit, both on their own local cluster", "raytrain", exits["raytrain-cold"],
+                 "plain TorchTrainer", exits["ray-train"], fmt=".2f")
     for arm in ("raytrain-cold", "raytrain-warm"):
         print(f"P2 {arm} milestones (median s after launch): " + ", ".join(
             f"{name} {h.median(v):.2f}" for (a, name), v in milestones.items() if a == arm)
             + f", first step {h.median(first[arm]):.2f}", flush=True)
-    return {"ratio": ratio, "ratio_warm": warm, "ratio_exit": exit_ratio, "first": first, "exit": exits}
+    return {"ratio": ratio, "ratio_warm": warm, "ratio_exit": exit_ratio, "ratio_over_ray_train": over_ray,
+            "first": first, "exit": exits}
 
 
 # Lines of `raytrain run`'s own output (the driver's, not forwarded from workers) that mark its start-up.

@@ -242,6 +242,15 @@ def torchrun_command(s: Setting, model: Path, data: Path, out_json: Path, *extra
             "--steps", str(s.steps), "--out", str(out_json), *(["--gpu"] if s.gpu else []), *extra]
 
 
+def ray_train_command(s: Setting, model: Path, data: Path, out_json: Path) -> list[str]:
+    """The same bare loop in a plain TorchTrainer on its own local Ray cluster: what Ray Train
+    itself costs (bare_in_ray_train.py)."""
+    torchrun = torchrun_command(s, model, data, out_json)
+    script = torchrun.index(str(REPO / "benchmarks" / "bare_fsdp2.py"))
+    return [sys.executable, "-m", "benchmarks.bare_in_ray_train", "--workers", str(s.workers), "--",
+            *torchrun[script + 1:]]
+
+
 def bare_env(s: Setting) -> dict:
     # Ray Train gives each CPU worker OMP_NUM_THREADS=1; the bare arm gets the same threads per rank.
     return {} if s.gpu else {"OMP_NUM_THREADS": "1"}

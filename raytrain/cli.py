@@ -7,6 +7,7 @@ Exit codes: 0 success/valid, 2 invalid job (nothing was started), 1 the run fail
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -170,8 +171,22 @@ def cmd_k8s(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"validate": cmd_validate, "run": cmd_run, "prepare": cmd_prepare, "quickstart": cmd_quickstart,
+    code = {"validate": cmd_validate, "run": cmd_run, "prepare": cmd_prepare, "quickstart": cmd_quickstart,
             "export": cmd_export, "key": cmd_key, "k8s": cmd_k8s}[args.command](args)
+    if argv is None and "ray" in sys.modules:  # a command line that used Ray: the process is ours to end
+        _exit(code)
+    return code
+
+
+def _exit(code: int) -> None:
+    """Leave once the job is over and recorded. The exit handlers run as at any exit (Ray's
+    shutdown stops a local cluster this process started; logging flushes; temporary folders
+    go), then the process ends without the interpreter's teardown of torch, Ray and their
+    threads, which took 1.9 s on 2 cores after the job had already finished (P2's exit)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
