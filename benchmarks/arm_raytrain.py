@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def make_train_func(ckpt: str | None, ckpt_log: str | None, probe_log: str | None, blocking_check: bool,
@@ -50,7 +49,7 @@ def make_train_func(ckpt: str | None, ckpt_log: str | None, probe_log: str | Non
     return train_func
 
 
-def main() -> int:
+def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("job")
     p.add_argument("--address")
@@ -71,12 +70,12 @@ def main() -> int:
             cloudpickle.register_pickle_by_value(module)
         worker.train_func = make_train_func(args.ckpt, args.ckpt_log, args.probe_log, args.blocking_check,
                                             args.torch_threads)  # read by launcher.build_trainer
-    from raytrain.cli import main as raytrain_main
+    from raytrain.cli import entry
 
     step_log = os.environ.get("BENCH_STEP_LOG")  # harness.run_arm: the steps are timed from raytrain's sample log
-    return raytrain_main(["run", args.job] + (["--address", args.address] if args.address else []) +
-                         (["--set", f"data.sample_log={step_log}"] if step_log else []))
+    entry(["run", args.job] + (["--address", args.address] if args.address else []) +
+          (["--set", f"data.sample_log={step_log}"] if step_log else []))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()  # ends the process as `raytrain run` does

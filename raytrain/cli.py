@@ -171,18 +171,19 @@ def cmd_k8s(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    code = {"validate": cmd_validate, "run": cmd_run, "prepare": cmd_prepare, "quickstart": cmd_quickstart,
+    return {"validate": cmd_validate, "run": cmd_run, "prepare": cmd_prepare, "quickstart": cmd_quickstart,
             "export": cmd_export, "key": cmd_key, "k8s": cmd_k8s}[args.command](args)
-    if argv is None and "ray" in sys.modules:  # a command line that used Ray: the process is ours to end
-        _exit(code)
-    return code
 
 
-def _exit(code: int) -> None:
-    """Leave once the job is over and recorded. The exit handlers run as at any exit (Ray's
+def entry(argv: list[str] | None = None) -> None:
+    """The `raytrain` command (and `python -m raytrain`): run it, then end the process. Once a
+    command that used Ray is over and recorded, the exit handlers run as at any exit (Ray's
     shutdown stops a local cluster this process started; logging flushes; temporary folders
-    go), then the process ends without the interpreter's teardown of torch, Ray and their
+    go) and the process ends without the interpreter's teardown of torch, Ray and their
     threads, which took 1.9 s on 2 cores after the job had already finished (P2's exit)."""
+    code = main(argv)
+    if "ray" not in sys.modules:
+        sys.exit(code)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -190,4 +191,4 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
