@@ -45,11 +45,15 @@ class ModelSpec(Section):
 
 # The dataset shapes users already write, with LLaMA-Factory's names and defaults (its
 # `dataset_info.json` "columns" and "tags"), so its dataset files work without a mapping.
+# Preference rows (`training.objective: dpo | simpo`) add `chosen` and `rejected`: TRL's standard
+# and conversational shapes for text and chat, LLaMA-Factory's ranking shapes for alpaca and sharegpt.
+PAIR = {"chosen": "chosen", "rejected": "rejected"}
 DEFAULT_COLUMNS = {
-    "text": {"text": "text"},
-    "chat": {"messages": "messages", "system": "system"},
-    "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"},
-    "sharegpt": {"messages": "conversations", "system": "system"},
+    "text": {"text": "text", "prompt": "prompt", **PAIR},
+    "chat": {"messages": "messages", "system": "system", "prompt": "prompt", **PAIR},
+    "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
+               **PAIR},
+    "sharegpt": {"messages": "conversations", "system": "system", **PAIR},
 }
 DEFAULT_TAGS = {
     "chat": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
@@ -67,7 +71,7 @@ class ColumnsSpec(Section):
     messages: str | None = None
     """`chat`/`sharegpt`: the list of turns (default `messages` / `conversations`)."""
     prompt: str | None = None
-    """`alpaca`: the instruction (default `instruction`)."""
+    """`alpaca`: the instruction (default `instruction`). Preference rows in `text`/`chat`: the prompt string or message list (default `prompt`)."""
     query: str | None = None
     """`alpaca`: the input, appended to the instruction after a newline (default `input`)."""
     response: str | None = None
@@ -77,9 +81,9 @@ class ColumnsSpec(Section):
     system: str | None = None
     """A system prompt column (default `system`); used when present in a row."""
     chosen: str | None = None
-    """Preference data: the preferred response."""
+    """Preference rows: the preferred response (default `chosen`): a string, or for chat/sharegpt a message or list of messages."""
     rejected: str | None = None
-    """Preference data: the dispreferred response."""
+    """Preference rows: the dispreferred response (default `rejected`), shaped like `chosen`."""
 
 
 class TagsSpec(Section):
@@ -147,7 +151,7 @@ class DataSpec(Section):
     seq_len: int = Field(512, gt=0, le=1_048_576)
     """Tokens per training sequence."""
     pack: bool = True
-    """Concatenate samples into full `seq_len` rows (each keeps its own positions and attends only to itself); otherwise pad each sample."""
+    """Concatenate samples into full `seq_len` rows (each keeps its own positions and attends only to itself); otherwise pad each sample. SFT only: preference pairs are never packed (each response is padded to `seq_len`)."""
     shuffle: bool = True
     """Shuffle each epoch differently: blocks of 64 packed rows are permuted over the whole dataset, then rows within a window; the order depends only on `training.seed`, the epoch and the prepared rows."""
     shuffle_window: int = Field(1024, gt=0)
@@ -224,11 +228,26 @@ class OffloadSpec(Section):
     """Keep sharded parameters in CPU memory between uses."""
 
 
+class PreferenceSpec(Section):
+    beta: float = Field(0.1, gt=0)
+    """DPO: strength of the pull toward the reference (the rewards are beta x log-ratio). SimPO: the reward scale."""
+    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """DPO's loss, as TRL names them: `sigmoid` (the DPO paper), `ipo` (length-normalized squared), `hinge` (SLiC)."""
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    """The share of pairs assumed mislabelled (conservative DPO / SimPO); `sigmoid` only."""
+    gamma: float = Field(0.5, ge=0.0)
+    """SimPO: the target reward margin (TRL's `simpo_gamma`)."""
+
+
 class TrainingSpec(Section):
     strategy: Literal["fsdp2", "zero3", "ddp"] = "fsdp2"
     """Parallelism: `fsdp2` (torch fully_shard), `zero3` (DeepSpeed ZeRO-3), `ddp` (replicated, small models)."""
     finetune: Literal["lora", "full"] = "lora"
     """`lora` trains adapters only (base weights frozen); `full` trains every weight."""
+    objective: Literal["sft", "dpo", "simpo"] = "sft"
+    """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the model). `simpo`: length-normalized preference loss, no reference."""
+    preference: PreferenceSpec = PreferenceSpec()
+    """DPO / SimPO settings."""
     lora: LoraSpec = LoraSpec()
     """LoRA settings, used when `finetune: lora`."""
     global_batch_size: int = Field(32, gt=0)
@@ -391,6 +410,27 @@ class JobSpec(Section):
             raise ValueError("training.offload is used by fsdp2 and zero3 only: ddp keeps everything on the device; "
                              "set training.strategy: fsdp2 (or zero3), or remove training.offload")
         return self
+
+    @model_validator(mode="after")
+    def _preference_settings_fit_the_objective(self):
+        t, p = self.training, self.training.preference
+        if t.objective == "sft":
+            return self
+        if self.data.train_on_inputs:
+            raise ValueError(f"data.train_on_inputs: true with training.objective: {t.objective}: a preference pair's "
+                             "prompt is never trained (only the responses are compared); remove data.train_on_inputs")
+        if t.objective == "simpo" and p.loss != "sigmoid":
+            raise ValueError(f"training.preference.loss={p.loss!r} is a DPO loss; SimPO has its own (sigmoid with a "
+                             "margin, preference.gamma): remove preference.loss or set training.objective: dpo")
+        if p.label_smoothing and p.loss != "sigmoid":
+            raise ValueError(f"training.preference.label_smoothing applies to the sigmoid loss, not {p.loss!r}: "
+                             "remove it or set preference.loss: sigmoid")
+        return self
+
+    @property
+    def preference(self) -> bool:
+        """Rows are (prompt, chosen, rejected) pairs, not single sequences."""
+        return self.training.objective != "sft"
 
     @model_validator(mode="after")
     def _no_fp16_master_weights(self):

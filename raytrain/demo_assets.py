@@ -43,6 +43,20 @@ def chat_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def preference_rows(n: int, seed: int = 0) -> list[dict]:
+    """TRL's standard preference shape. The chosen ending has the verb the animal takes in
+    `sentence`, the rejected one another verb: a preference a tiny model learns in a few steps."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        animal, place = rng.choice(ANIMALS), rng.choice(PLACES)
+        verb = VERBS[ANIMALS.index(animal) % len(VERBS)]
+        wrong = rng.choice([v for v in VERBS if v != verb])
+        rows.append({"prompt": f"the {rng.choice(COLORS)} {animal}", "chosen": f" {verb} over {place}.",
+                     "rejected": f" {wrong} over {place}."})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -79,12 +93,13 @@ def make_model(out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, se
 
 
 def make_all(root: str | Path, rows: int = 4000) -> Path:
-    """root/model (model + tokenizer), root/text.jsonl, root/chat.jsonl; idempotent."""
+    """root/model (model + tokenizer), root/text.jsonl, root/chat.jsonl, root/pairs.jsonl; idempotent."""
     root = Path(root)
-    if (root / "model" / "config.json").exists() and (root / "text.jsonl").exists():
+    if (root / "model" / "config.json").exists() and (root / "pairs.jsonl").exists():
         return root
     tok = make_tokenizer(root / "model")
     make_model(root / "model", vocab_size=len(tok))
     write_jsonl(root / "text.jsonl", text_rows(rows))
     write_jsonl(root / "chat.jsonl", chat_rows(rows // 4))
+    write_jsonl(root / "pairs.jsonl", preference_rows(rows // 4))
     return root

@@ -1,9 +1,10 @@
 """The training loop: the same for every strategy.
 
-Loss is the mean over all label tokens of the global batch, whatever the worker count
-and micro-batch split: each micro-batch contributes sum(CE) / global_label_tokens, scaled
-by world size because data-parallel gradient reduction averages across ranks. So a run
-resumed at another world size continues the same optimization, not a reweighted one.
+Loss is the mean over the global batch's units (label tokens for SFT, pairs for DPO/SimPO;
+objectives.py), whatever the worker count and micro-batch split: each micro-batch
+contributes its summed loss / the global units, scaled by world size because data-parallel
+gradient reduction averages across ranks. So a run resumed at another world size continues
+the same optimization, not a reweighted one.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from . import checkpoint, telemetry
+from . import checkpoint, objectives, telemetry
 from .checkpoint import TrainState
-from .preemption import DRIVER_STOP, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 from .config import JobSpec
-from .data import IGNORE
 from .data.batches import GlobalBatches
+from .objectives import all_reduce
+from .preemption import DRIVER_STOP, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 
 
 def lr_at(step: int, spec: JobSpec) -> float:
@@ -42,37 +41,6 @@ def seed_step(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(hash((seed, step, rank)) % (2**63))
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the labelled tokens (the loop divides by the global count)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-
-
-def evaluate(strategy, micro_batches: list[dict]) -> float:
-    """The token-mean loss over every rank's evaluation rows (a collective: every rank runs
-    the same number of forward passes)."""
-    device, loss_sum, tokens = strategy.device, 0.0, 0
-    strategy.model.eval()
-    with torch.no_grad():
-        for mb in micro_batches:
-            labels = mb["labels"].to(device)
-            with strategy.autocast():
-                logits = strategy.model(input_ids=mb["input_ids"].to(device),
-                                        position_ids=mb["position_ids"].to(device)).logits
-            loss_sum += float(token_loss(logits, labels))
-            tokens += int((labels[:, 1:] != IGNORE).sum())
-    strategy.model.train()
-    total, count = _all_reduce([loss_sum, tokens], device)
-    return total / max(1.0, count)
-
-
-def _all_reduce(values: list[float], device) -> list[float]:
-    """SUM across ranks; the step's two collectives besides the gradients' (as a bare script has)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> None:
     if logger:
         logger.log_many(steps)
@@ -90,6 +58,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
     pending: list[tuple[int, dict]] = []  # step metrics not yet in a committed checkpoint
     uploading: list[tuple[int, dict]] = []  # ...of the checkpoint being uploaded asynchronously
     flops = telemetry.StepFlops(strategy.model, spec, device)
+    objective = objectives.build(spec)
     checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
     while state.step < t.max_steps:
         step_start = time.perf_counter()
@@ -97,33 +66,32 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         lr = lr_at(state.step, spec)
         batch = next(batches)
         data_wait = time.perf_counter() - step_start
-        local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in batch.micro_batches)
-        global_tokens = max(1.0, _all_reduce([local_tokens], device)[0])
-        loss_sum, compute_start = 0.0, time.perf_counter()
+        global_units = max(1.0, all_reduce([sum(map(objective.units, batch.micro_batches))], device)[0])
+        sums, compute_start = [0.0] * (1 + len(objective.metrics)), time.perf_counter()
         for i, mb in enumerate(batch.micro_batches):
-            ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
-            with strategy.autocast():  # per-document positions: packed documents never attend to each other
-                logits = strategy.model(input_ids=ids, position_ids=mb["position_ids"].to(device)).logits
-            ce = token_loss(logits, labels)
-            strategy.backward(ce * (world / global_tokens), sync=i == len(batch.micro_batches) - 1)
-            loss_sum += float(ce.detach())
+            loss, stats = objective(strategy, mb)
+            strategy.backward(loss * (world / global_units), sync=i == len(batch.micro_batches) - 1)
+            sums = [a + float(b.detach()) for a, b in zip(sums, [loss, *stats])]
         optimizer_start = time.perf_counter()
         grad_norm = strategy.optimizer_step(lr)
         optimizer_s = time.perf_counter() - optimizer_start
-        summed = _all_reduce([loss_sum, *stops.local()], device)  # the stop flags ride along
-        loss, flags = summed[0] / global_tokens, stops.agree(summed[1:])
+        summed = all_reduce([*sums, *stops.local()], device)  # the stop flags ride along
+        loss, *means = (v / global_units for v in summed[:len(sums)])
+        flags = stops.agree(summed[len(sums):])
         state.step += 1
         state.data = batches.position
-        state.tokens_seen += int(t.global_batch_size * spec.data.seq_len)
+        step_tokens = t.global_batch_size * objective.sequences_per_row * spec.data.seq_len
+        state.tokens_seen += step_tokens
         step_time = time.perf_counter() - step_start
-        tokens_per_s = t.global_batch_size * spec.data.seq_len / step_time
+        tokens_per_s = step_tokens / step_time
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                    "data_wait_s": data_wait, "forward_backward_s": optimizer_start - compute_start,
                    "optimizer_s": optimizer_s, "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
                    "peak_memory_gb": telemetry.peak_memory_gb(device), "tokens_seen": state.tokens_seen,
-                   "bad_rows": state.bad_rows, "world_size": world, **flops.metrics(tokens_per_s, world)}
+                   "bad_rows": state.bad_rows, "world_size": world, **flops.metrics(tokens_per_s, world),
+                   **dict(zip(objective.metrics, means))}
         if eval_batches is not None and (state.step % spec.data.eval.every_n_steps == 0 or state.step == t.max_steps):
-            metrics["eval_loss"] = evaluate(strategy, eval_batches)
+            metrics.update(objectives.evaluate(strategy, objective, eval_batches))
         if on_step:
             on_step(state, batch)
         if rank == 0:
@@ -135,6 +103,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
             mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
             mfu += f" | eval {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
+            mfu += f" | acc {metrics['rewards/accuracies']:.2f} | margin {metrics['rewards/margins']:.3f}" if means else ""
             print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
                   f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem {metrics['peak_memory_gb']:.1f}G "
                   f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",

@@ -23,6 +23,7 @@ from pathlib import Path
 from . import storage
 from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
 from .data import FILE_EXTENSIONS, to_value
+from .data.pairs import to_pair
 from .data.sources import list_sources, sample_rows
 from .problems import NOTE, Problem, did_you_mean
 from .tracking import REMOTE_WITHOUT_SERVER, tracking_uri
@@ -72,10 +73,11 @@ def unreachable(field: str, value: str, why: str, network_required: bool, kind: 
 
 # ---------------------------------------------------------------- dataset
 def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
-    return [p for field, data in spec.data.named_inputs() for p in dataset_problems(data, field, network_required)]
+    return [p for field, data in spec.data.named_inputs()
+            for p in dataset_problems(data, field, network_required, spec.preference)]
 
 
-def dataset_problems(d, field: str, network_required: bool) -> list[Problem]:
+def dataset_problems(d, field: str, network_required: bool, pairs: bool = False) -> list[Problem]:
     """One dataset's files and first rows, as the prepare step will read them."""
     path = d.path
     host = _object_store_host(path)
@@ -98,7 +100,7 @@ def dataset_problems(d, field: str, network_required: bool) -> list[Problem]:
         if host and _UNREACHABLE.search(text):
             return [unreachable(field, path, text, network_required, "data")]
         return [Problem(field, repr(path), f"cannot read it ({text})", "data")]
-    return row_problems(d, rows, path, field)
+    return row_problems(d, rows, path, field, pairs)
 
 
 def _decoded(row):
@@ -112,6 +114,8 @@ def _decoded(row):
 
 
 REQUIRED_COLUMNS = {"text": ("text",), "chat": ("messages",), "sharegpt": ("messages",), "alpaca": ("prompt", "response")}
+PAIR_COLUMNS = {"text": ("prompt", "chosen", "rejected"), "chat": ("prompt", "chosen", "rejected"),
+                "sharegpt": ("messages", "chosen", "rejected"), "alpaca": ("prompt", "chosen", "rejected")}
 
 
 def _format_of(columns: set[str]) -> str | None:
@@ -122,16 +126,18 @@ def _format_of(columns: set[str]) -> str | None:
     return None
 
 
-def mapping_problems(d, records: list[dict], n_rows: int) -> list[Problem]:
+def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool = False) -> list[Problem]:
     """A required column, or a turn key, that none of the first rows has: named, with the fix."""
     seen = set().union(*(set(r) for r in records)) if records else set()
     if not seen:
         return []
-    for name in REQUIRED_COLUMNS[d.format]:
+    for name in (PAIR_COLUMNS if pairs else REQUIRED_COLUMNS)[d.format]:
         column = d.column(name)
         if not any(column in r for r in records):
             fmt = _format_of(seen)
             hint = f"; these rows look like {fmt} data: set data.format: {fmt}" if fmt and fmt != d.format else ""
+            if not pairs and {"chosen", "rejected"} <= seen:
+                hint = "; these rows are preference pairs: set training.objective: dpo (or simpo)"
             return [Problem(f"data.columns.{name}", repr(column), f"no such column in the first {n_rows} rows (columns "
                             f"there: {', '.join(sorted(seen))}); {did_you_mean(column, seen)}set data.columns.{name} to "
                             f"one of them{hint}", "data")]
@@ -147,7 +153,8 @@ def mapping_problems(d, records: list[dict], n_rows: int) -> list[Problem]:
     return []
 
 
-def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str = "data.path") -> list[Problem]:
+def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str = "data.path",
+                 pairs: bool = False) -> list[Problem]:
     """The first rows against the format and mapping, with the checks the prepare step applies per row."""
     if not rows:
         return [Problem(field, repr(path), "the files hold no rows", "data")]
@@ -157,14 +164,15 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
         if isinstance(record, dict):
             records.append(record)
         try:
-            to_value(d, raw)
+            to_pair(d, raw) if pairs else to_value(d, raw)
         except ValueError as why:
             bad.append(f"{file} row {n}: {why}")
-    mapping = mapping_problems(d, records, len(rows))
+    mapping = mapping_problems(d, records, len(rows), pairs)
     if mapping:
         return mapping
     if len(bad) == len(rows):
-        return [Problem(field, repr(path), f"none of the first {len(rows)} rows is usable as {d.format} data, "
+        return [Problem(field, repr(path), f"none of the first {len(rows)} rows is usable as {d.format} "
+                        f"{'preference ' if pairs else ''}data, "
                         f"e.g. {bad[0]}", "data")]
     if bad and d.bad_rows == "fail":
         return [Problem("data.bad_rows", "'fail'", f"{bad[0]}: the run would stop there; fix the row or set data.bad_rows: skip", "data")]

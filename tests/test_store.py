@@ -181,7 +181,7 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
     from raytrain.data.order import held_out
     from raytrain.data.prepare import ensure_inputs
     from raytrain.errors import JobError
-    from raytrain.loop import token_loss
+    from raytrain.objectives import token_loss
 
     sources = user_datasets(tmp_path / "data", assets)
 
@@ -232,7 +232,7 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
     total = tokens = 0.0
     with torch.no_grad():
         for store in stores:
-            ids, labels, positions = (torch.from_numpy(a).long() for a in store.read(held_out(store.rows, 0.1)[1]))
+            ids, labels, positions = (torch.from_numpy(a).long() for a in store.read(held_out(store.rows, 0.1)[1]).transpose(1, 0, 2))
             total += float(token_loss(model(input_ids=ids, position_ids=positions).logits, labels))
             tokens += int((labels[:, 1:] != -100).sum())
     assert evals[10] == pytest.approx(total / tokens, rel=1e-5)

@@ -38,25 +38,29 @@ def _open(uri: str) -> TokenStore:
 
 
 def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: int) -> list[dict]:
-    """Rows (source, row) in `count` micro-batches of near-equal size; an empty one is a padding row."""
+    """Rows (source, row) in `count` micro-batches of near-equal size; an empty one is a padding row.
+    A preference row is two sequences: a micro-batch of b pairs holds the b chosen sequences,
+    then the b rejected ones (one forward for both, so every strategy's collectives match)."""
     sources = np.array([s for s, _ in ids], dtype=np.int64)
     rows = np.array([r for _, r in ids], dtype=np.int64)
-    n = stores[0].seq_len
-    planes = np.empty((len(ids), 3, n), dtype=np.int32)
+    n, width = stores[0].seq_len, stores[0].planes
+    planes = np.empty((len(ids), width, n), dtype=np.int32)
     for i, store in enumerate(stores):
         mine = sources == i
         if mine.any():
-            planes[mine] = np.stack(store.read(rows[mine]), axis=1)
+            planes[mine] = store.read(rows[mine])
     out = []
     for part in np.array_split(np.arange(len(ids)), count):
         if len(part):
             t = torch.from_numpy(planes[part]).long()
+            t = torch.cat([t[:, :3], t[:, 3:]]) if width == 6 else t  # [pairs, 6, n] -> [2 x pairs, 3, n]
             out.append({"input_ids": t[:, 0], "labels": t[:, 1], "position_ids": t[:, 2]})
         else:  # keeps this rank's forward/backward count equal to the others'; trains nothing
             pad = int(stores[0].manifest.get("pad_id", 0))
-            out.append({"input_ids": torch.full((1, n), pad, dtype=torch.long),
-                        "labels": torch.full((1, n), IGNORE, dtype=torch.long),
-                        "position_ids": torch.arange(n, dtype=torch.long)[None]})
+            rows_ = width // 3
+            out.append({"input_ids": torch.full((rows_, n), pad, dtype=torch.long),
+                        "labels": torch.full((rows_, n), IGNORE, dtype=torch.long),
+                        "position_ids": torch.arange(n, dtype=torch.long)[None].repeat(rows_, 1)})
     return out
 
 

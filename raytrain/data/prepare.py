@@ -24,9 +24,10 @@ import numpy as np
 from .. import storage
 from ..config import DataSpec, JobSpec
 from ..errors import BadRowError, JobError
+from .pairs import encode_pair
 from .records import encode_row, pack, pad_rows
 from .sources import Source, Unit, list_sources, plan_units, read_unit
-from .store import TokenStore, write_manifest
+from .store import PLANES, TokenStore, write_manifest
 
 PACKER_VERSION = 3  # 2: units sized from the file; 3: positions per document, chat labels from one rendering
 UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
@@ -56,8 +57,8 @@ def tokenizer_fingerprint(spec: JobSpec) -> str:
     return digest.hexdigest()[:16]
 
 
-def store_key(d: DataSpec, sources: list[Source], tokenizer: str, unit_bytes: int) -> str:
-    inputs = {"sources": [[s.path, s.size, s.mtime_ns] for s in sources], "tokenizer": tokenizer,
+def store_key(d: DataSpec, sources: list[Source], tokenizer: str, unit_bytes: int, pairs: bool = False) -> str:
+    inputs = {"pairs": pairs,"sources": [[s.path, s.size, s.mtime_ns] for s in sources], "tokenizer": tokenizer,
               "format": d.format, "columns": d.columns.model_dump(), "tags": d.tags.model_dump(),
               "train_on_inputs": d.train_on_inputs, "seq_len": d.seq_len, "pack": d.pack, "unit_bytes": unit_bytes,
               "packer": PACKER_VERSION}
@@ -98,7 +99,7 @@ def _planned(spec: JobSpec, data: DataSpec, unit_bytes: int = UNIT_BYTES) -> tup
         sources = list_sources(fs, root)
     except FileNotFoundError as exc:
         raise JobError(str(exc)) from None
-    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes)
+    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes, spec.preference)
     return key, f"{datasets_root(spec)}/{key}", fs, sources
 
 
@@ -119,7 +120,7 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
     out_fs.create_dir(out_path, recursive=True)
     out_fs.delete_dir_contents(out_path, missing_dir_ok=True)  # a half-written earlier attempt
     results = _run_units(spec, data, fs, units, out_fs, out_path, concurrency)
-    manifest = _manifest(data, key, sources, units, results)
+    manifest = {**_manifest(data, key, sources, units, results), "planes": PLANES * (2 if spec.preference else 1)}
     write_manifest(out_fs, out_path, manifest)
     store = TokenStore.open(uri)
     if store is None:
@@ -166,7 +167,7 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict) 
     try:
         for lines, row in enumerate(read_unit(fs, unit), start=1):
             try:
-                docs.append(encode_row(tok, d, row))
+                docs.append(encode_pair(tok, d, row) if job.preference else encode_row(tok, d, row))
             except ValueError as why:
                 bad += 1
                 if len(examples) < BAD_EXAMPLES:
@@ -176,12 +177,17 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict) 
     except ValueError as file_problem:  # a file that cannot be read as its kind at all
         return {"index": item["index"], "result": json.dumps({"file_error": str(file_problem)})}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids, labels, positions = (pack if d.pack else pad_rows)(docs, d.seq_len, pad)
-    rows = np.stack([ids, labels, positions], axis=1).astype(np.int32).tobytes()
+    if job.preference:  # a row is a pair: the chosen sequence's planes, then the rejected one's
+        planes = [*pad_rows([c for c, _ in docs], d.seq_len, pad), *pad_rows([r for _, r in docs], d.seq_len, pad)]
+        sequences = [c for c, _ in docs] + [r for _, r in docs]
+    else:
+        planes, sequences = (pack if d.pack else pad_rows)(docs, d.seq_len, pad), docs
+    ids = planes[0]
+    rows = np.stack(planes, axis=1).astype(np.int32).tobytes()
     with out_fs.open_output_stream(f"{out_path}/{shard_name(item['index'])}") as f:
         f.write(rows)
     result = {"rows": len(ids), "sha256": hashlib.sha256(rows).hexdigest(), "lines": lines, "pad_id": int(pad), "bad": bad, "examples": examples, "docs": len(docs),
-              "tokens": int(sum(len(d[0]) for d in docs))}
+              "tokens": int(sum(len(ids) for ids, _ in sequences))}
     return {"index": item["index"], "result": json.dumps(result)}
 
 

@@ -34,6 +34,11 @@ def to_value(data: DataSpec, row) -> str | list:
 
 def parse_record(data: DataSpec, raw: bytes | str):
     """One raw JSON Lines line -> the text (str) or messages (list) the format needs."""
+    return check_record(data, decode_line(raw))
+
+
+def decode_line(raw: bytes | str):
+    """One raw JSON Lines line -> the decoded JSON value."""
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -42,10 +47,9 @@ def parse_record(data: DataSpec, raw: bytes | str):
     if not raw.strip():
         raise ValueError("empty line")
     try:
-        record = json.loads(raw)
+        return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON ({exc.msg})") from None
-    return check_record(data, record)
 
 
 def check_record(data: DataSpec, record) -> str | list:
@@ -134,9 +138,10 @@ def encode_text(tok, text: str) -> tuple[list[int], list[int]]:
     return ids, list(ids)
 
 
-def encode_chat(tok, messages: list, train_on_inputs: bool = False) -> tuple[list[int], list[int]]:
+def encode_chat(tok, messages: list, train_on_inputs: bool = False, first_trained: int = 0) -> tuple[list[int], list[int]]:
     """The conversation rendered once; labels on each assistant turn's content and the
-    end-of-turn token after it (everything, with `train_on_inputs`)."""
+    end-of-turn token after it (everything, with `train_on_inputs`), from message
+    `first_trained` on (a preference pair's response: its prompt's turns are never trained)."""
     check_messages(messages)
     try:
         text = tok.apply_chat_template(messages, tokenize=False)
@@ -147,7 +152,7 @@ def encode_chat(tok, messages: list, train_on_inputs: bool = False) -> tuple[lis
     if train_on_inputs:
         return ids, list(ids)
     labels = [IGNORE] * len(ids)
-    for start, end in assistant_spans(tok, text, messages):
+    for start, end in assistant_spans(tok, text, messages)[first_trained:]:
         for t, (a, b) in enumerate(enc["offset_mapping"]):
             if b <= start or a >= end:
                 continue
@@ -161,8 +166,9 @@ def encode_chat(tok, messages: list, train_on_inputs: bool = False) -> tuple[lis
 
 
 def assistant_spans(tok, text: str, messages: list) -> list[tuple[int, int]]:
-    """Character spans of each assistant turn in the rendering: its content, found after
-    the previous turn's, plus the special token the template closes the turn with."""
+    """Character spans of each assistant turn in the rendering, one entry per message (empty
+    for other turns): its content, found after the previous turn's, plus the special token
+    the template closes the turn with."""
     # The tokens that close a turn (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>, the eos), not
     # those that open the next one.
     names = set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values() if t.special}
@@ -174,6 +180,7 @@ def assistant_spans(tok, text: str, messages: list) -> list[tuple[int, int]]:
         content = m["content"].strip()
         at = text.find(content, cursor) if content else -1
         if at < 0:
+            spans.append((0, 0))
             if m["role"] == "assistant" and content:
                 raise ValueError(f"the chat template does not render assistant turn {i} as written (it rewrites or drops "
                                  "it, as templates that strip earlier reasoning do), so its tokens cannot be located; "
@@ -183,6 +190,8 @@ def assistant_spans(tok, text: str, messages: list) -> list[tuple[int, int]]:
         if m["role"] == "assistant":
             close = closer.match(text, end) if closer else None
             spans.append((at, close.end() if close else end))
+        else:
+            spans.append((0, 0))
         cursor = end
     return spans
 

@@ -1,7 +1,8 @@
 """A prepared token store: fixed-size rows in binary shards, and a manifest written last.
 
 Layout under `<checkpoint.storage_path>/datasets/<key>/`:
-  part-000000.bin ...  rows of int32 [input_ids | labels | position_ids], 12 x seq_len bytes each, so row i
+  part-000000.bin ...  rows of int32 [input_ids | labels | position_ids], 12 x seq_len bytes each (a
+                       preference pair: the chosen sequence's three planes, then the rejected one's), so row i
                        of a shard is at byte i x row_bytes: one ranged read per row (or run
                        of rows), local or on an object store, nothing else read to reach it
   manifest.json        rows, seq_len, the shards with their row ranges, sizes and sha256, the
@@ -29,7 +30,7 @@ from ..errors import JobError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3  # 2: position ids stored with each row (documents packed without cross-talk); 3: signed
-PLANES = 3  # input_ids, labels, position_ids
+PLANES = 3  # input_ids, labels, position_ids (of each sequence in a row)
 
 
 @dataclass
@@ -46,7 +47,8 @@ class TokenStore:
         self.rows: int = manifest["rows"]
         self.seq_len: int = manifest["seq_len"]
         self.bad_rows: int = manifest["bad_rows"]
-        self.row_bytes = 4 * PLANES * self.seq_len
+        self.planes: int = manifest.get("planes", PLANES)  # 6: a preference pair per row
+        self.row_bytes = 4 * self.planes * self.seq_len
         self._first = np.array([s["first_row"] for s in manifest["shards"]], dtype=np.int64)
         self._files: dict[int, object] = {}
         self._lock = threading.Lock()
@@ -65,16 +67,16 @@ class TokenStore:
             return None
         manifest = signing.verify_document(manifest, f"the token store {uri}/{MANIFEST}")
         infos = fs.get_file_info([f"{path}/{s['file']}" for s in manifest["shards"]])
-        row_bytes = 4 * PLANES * manifest["seq_len"]
+        row_bytes = 4 * manifest.get("planes", PLANES) * manifest["seq_len"]
         if any(i.type != pafs.FileType.File or i.size != s["rows"] * row_bytes for i, s in zip(infos, manifest["shards"])):
             return None
         return cls(uri, manifest, fs, path)
 
-    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """input_ids, labels and position_ids [len(rows), seq_len] of the given rows, in that order.
-        Consecutive rows of a shard are one read; nothing else is read."""
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """The given rows, in that order: int32 [len(rows), planes, seq_len] (input_ids, labels,
+        position_ids; twice for a pair). Consecutive rows of a shard are one read; nothing else is read."""
         rows = np.asarray(rows, dtype=np.int64)
-        out = np.empty((len(rows), PLANES, self.seq_len), dtype=np.int32)
+        out = np.empty((len(rows), self.planes, self.seq_len), dtype=np.int32)
         order = np.argsort(rows, kind="stable")
         i = 0
         while i < len(order):
@@ -85,12 +87,12 @@ class TokenStore:
             shard = int(np.searchsorted(self._first, first, side="right")) - 1
             end = min(j, i + int(self._first[shard] + self.manifest["shards"][shard]["rows"] - first))
             raw = self._file(shard).read_at((end - i) * self.row_bytes, (first - self._first[shard]) * self.row_bytes)
-            out[order[i:end]] = np.frombuffer(raw, dtype=np.int32).reshape(end - i, PLANES, self.seq_len)
+            out[order[i:end]] = np.frombuffer(raw, dtype=np.int32).reshape(end - i, self.planes, self.seq_len)
             self.read_counters.reads += 1
             self.read_counters.bytes += len(raw)
             i = end
         self.read_counters.rows += len(rows)
-        return out[:, 0], out[:, 1], out[:, 2]
+        return out
 
     def _file(self, shard: int):
         with self._lock:

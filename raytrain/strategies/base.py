@@ -60,6 +60,22 @@ class Strategy(ABC):
         """Context for forward passes (strategies that cast inside the wrapper return a no-op)."""
         return contextlib.nullcontext()
 
+    @property
+    def needs_reference_copy(self) -> bool:
+        """DPO under full fine-tuning compares against a frozen copy of the starting model."""
+        return self.spec.training.objective == "dpo" and self.spec.training.finetune == "full"
+
+    @contextlib.contextmanager
+    def reference(self):
+        """DPO's frozen reference model, to call under no_grad: under LoRA the same sharded model
+        with its adapter off (no second copy); under full fine-tuning the frozen copy that
+        `setup` built, sharded like the model."""
+        if self.spec.training.finetune == "lora":
+            with self.hf_model.disable_adapter():
+                yield self.model
+        else:
+            yield self.reference_model
+
     @abstractmethod
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         """Accumulate gradients; `sync` is True on the last micro-batch of a step."""
@@ -91,6 +107,7 @@ class TorchStrategy(Strategy):
     """FSDP2 and DDP: torch AdamW, torch.distributed.checkpoint, one export path."""
 
     hf_model: torch.nn.Module  # the unwrapped (peft) model, for names and export
+    reference_model: torch.nn.Module  # DPO under full fine-tuning only
 
     @abstractmethod
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -102,10 +119,16 @@ class TorchStrategy(Strategy):
         o = self.spec.optimizer
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.trainable = modeling.trainable_names(self.hf_model)
+        if self.needs_reference_copy:
+            self.reference_model = self.build_reference()
 
     def build_model(self) -> torch.nn.Module:
         self.hf_model = modeling.load_model(self.spec)
         return self.hf_model
+
+    def build_reference(self) -> torch.nn.Module:
+        """A frozen copy of the starting model; here whole on every rank, as DDP holds its model."""
+        return modeling.load_model(self.spec).requires_grad_(False).eval().to(self.device)
 
     def optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:

@@ -22,6 +22,10 @@ class FSDP2Strategy(TorchStrategy):
         self.hf_model = modeling.load_model(self.spec, on_meta=self.rank != 0)
         return self.hf_model
 
+    def build_reference(self) -> torch.nn.Module:
+        # Sharded like the model: each rank keeps 1/N of the frozen copy, gathered per block.
+        return self.wrap(modeling.load_model(self.spec, on_meta=self.rank != 0).requires_grad_(False).eval())
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         full_state = model.state_dict() if self.rank == 0 else {}
         offload = self.spec.training.offload

@@ -63,6 +63,7 @@ class Zero3Strategy(Strategy):
         hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         try:
             self.hf_model = modeling.load_model(s)
+            reference = modeling.load_model(s).requires_grad_(False).eval() if self.needs_reference_copy else None
         finally:
             unset_hf_deepspeed_config()
             del hf_ds_config
@@ -83,6 +84,10 @@ class Zero3Strategy(Strategy):
                 raise
             raise error from exc
         self.model = self.engine
+        if reference is not None:  # partitioned like the model; an engine with no optimizer gathers it per layer
+            inference = {k: v for k, v in self.ds_config.items() if k not in ("optimizer", "scheduler")}
+            self.reference_model, *_ = deepspeed.initialize(model=reference, config=inference)
+            self.reference_model.eval()
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         # The boundary flag decides whether ZeRO finalizes (and, offloaded, copies out) gradients.

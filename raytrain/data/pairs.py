@@ -1,0 +1,102 @@
+"""Preference rows (`training.objective: dpo | simpo`): one source row -> a prompt and two
+responses, then two token sequences that share the prompt.
+
+The shapes users already have, by `data.format`:
+  text      TRL's standard shape: `prompt`, `chosen`, `rejected` strings
+  chat      TRL's conversational shape: `prompt` a message list, `chosen`/`rejected` an
+            assistant message (or a list of them, or a string)
+  alpaca    `instruction` (+ `input`, `system`, `history`) with `chosen`/`rejected` strings
+  sharegpt  LLaMA-Factory's ranking shape: `conversations` holds the prompt turns,
+            `chosen`/`rejected` one {from, value} message each
+with the same `data.columns` / `data.tags` mapping as supervised rows.
+
+Only the responses are labelled: the prompt is context, never trained. A pair whose prompt
+plus either response is longer than `data.seq_len` is not truncated (a cut response would
+compare two different things): it is a bad row, skipped and counted or fatal per
+`data.bad_rows`. Pure functions, like records.py.
+"""
+
+from __future__ import annotations
+
+from ..config import DataSpec
+from .records import IGNORE, _alpaca, _turns, check_messages, decode_line, encode_chat
+
+Sequence = tuple[list[int], list[int]]  # token ids, labels
+
+
+def to_pair(data: DataSpec, row) -> tuple[str | list, object, object]:
+    """(prompt, chosen, rejected) of a row: strings for `text`, messages for the others."""
+    record = decode_line(row) if isinstance(row, (bytes, str)) else row
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    chosen, rejected = (record.get(data.column(k)) for k in ("chosen", "rejected"))
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        if value is None:
+            raise ValueError(f"no {data.column(name)!r} column ({name} response of a preference pair; "
+                             f"data.columns.{name} maps another name)")
+    if data.format == "text":
+        prompt = record.get(data.column("prompt"))
+        if not isinstance(prompt, str):
+            raise ValueError(f"column {data.column('prompt')!r} (the prompt) must be a string, got {type(prompt).__name__}")
+        return prompt, _text(chosen, data.column("chosen")), _text(rejected, data.column("rejected"))
+    prompt = _prompt_messages(data, record)
+    return prompt, _response(data, chosen, "chosen"), _response(data, rejected, "rejected")
+
+
+def _text(value, column: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"column {column!r} must be a non-empty string, got {str(value)[:60]!r}")
+    return value
+
+
+def _prompt_messages(data: DataSpec, record: dict) -> list[dict]:
+    if data.format == "alpaca":
+        messages = _alpaca(data, {**record, data.column("response"): ""})[:-1]  # the pair's responses come after
+    elif data.format == "sharegpt":
+        messages = _turns(data, record)
+    else:  # chat: TRL's conversational `prompt` column
+        messages = _turns(data.model_copy(update={"columns": data.columns.model_copy(
+            update={"messages": data.column("prompt")})}), record)
+    system = record.get(data.column("system")) if data.column("system") else None
+    if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": system}, *messages]
+    if not messages or messages[-1]["role"] == "assistant":
+        raise ValueError("the prompt must end with a user (or tool) turn: the responses answer it")
+    return messages
+
+
+def _response(data: DataSpec, value, name: str) -> list[dict]:
+    """A response as assistant messages: a string, one turn, or a list of turns."""
+    if isinstance(value, str):
+        turns = [{"role": "assistant", "content": value}]
+    else:
+        items = value if isinstance(value, list) else [value]
+        column = data.column(name)
+        turns = _turns(data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}),
+                       {column: items})
+    if not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
+        raise ValueError(f"the {name} response has no assistant text")
+    return turns
+
+
+def encode_pair(tok, data: DataSpec, row) -> tuple[Sequence, Sequence]:
+    """A preference row -> (chosen, rejected) sequences; labels on the response tokens only."""
+    prompt, chosen, rejected = to_pair(data, row)
+    if data.format == "text":
+        head = tok(prompt, add_special_tokens=True)["input_ids"]
+        pair = tuple(_text_sequence(tok, head, response) for response in (chosen, rejected))
+    else:
+        check_messages([*prompt, *chosen])
+        pair = tuple(encode_chat(tok, [*prompt, *response], first_trained=len(prompt)) for response in (chosen, rejected))
+    for name, (ids, labels) in zip(("chosen", "rejected"), pair):
+        if len(ids) > data.seq_len:
+            raise ValueError(f"prompt + {name} response is {len(ids)} tokens, longer than data.seq_len={data.seq_len} "
+                             "(pairs are never truncated: raise seq_len)")
+        if all(label == IGNORE for label in labels):
+            raise ValueError(f"the {name} response has no tokens to compare")
+    return pair
+
+
+def _text_sequence(tok, head: list[int], response: str) -> Sequence:
+    tail = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return head + tail, [IGNORE] * len(head) + tail

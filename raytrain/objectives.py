@@ -1,0 +1,141 @@
+"""What a step minimizes: next-token loss (`sft`) or a preference loss (`dpo`, `simpo`).
+
+An objective turns one micro-batch into a summed loss and summed metrics, and says how many
+units (labelled tokens, or preference pairs) the micro-batch holds. The loop divides by the
+global batch's units, so the loss is the same mean at any worker count and micro-batch split,
+and every metric is an exact mean over the global batch (its sums ride on the loop's one
+all-reduce). The preference losses and metric names are TRL's (DPOTrainer, CPOTrainer's
+SimPO); tests/test_preference.py checks them against TRL itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import JobSpec, PreferenceSpec
+from .data import IGNORE
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the labelled tokens."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: the summed log-probability of its labelled tokens, and their count.
+    (Cross-entropy per token rather than a log-softmax over the vocabulary: one fp32 copy of
+    the logits, not two.)"""
+    target = labels[:, 1:]
+    per_token = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE,
+                                 reduction="none").view(target.shape)
+    return per_token.sum(-1), (target != IGNORE).sum(-1)
+
+
+def pair_losses(objective: str, p: PreferenceSpec, chosen: torch.Tensor, rejected: torch.Tensor,
+                ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, n_chosen: torch.Tensor,
+                n_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, chosen reward, rejected reward) per pair, from summed log-probs and token counts."""
+    if objective == "simpo":  # length-normalized, no reference, a target margin gamma
+        chosen_avg, rejected_avg = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
+        z = p.beta * (chosen_avg - rejected_avg) - p.gamma
+        loss = -(1 - p.label_smoothing) * F.logsigmoid(z) - p.label_smoothing * F.logsigmoid(-z)
+        return loss, p.beta * chosen_avg.detach(), p.beta * rejected_avg.detach()
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if p.loss == "sigmoid":  # with label smoothing: conservative DPO
+        loss = -(1 - p.label_smoothing) * F.logsigmoid(p.beta * delta) - p.label_smoothing * F.logsigmoid(-p.beta * delta)
+    elif p.loss == "hinge":
+        loss = torch.relu(1 - p.beta * delta)
+    else:  # ipo, normalized by the completion's tokens as TRL does (confirmed with IPO's authors, per TRL)
+        ipo = chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1)
+        loss = (ipo - 1 / (2 * p.beta)) ** 2
+    return loss, p.beta * chosen_ratio.detach(), p.beta * rejected_ratio.detach()
+
+
+class SFT:
+    """Next-token cross-entropy, the token mean over the global batch."""
+
+    metrics: tuple[str, ...] = ()
+    sequences_per_row = 1
+
+    def units(self, mb: dict) -> int:
+        return int((mb["labels"][:, 1:] != IGNORE).sum())
+
+    def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return token_loss(forward(strategy, strategy.model, mb), mb["labels"].to(strategy.device)), []
+
+
+class Preference:
+    """DPO or SimPO over the pairs of a micro-batch (its first half chosen, its second half
+    rejected, in one forward); the mean over the global batch's pairs."""
+
+    metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")
+    sequences_per_row = 2
+
+    def __init__(self, spec: JobSpec):
+        self.objective, self.settings = spec.training.objective, spec.training.preference
+
+    def units(self, mb: dict) -> int:
+        return int(_real_pairs(mb).sum())
+
+    def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        labels = mb["labels"].to(strategy.device)
+        logps, counts = sequence_logps(forward(strategy, strategy.model, mb), labels)
+        if self.objective == "dpo":
+            with torch.no_grad(), strategy.reference() as reference:
+                ref_logps, _ = sequence_logps(forward(strategy, reference, mb), labels)
+        else:
+            ref_logps = torch.zeros_like(logps)
+        pairs = len(logps) // 2
+        (chosen, rejected), (ref_c, ref_r), (n_c, n_r) = (t.split(pairs) for t in (logps, ref_logps, counts))
+        if self.objective == "simpo":  # TRL's CPO logs the length-normalized log-probs SimPO trains on
+            chosen_logged, rejected_logged = chosen / n_c.clamp(min=1), rejected / n_r.clamp(min=1)
+        else:
+            chosen_logged, rejected_logged = chosen, rejected
+        loss, reward_c, reward_r = pair_losses(self.objective, self.settings, chosen, rejected, ref_c, ref_r, n_c, n_r)
+        real = _real_pairs(mb).to(loss.device).float()  # a padding pair adds nothing
+        stats = [reward_c, reward_r, (reward_c > reward_r).float(), reward_c - reward_r, chosen_logged.detach(),
+                 rejected_logged.detach()]
+        return (loss * real).sum(), [(s * real).sum() for s in stats]
+
+
+def _real_pairs(mb: dict) -> torch.Tensor:
+    chosen_labels = mb["labels"][: len(mb["labels"]) // 2, 1:]
+    return (chosen_labels != IGNORE).any(-1)
+
+
+def forward(strategy, model, mb: dict) -> torch.Tensor:
+    """Logits of a micro-batch; per-document positions, so packed documents never attend to each other."""
+    with strategy.autocast():
+        return model(input_ids=mb["input_ids"].to(strategy.device),
+                     position_ids=mb["position_ids"].to(strategy.device)).logits
+
+
+def build(spec: JobSpec) -> SFT | Preference:
+    return Preference(spec) if spec.preference else SFT()
+
+
+def evaluate(strategy, objective, micro_batches: list[dict]) -> dict[str, float]:
+    """`eval_loss` (and `eval_<metric>`) over every rank's evaluation rows: a collective, every
+    rank runs the same number of forward passes."""
+    device, sums, units = strategy.device, [0.0] * (1 + len(objective.metrics)), 0
+    strategy.model.eval()
+    with torch.no_grad():
+        for mb in micro_batches:
+            loss, stats = objective(strategy, mb)
+            sums = [a + float(b) for a, b in zip(sums, [loss, *stats])]
+            units += objective.units(mb)
+    strategy.model.train()
+    totals = all_reduce([*sums, units], device)
+    count = max(1.0, totals[-1])
+    return {f"eval_{name}": value / count for name, value in zip(("loss", *objective.metrics), totals[:-1])}
+
+
+def all_reduce(values: list[float], device) -> list[float]:
+    """SUM across ranks, in one collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
