@@ -75,7 +75,8 @@ def cmd_validate(args) -> int:
     if not args.json:
         lo, hi = spec.scaling.worker_range
         budget = "any number of" if spec.failure.max_failures < 0 else spec.failure.max_failures
-        print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}, workers {lo}..{hi}, "
+        objective = "" if spec.training.objective == "sft" else f", {spec.training.objective}"
+        print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}{objective}, workers {lo}..{hi}, "
               f"accumulation {spec.accumulation_steps(hi)}..{spec.accumulation_steps(lo)}; survives {budget} worker "
               "failures, preemptions not counted)")
     _report(report, args.json)

@@ -114,7 +114,7 @@ def _decoded(row):
 
 
 REQUIRED_COLUMNS = {"text": ("text",), "chat": ("messages",), "sharegpt": ("messages",), "alpaca": ("prompt", "response")}
-PAIR_COLUMNS = {"text": ("prompt", "chosen", "rejected"), "chat": ("prompt", "chosen", "rejected"),
+PAIR_COLUMNS = {"text": ("prompt", "chosen", "rejected"), "chat": ("chosen", "rejected"),  # chat: prompt may be implicit
                 "sharegpt": ("messages", "chosen", "rejected"), "alpaca": ("prompt", "chosen", "rejected")}
 
 

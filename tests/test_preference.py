@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -56,6 +57,15 @@ def test_each_format_labels_only_the_responses_after_a_shared_prompt(tok, fmt, r
         return ids[:next(i for i, label in enumerate(labels) if label != IGNORE)]
 
     assert len(prompt(chosen)) > 2 and prompt(chosen) == prompt(rejected)  # never trained, the same
+
+
+def test_the_implicit_prompt_shape_splits_at_the_shared_turns(tok):
+    user = {"role": "user", "content": "what does the fox do?"}
+    row = {"chosen": [user, {"role": "assistant", "content": "it jumps."}],
+           "rejected": [user, {"role": "assistant", "content": "it runs."}]}
+    chosen, rejected = encode_pair(tok, DataSpec(path="x", format="chat", seq_len=64), row)
+    assert (trained_text(tok, chosen), trained_text(tok, rejected)) == ("it jumps.<|im_end|>", "it runs.<|im_end|>")
+    assert chosen[1].index(next(x for x in chosen[1] if x != IGNORE)) > 5  # the user turn is the prompt
 
 
 def test_earlier_assistant_turns_of_the_prompt_are_context_not_trained(tok):
@@ -190,3 +200,133 @@ def test_dpo_at_the_reference_is_ln2_with_zero_rewards(assets, tok):
     loss, stats = objective(_OneProcess(model, model), mb)
     assert float(loss) / 4 == pytest.approx(math.log(2), abs=1e-7)
     assert [float(s) for s in stats[:4]] == [0.0, 0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------- runs on the cluster
+STEPS, PARITY_STEPS, EVERY = 20, 8, 4
+LOSS_REL_TOL = 1e-5
+
+
+def dpo_job(assets, storage, name, strategy="fsdp2", finetune="lora", objective="dpo", steps=PARITY_STEPS, **over):
+    from conftest import make_job
+
+    return make_job(assets, storage, name=name,
+                    data={"path": str(assets / "pairs.jsonl"), "seq_len": 16,
+                          "eval": {"fraction": 0.05, "every_n_steps": EVERY}},
+                    training={"objective": objective, "strategy": strategy, "finetune": finetune, "max_steps": steps},
+                    optimizer={"lr": 1e-2 if finetune == "lora" else 1e-3, "warmup_steps": 2, "schedule": "constant"},
+                    checkpoint={"every_n_steps": EVERY, "keep_last": 2}, **over)
+
+
+KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+        "eval_loss", "eval_rewards/accuracies", "step_time_s")
+
+
+@pytest.fixture(scope="module")
+def runs(ray_address, assets, tmp_path_factory):
+    from conftest import metric_history
+
+    from raytrain import launcher
+
+    plan = [("fsdp2", "lora", "dpo", STEPS)] + [(s, f, "dpo", PARITY_STEPS) for s, f in [
+        ("zero3", "lora"), ("ddp", "lora"), ("fsdp2", "full"), ("zero3", "full"), ("ddp", "full")]] + [
+        ("fsdp2", "lora", "simpo", PARITY_STEPS)]
+    out = {}
+    for strategy, finetune, objective, steps in plan:
+        spec = dpo_job(assets, tmp_path_factory.mktemp(f"{objective}-{strategy}-{finetune}"),
+                       f"{objective}-{strategy}-{finetune}", strategy, finetune, objective, steps)
+        result = launcher.run(spec)
+        out[objective, strategy, finetune] = SimpleNamespace(
+            spec=spec, run_id=result.run_id, **{k.replace("/", "_"): metric_history(spec, result.run_id, k) for k in KEYS})
+    print("\n[dpo] eval rewards/accuracies, fsdp2 LoRA:", out["dpo", "fsdp2", "lora"].eval_rewards_accuracies)
+    return out
+
+
+@pytest.mark.slow
+def test_lora_dpo_starts_at_the_reference_and_learns_the_held_out_preference(runs):
+    run = runs["dpo", "fsdp2", "lora"]
+    # Step 1: the adapter is zero, so the policy is the reference: ln 2 and every reward 0, exactly.
+    assert run.loss[1] == pytest.approx(math.log(2), abs=1e-7)
+    assert run.rewards_chosen[1] == run.rewards_rejected[1] == run.rewards_margins[1] == 0.0
+    assert run.rewards_accuracies[1] == 0.0  # a tie is not a win (TRL counts chosen > rejected)
+    accuracy = run.eval_rewards_accuracies
+    assert sorted(accuracy) == [4, 8, 12, 16, 20]
+    assert accuracy[4] < 0.9 and min(accuracy[12], accuracy[16], accuracy[20]) >= 0.9, accuracy
+    assert run.eval_loss[20] < run.eval_loss[4] < math.log(2)
+    assert run.rewards_margins[20] > 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_strategies_agree_per_step_on_dpo(runs, finetune):
+    figures = {}
+    by = {s: runs["dpo", s, finetune] for s in ("fsdp2", "zero3", "ddp")}
+    for a, b in [("fsdp2", "zero3"), ("fsdp2", "ddp"), ("zero3", "ddp")]:
+        for key in ("loss", "logps_chosen", "rewards_margins"):
+            x, y = getattr(by[a], key), getattr(by[b], key)
+            if key == "rewards_margins":  # starts at 0: absolute (beta x log-ratio), not relative
+                worst = max(abs(x[k] - y[k]) for k in range(1, PARITY_STEPS + 1))
+            else:
+                worst = max(abs(x[k] - y[k]) / abs(y[k]) for k in range(1, PARITY_STEPS + 1))
+            figures[f"{a}-{b} {key}"] = worst
+            assert worst <= LOSS_REL_TOL, (a, b, key, worst)
+    print(f"\n[dpo parity] {finetune}: {json.dumps(figures, indent=1)}")
+    # Each trains: the full fine-tune's own reference copy is left behind by its policy.
+    assert by["fsdp2"].loss[PARITY_STEPS] < math.log(2) - 0.01 and by["fsdp2"].rewards_margins[PARITY_STEPS] > 0
+
+
+@pytest.mark.slow
+def test_simpo_trains_without_a_reference(runs):
+    run = runs["simpo", "fsdp2", "lora"]
+    assert run.loss[PARITY_STEPS] < run.loss[1]
+    assert run.rewards_margins[PARITY_STEPS] > run.rewards_margins[1]
+    assert run.rewards_chosen[1] != 0.0  # beta x the average log-prob, not a log-ratio
+
+
+@pytest.mark.slow
+def test_killed_full_dpo_resumes_bit_identically(runs, inject_faults, assets, tmp_path):
+    from conftest import metric_history
+
+    from raytrain import launcher
+
+    reference = runs["dpo", "fsdp2", "full"]
+    inject_faults([{"at": "step", "step": 6, "rank": 1, "action": "exit"}])
+    spec = dpo_job(assets, tmp_path / "runs", "dpo-resume", "fsdp2", "full", failure={"max_failures": 1})
+    result = launcher.run(spec)
+    [failure] = result.goodput["failures"]
+    assert failure["resumed_from"] == EVERY
+    for key in ("loss", "rewards/margins", "eval_rewards/accuracies"):
+        assert metric_history(spec, result.run_id, key) == getattr(reference, key.replace("/", "_")), key
+
+
+@pytest.mark.slow
+def test_exported_adapter_loads_with_plain_peft_and_gives_the_last_eval(runs, tok):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.data.order import held_out
+    from raytrain.data.store import TokenStore
+
+    run = runs["dpo", "fsdp2", "lora"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run.spec.model.path),
+                                      f"{run.spec.run_dir}/final_model").eval()
+    [store_dir] = [p for p in (Path(run.spec.checkpoint.storage_path) / "datasets").iterdir()]
+    store = TokenStore.open(str(store_dir))
+    rows = store.read(held_out(store.rows, 0.05)[1])
+    t = torch.from_numpy(rows).long()
+    t = torch.cat([t[:, :3], t[:, 3:]])
+    mb = {"input_ids": t[:, 0], "labels": t[:, 1], "position_ids": t[:, 2]}
+
+    class WithAdapterOff(_OneProcess):
+        @contextlib.contextmanager
+        def reference(self):
+            with self.model.disable_adapter():
+                yield self.model
+
+    objective = Preference(run.spec)
+    with torch.no_grad():
+        loss, stats = objective(WithAdapterOff(model, None), mb)
+    pairs = objective.units(mb)
+    assert loss / pairs == pytest.approx(run.eval_loss[STEPS], rel=1e-5)
+    accuracy = float(stats[objective.metrics.index("rewards/accuracies")]) / pairs
+    assert accuracy == pytest.approx(run.eval_rewards_accuracies[STEPS], abs=1e-9)

@@ -321,6 +321,32 @@ def sqlite_under_a_file(job, tmp, assets):
     job["tracking"]["uri"] = f"sqlite:///{tmp}/file/mlflow.db"
 
 
+PAIR_OK = {"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs."}
+
+@case("data.columns.rejected = 'rejected'", "columns there: chosen, prompt, worse")
+def preference_rows_without_rejected(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [{"prompt": "the fox", "chosen": " jumps.", "worse": " runs."}] * 3)
+    job["training"]["objective"] = "dpo"
+
+@case("data.columns.text = 'text'", "these rows are preference pairs: set training.objective: dpo (or simpo)")
+def preference_rows_trained_as_sft(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [PAIR_OK] * 3)
+
+@case("data.train_on_inputs", "a preference pair's prompt is never trained")
+def preference_with_train_on_inputs(job, tmp, assets):
+    job["data"].update(path=lines(tmp, [PAIR_OK] * 3), train_on_inputs=True)
+    job["training"]["objective"] = "dpo"
+
+@case("training.preference.loss", "SimPO has its own")
+def simpo_with_a_dpo_loss(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [PAIR_OK] * 3)
+    job["training"].update(objective="simpo", preference={"loss": "ipo"})
+
+@case("data.path", "usable as text preference data, e.g. ")
+def preference_prompt_not_a_string(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [{**PAIR_OK, "prompt": ["the fox"]}] * 3)
+    job["training"]["objective"] = "dpo"
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_job_exits_2_naming_the_field(name, assets, tmp_path):
     fn, field, text = CASES[name]

@@ -4,7 +4,8 @@ responses, then two token sequences that share the prompt.
 The shapes users already have, by `data.format`:
   text      TRL's standard shape: `prompt`, `chosen`, `rejected` strings
   chat      TRL's conversational shape: `prompt` a message list, `chosen`/`rejected` an
-            assistant message (or a list of them, or a string)
+            assistant message (or a list of them, or a string); or its implicit-prompt shape:
+            no `prompt`, `chosen`/`rejected` whole conversations that share the prompt turns
   alpaca    `instruction` (+ `input`, `system`, `history`) with `chosen`/`rejected` strings
   sharegpt  LLaMA-Factory's ranking shape: `conversations` holds the prompt turns,
             `chosen`/`rejected` one {from, value} message each
@@ -39,8 +40,22 @@ def to_pair(data: DataSpec, row) -> tuple[str | list, object, object]:
         if not isinstance(prompt, str):
             raise ValueError(f"column {data.column('prompt')!r} (the prompt) must be a string, got {type(prompt).__name__}")
         return prompt, _text(chosen, data.column("chosen")), _text(rejected, data.column("rejected"))
+    if data.format == "chat" and data.column("prompt") not in record:
+        record, chosen, rejected = _implicit_prompt(data, record, chosen, rejected)
     prompt = _prompt_messages(data, record)
     return prompt, _response(data, chosen, "chosen"), _response(data, rejected, "rejected")
+
+
+def _implicit_prompt(data: DataSpec, record: dict, chosen, rejected):
+    """TRL's implicit-prompt shape (UltraFeedback, HH-RLHF): no prompt column; `chosen` and
+    `rejected` are whole conversations, and the prompt is the turns they share."""
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise ValueError(f"no {data.column('prompt')!r} column, and {data.column('chosen')!r}/"
+                         f"{data.column('rejected')!r} are not whole conversations sharing their first turns")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    return {**record, data.column("prompt"): chosen[:shared]}, chosen[shared:], rejected[shared:]
 
 
 def _text(value, column: str) -> str:
