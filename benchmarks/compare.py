@@ -6,6 +6,8 @@ P2  submit -> first finished step, raytrain / bare torchrun (raytrain cold: it s
     and finds its token store already prepared by an earlier job on the same data).
 P7  FSDP2 / FSDP1 tokens/s and peak memory, both bare.
 P8  ZeRO-3 / FSDP2 step period and peak memory, both through raytrain.
+P9  DPO / SFT step time through raytrain on the same rows (SFT trains prompt + chosen; DPO
+    the pair, plus the reference's forward), LoRA and full fine-tuning.
 """
 
 from __future__ import annotations
@@ -237,3 +239,27 @@ def p8(s: h.Setting) -> dict:
     h.ratio_line("P8 in-loop step time", "zero3", in_loop["zero3"], "fsdp2", in_loop["fsdp2"])
     mem_ratio = h.ratio_line("P8 peak memory, largest rank", "zero3", mem["zero3"], "fsdp2", mem["fsdp2"], unit="GiB")
     return {"ratio": ratio, "memory_ratio": mem_ratio, "period": period, "memory": mem}
+
+
+# ---------------------------------------------------------------- P9
+def p9(s: h.Setting) -> dict:
+    h.header("P9 DPO / SFT in-loop step time, same rows, both through raytrain", s)
+    model, _ = h.assets(s)
+    pairs = h.CACHE / f"base-{s.data_rows}" / "pairs.jsonl"
+    sft_rows = h.CACHE / f"base-{s.data_rows}" / "pairs-as-sft.jsonl"  # each pair's prompt + chosen, one sequence
+    if not sft_rows.exists():
+        rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+        sft_rows.write_text("".join(json.dumps({"text": r["prompt"] + r["chosen"]}) + "\n" for r in rows))
+    times: dict[str, list[float]] = {}
+    arms = [f"{objective}-{finetune}" for finetune in ("lora", "full") for objective in ("sft", "dpo")]
+    for arm in h.alternate(s.reps, arms):
+        objective, finetune = arm.split("-")
+        r = raytrain_arm(s, f"p9-{arm}", model, sft_rows if objective == "sft" else pairs,
+                         data={"pack": False}, training={"objective": objective, "finetune": finetune})
+        times.setdefault(arm, []).append(steady(r["step_time_s"], s.warmup))
+        print(f"    {arm}: in-loop step {times[arm][-1]:.4f} s", flush=True)
+    out = {}
+    for finetune in ("lora", "full"):
+        out[finetune] = h.ratio_line(f"P9 step time per row, {finetune}", "dpo (a pair)", times[f"dpo-{finetune}"],
+                                     "sft (one sequence)", times[f"sft-{finetune}"])
+    return {"ratio": out["lora"], "ratio_full": out["full"], "times": times}
