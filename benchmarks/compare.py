@@ -20,7 +20,7 @@ from pathlib import Path
 from . import harness as h
 
 
-def raytrain_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str, env: dict | None = None,
+def raytrain_arm(s: h.Setting, label: str, model: Path, data_file: Path, *extra: str, env: dict | None = None,
                  inspect=None, probe: bool = False, primed: bool = False, **over) -> dict:
     """One raytrain run; its step timings as seen from outside and as logged to MLflow.
     `inspect(folder)`, if given, looks at the run's files before they are deleted;
@@ -29,10 +29,10 @@ def raytrain_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str,
     folder = h.scratch(label)
     try:
         if primed:
-            prime = h.write_job(h.job(s, f"{label}-prime", folder / "runs", model, data, **over), folder / "prime")
+            prime = h.write_job(h.job(s, f"{label}-prime", folder / "runs", model, data_file, **over), folder / "prime")
             h.run_arm(f"{label}-prime", h.raytrain_command(prime, *extra), folder / "prime-steps", env=env,
                       timeout_s=s.timeout_s)
-        job_file = h.write_job(h.job(s, label, folder / "runs", model, data, **over), folder)
+        job_file = h.write_job(h.job(s, label, folder / "runs", model, data_file, **over), folder)
         extra += ("--probe-log", str(folder)) if probe else ()
         run = h.run_arm(label, h.raytrain_command(job_file, *extra), folder / "steps", env=env, timeout_s=s.timeout_s)
         series = {k: h.metric_series(folder / "runs", k) for k in

@@ -3,7 +3,8 @@
 FLOPs per token follow torchtitan's `get_num_flop_per_token`: 6·N for the dense matmuls
 (forward 2N, backward 4N) plus the attention term 12·L·H·Dh·T. LoRA skips the weight
 gradients of frozen weights, so its dense cost is 4·N_frozen + 6·N_trainable; both are
-reported (mfu uses what was actually computed). MFU needs the device's peak FLOP/s, taken
+reported (mfu uses what was actually computed). DPO adds its reference model's forward
+(2·N + a third of the attention term) per token. MFU needs the device's peak FLOP/s, taken
 from a table of dense bf16 figures; on CPU raytrain reports throughput only.
 """
 
@@ -21,13 +22,17 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def flops_per_token(config, n_params: int, n_trainable: int, seq_len: int, lora: bool) -> dict[str, float]:
+def flops_per_token(config, n_params: int, n_trainable: int, seq_len: int, lora: bool,
+                    reference_forward: bool = False) -> dict[str, float]:
     layers = getattr(config, "num_hidden_layers", 0)
     heads = getattr(config, "num_attention_heads", 0)
     head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // max(1, heads))
     attention = 12 * layers * heads * head_dim * seq_len
     full = 6 * n_params + attention
     actual = (4 * (n_params - n_trainable) + 6 * n_trainable + attention) if lora else full
+    if reference_forward:
+        extra = 2 * n_params + attention / 3
+        full, actual = full + extra, actual + extra
     return {"flops_per_token": float(actual), "flops_per_token_full_ft": float(full)}
 
 
@@ -59,7 +64,8 @@ class StepFlops:
         trainable = sum(size for size, grad in sizes if grad)
         base = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", model)
         config = getattr(base, "config", None) or getattr(getattr(base, "module", base), "config", None)
-        self.per_token = flops_per_token(config, n, trainable, spec.data.seq_len, spec.training.finetune == "lora")
+        self.per_token = flops_per_token(config, n, trainable, spec.data.seq_len, spec.training.finetune == "lora",
+                                         reference_forward=spec.training.objective == "dpo")
         self.peak = peak_flops(device)
 
     def metrics(self, tokens_per_s: float, world: int) -> dict[str, float]:

@@ -228,15 +228,16 @@ def runs(ray_address, assets, tmp_path_factory):
 
     from raytrain import launcher
 
-    plan = [("fsdp2", "lora", "dpo", STEPS)] + [(s, f, "dpo", PARITY_STEPS) for s, f in [
+    plan = [("fsdp2", "lora", "dpo", STEPS, 2)] + [(s, f, "dpo", PARITY_STEPS, 2) for s, f in [
         ("zero3", "lora"), ("ddp", "lora"), ("fsdp2", "full"), ("zero3", "full"), ("ddp", "full")]] + [
-        ("fsdp2", "lora", "simpo", PARITY_STEPS)]
+        ("fsdp2", "lora", "simpo", PARITY_STEPS, 2), ("fsdp2", "lora", "dpo", PARITY_STEPS, 3)]
     out = {}
-    for strategy, finetune, objective, steps in plan:
-        spec = dpo_job(assets, tmp_path_factory.mktemp(f"{objective}-{strategy}-{finetune}"),
-                       f"{objective}-{strategy}-{finetune}", strategy, finetune, objective, steps)
+    for strategy, finetune, objective, steps, workers in plan:
+        name = f"{objective}-{strategy}-{finetune}" + ("" if workers == 2 else f"-{workers}w")
+        spec = dpo_job(assets, tmp_path_factory.mktemp(name), name, strategy, finetune, objective, steps,
+                       scaling={"num_workers": workers})
         result = launcher.run(spec)
-        out[objective, strategy, finetune] = SimpleNamespace(
+        out[(objective, strategy, finetune) + (() if workers == 2 else (workers,))] = SimpleNamespace(
             spec=spec, run_id=result.run_id, **{k.replace("/", "_"): metric_history(spec, result.run_id, k) for k in KEYS})
     print("\n[dpo] eval rewards/accuracies, fsdp2 LoRA:", out["dpo", "fsdp2", "lora"].eval_rewards_accuracies)
     return out
@@ -273,6 +274,16 @@ def test_strategies_agree_per_step_on_dpo(runs, finetune):
     print(f"\n[dpo parity] {finetune}: {json.dumps(figures, indent=1)}")
     # Each trains: the full fine-tune's own reference copy is left behind by its policy.
     assert by["fsdp2"].loss[PARITY_STEPS] < math.log(2) - 0.01 and by["fsdp2"].rewards_margins[PARITY_STEPS] > 0
+
+
+@pytest.mark.slow
+def test_three_workers_train_the_same_pairs_as_two(runs):
+    # 8 pairs on 3 ranks: 3, 3 and 2, so one rank runs a padding pair; it must add nothing.
+    two, three = runs["dpo", "fsdp2", "lora"], runs["dpo", "fsdp2", "lora", 3]
+    for key in ("loss", "rewards_margins", "rewards_accuracies"):
+        x, y = getattr(three, key), getattr(two, key)
+        assert max(abs(x[k] - y[k]) for k in range(1, PARITY_STEPS + 1)) <= 1e-6, (key, x, y)
+    assert three.eval_loss[EVERY] == pytest.approx(two.eval_loss[EVERY], rel=1e-5)
 
 
 @pytest.mark.slow
