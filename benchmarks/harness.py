@@ -81,12 +81,12 @@ def assets(s: Setting, hidden: int | None = None, layers: int | None = None) -> 
     return out, data
 
 
-def job(s: Setting, name: str, storage: Path, model: Path, data: Path, **over) -> dict:
+def job(s: Setting, name: str, storage: Path, model: Path, data_file: Path, **over) -> dict:
     """A raytrain job dict for this setting; keyword sections are merged over it."""
     raw = {
         "name": name,
         "model": {"path": str(model)},
-        "data": {"path": str(data), "seq_len": s.seq_len, "shuffle_window": 256},
+        "data": {"path": str(data_file), "seq_len": s.seq_len, "shuffle_window": 256},
         "training": {"strategy": "fsdp2", "finetune": "full", "global_batch_size": s.global_batch,
                      "micro_batch_size": s.micro_batch, "max_steps": s.steps, "seed": 0},
         "optimizer": {"lr": 1e-3, "warmup_steps": 2},
