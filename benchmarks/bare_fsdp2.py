@@ -72,7 +72,7 @@ def batches(args, rank: int, world: int):
     micro = -(-(-(-args.global_batch // world)) // args.micro_batch)
     for first in itertools.count(0, args.global_batch):
         _, rows = order.rows_at(np.arange(first + start, first + stop))
-        ids, labels, positions = store.read(rows)
+        ids, labels, positions = store.read(rows).transpose(1, 0, 2)  # [rows, planes, seq] -> planes
         yield [(torch.from_numpy(ids[part]).long(), torch.from_numpy(labels[part]).long(),
                 torch.from_numpy(positions[part]).long()) for part in np.array_split(np.arange(len(rows)), micro)]
 

@@ -222,7 +222,8 @@ def p8(s: h.Setting) -> dict:
     env = {"TORCH_EXTENSIONS_DIR": str(h.CACHE / "torch_extensions")}
     for arm in h.alternate(s.reps, ["zero3", "fsdp2"]):
         try:
-            r = raytrain_arm(s, f"p8-{arm}", model, data, env=env, probe=True, training={"strategy": arm})
+            r = raytrain_arm(s, f"p8-{arm}", model, data, env=env, probe=True,
+                             training={"strategy": arm, "gradient_sync": "auto"})  # both reduce each micro-batch
         except RuntimeError as exc:
             if arm != "zero3":
                 raise

@@ -87,8 +87,10 @@ def job(s: Setting, name: str, storage: Path, model: Path, data_file: Path, **ov
         "name": name,
         "model": {"path": str(model)},
         "data": {"path": str(data_file), "seq_len": s.seq_len, "shuffle_window": 256},
+        # gradient_sync: the bare FSDP2 script's rule (reduce on the last micro-batch), so P1/P2 compare one algorithm.
         "training": {"strategy": "fsdp2", "finetune": "full", "global_batch_size": s.global_batch,
-                     "micro_batch_size": s.micro_batch, "max_steps": s.steps, "seed": 0},
+                     "micro_batch_size": s.micro_batch, "max_steps": s.steps, "seed": 0,
+                     "gradient_sync": "last_micro_batch"},
         "optimizer": {"lr": 1e-3, "warmup_steps": 2},
         "scaling": {"num_workers": s.workers, "use_gpu": s.gpu},
         # P1/P2: one checkpoint, after the last step, outside every timing window.

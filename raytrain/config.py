@@ -30,7 +30,7 @@ class ModelSpec(Section):
     tokenizer: str | None = None
     """Tokenizer path or hub id; defaults to `model.path`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype the weights are stored in while training (master weights); compute precision is `training.precision`."""
+    """Dtype the model is loaded in and a LoRA job's frozen base is kept in. Trained weights (a full fine-tune's) always keep an fp32 master copy with fp32 AdamW state, under every strategy; compute precision is `training.precision`."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code. Off unless the job says so: it executes code from the hub."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
@@ -223,9 +223,9 @@ class LoraSpec(Section):
 
 class OffloadSpec(Section):
     optimizer: bool = False
-    """Keep optimizer state (and, for FSDP2, the sharded parameters' master copy) in CPU memory."""
+    """Keep the optimizer state (with the fp32 master weights) in CPU memory and step it there. fsdp2 can only offload parameters, gradients and optimizer state together: set both."""
     params: bool = False
-    """Keep sharded parameters in CPU memory between uses."""
+    """Keep the sharded parameters in CPU memory between uses."""
 
 
 class PreferenceSpec(Section):
@@ -264,6 +264,8 @@ class TrainingSpec(Section):
     """Compute precision: `auto` is bf16 on GPU and fp32 on CPU."""
     offload: OffloadSpec = OffloadSpec()
     """CPU offload, meaning the same under `fsdp2` and `zero3`."""
+    gradient_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
+    """When gradients are reduced while accumulating (fsdp2, ddp; zero3 always reduce-scatters each micro-batch). `every_micro_batch` keeps only this rank's shard of the gradients (fsdp2), at one reduce-scatter per micro-batch; `last_micro_batch` communicates once per step but keeps every parameter's whole fp32 gradient until then. `auto`: every micro-batch for full fine-tuning (those gradients are the model's size), the last for LoRA (adapters are small). The loss and steps are the same either way."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward to save memory."""
     deepspeed: dict[str, Any] | None = None
@@ -409,6 +411,12 @@ class JobSpec(Section):
         if (off.optimizer or off.params) and self.training.strategy == "ddp":
             raise ValueError("training.offload is used by fsdp2 and zero3 only: ddp keeps everything on the device; "
                              "set training.strategy: fsdp2 (or zero3), or remove training.offload")
+        if off.optimizer != off.params and self.training.strategy == "fsdp2":
+            one, other = ("optimizer", "params") if off.optimizer else ("params", "optimizer")
+            raise ValueError(f"training.offload.{one}: fsdp2 offloads parameters, gradients and optimizer state together "
+                             f"(torch's CPUOffloadPolicy), so {one} alone would also move the {other}; set both "
+                             f"offload.params and offload.optimizer, or use training.strategy: zero3, which offloads "
+                             "each on its own")
         return self
 
     @model_validator(mode="after")
@@ -425,6 +433,20 @@ class JobSpec(Section):
         if p.label_smoothing and p.loss != "sigmoid":
             raise ValueError(f"training.preference.label_smoothing applies to the sigmoid loss, not {p.loss!r}: "
                              "remove it or set preference.loss: sigmoid")
+        return self
+
+    @property
+    def sync_every_micro_batch(self) -> bool:
+        """`training.gradient_sync` resolved: the one place the accumulation rule is decided."""
+        if self.training.gradient_sync == "auto":
+            return self.training.finetune == "full" and self.training.strategy != "ddp"
+        return self.training.gradient_sync == "every_micro_batch"
+
+    @model_validator(mode="after")
+    def _gradient_sync_fits_the_strategy(self):
+        if self.training.strategy == "zero3" and self.training.gradient_sync == "last_micro_batch":
+            raise ValueError("training.gradient_sync='last_micro_batch': ZeRO-3 reduce-scatters every micro-batch "
+                             "(its gradients are partitioned); remove gradient_sync or set training.strategy: fsdp2")
         return self
 
     @property

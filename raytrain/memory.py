@@ -188,8 +188,8 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     host_params = off.params or (t.strategy == "fsdp2" and off.optimizer)
     if t.strategy == "zero3":  # DeepSpeed: 16-bit params and grads with an fp32 master in the optimizer
         p_b, opt_b, opt_label = (2, 12, "AdamW m, v + fp32 master") if c == 2 else (4, 8, "AdamW m, v")
-    else:
-        p_b, opt_b, opt_label = w, 2 * w, "AdamW m, v"
+    else:  # fsdp2 / ddp: trained weights are fp32 masters with fp32 grads and AdamW state (to_fp32_master)
+        p_b, opt_b, opt_label = 4, 8, "AdamW m, v"
     n_lora = trainable_params(spec, facts) if t.finetune == "lora" else 0
     if t.finetune == "full":
         terms = [(Term("weights", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params),
@@ -200,10 +200,11 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         terms = [(Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P), host_params),
                  (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt)]
     if t.objective == "dpo" and t.finetune == "full":  # DPO's frozen reference, sharded like the model
-        terms.append((Term("DPO reference copy (frozen)", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params))
+        ref_b = 2 if t.strategy == "zero3" and c == 2 else w  # frozen: kept as loaded (ZeRO-3: its 16-bit copy)
+        terms.append((Term("DPO reference copy (frozen)", f"{ref_b} B × {_n(N)}{per}", ref_b * N / P), host_params))
     for term, on_host in terms:
         (out.host if on_host else out.device).append(term)
-    if t.strategy == "fsdp2" and spec.accumulation_steps(workers) > 1:
+    if t.strategy == "fsdp2" and spec.accumulation_steps(workers) > 1 and not spec.sync_every_micro_batch:
         # FSDP2 skips the reduce-scatter on all but the last micro-batch and keeps each
         # parameter's whole (unsharded) fp32 gradient on every rank until the step.
         n = N if t.finetune == "full" else n_lora

@@ -264,3 +264,35 @@ def test_restore_refuses_a_tampered_checkpoint(assets, tmp_path, strategy, case)
                        .replace(".", r"\.") + ".*Nothing in it was loaded"):
         launcher.run(job(assets, storage, strategy, "full", "tampered", steps=3))
     assert not side_effect.exists()
+
+
+def test_full_fine_tuning_keeps_fp32_master_weights_whatever_the_load_dtype(ray_address, assets, tmp_path):
+    """A model stored in bf16, trained with model.dtype bfloat16 or float32: the same fp32 master
+    weights (bf16 -> fp32 is exact), so the same losses bit for bit under fsdp2, and ddp agrees.
+    Before, fsdp2 and ddp stepped bf16 weights with bf16 AdamW state while zero3 kept an fp32 master."""
+    from transformers import AutoModelForCausalLM
+
+    bf16_model = tmp_path / "bf16-model"
+    AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.bfloat16).save_pretrained(str(bf16_model))
+    for f in assets.joinpath("model").glob("tokenizer*"):
+        (bf16_model / f.name).write_bytes(f.read_bytes())
+    losses, checkpoints = {}, {}
+    for strategy, dtype in [("fsdp2", "float32"), ("fsdp2", "bfloat16"), ("ddp", "bfloat16")]:
+        spec = job(assets, tmp_path / f"{strategy}-{dtype}", strategy, "full", f"master-{strategy}-{dtype}", steps=4,
+                   model={"path": str(bf16_model), "dtype": dtype})  # the last step checkpoints
+        losses[strategy, dtype] = metric_history(spec, launcher.run(spec).run_id)
+        checkpoints[strategy, dtype] = Path(latest_checkpoint(spec.run_dir))
+    assert losses["fsdp2", "bfloat16"] == losses["fsdp2", "float32"]
+    assert max_diffs(losses["ddp", "bfloat16"], losses["fsdp2", "bfloat16"])[1] <= LOSS_REL_TOL
+    assert losses["fsdp2", "bfloat16"][4] != losses["fsdp2", "bfloat16"][1]  # it trained
+    reader = dcp_dtypes(checkpoints["fsdp2", "bfloat16"])
+    assert reader and set(reader.values()) == {torch.float32}, reader  # weights and AdamW state
+
+
+def dcp_dtypes(step: Path) -> dict[str, torch.dtype]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(step)).read_metadata()
+    return {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata) and v.size.numel() > 1}

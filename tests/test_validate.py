@@ -321,6 +321,14 @@ def sqlite_under_a_file(job, tmp, assets):
     job["tracking"]["uri"] = f"sqlite:///{tmp}/file/mlflow.db"
 
 
+@case("training.offload.optimizer", "fsdp2 offloads parameters, gradients and optimizer state together")
+def fsdp2_offloading_the_optimizer_alone(job, tmp, assets):
+    job["training"].update(strategy="fsdp2", offload={"optimizer": True})
+
+@case("training.gradient_sync = 'last_micro_batch'", "ZeRO-3 reduce-scatters every micro-batch")
+def zero3_asked_to_keep_whole_gradients(job, tmp, assets):
+    job["training"].update(strategy="zero3", gradient_sync="last_micro_batch")
+
 PAIR_OK = {"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs."}
 
 @case("data.columns.rejected = 'rejected'", "columns there: chosen, prompt, worse")
@@ -471,11 +479,25 @@ def test_cached_hub_config_gets_the_memory_check(assets, tmp_path, hf_cache):
     code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json", env=hf_cache)
     [problem] = json.loads(out)["problems"]
     assert code == 2 and problem["field"] == "scaling.accelerator_memory_gb" and problem["value"] == "80"
-    assert "weights 2 B × 8.03B params / 8" in problem["message"] and "config.json dimensions" in problem["message"]
-    # It used to suggest micro-batch 3 "at 53 GiB": with 8 rows per rank that is 3 micro-batches, and
-    # FSDP2 keeps every parameter's whole fp32 gradient while it accumulates (+32 GB), which the
-    # estimate did not count. Micro-batch 1 pays the same 32 GB but fits by its activations.
-    assert "smallest change that fits: training.micro_batch_size: 1 (≈ 61.10 GiB)" in problem["message"]
+    # fp32 master weights, fp32 gradients and AdamW state: 16 B a parameter, as under ZeRO-3's bf16 mode.
+    assert "weights 4 B × 8.03B params / 8" in problem["message"] and "config.json dimensions" in problem["message"]
+    assert "optimizer (AdamW m, v) 8 B × 8.03B params / 8" in problem["message"]
+    # A full fine-tune reduce-scatters every micro-batch (training.gradient_sync: auto), so no rank keeps
+    # whole fp32 gradients while accumulating (+32 GB, which once made micro-batch 1 the only fit).
+    assert "unsharded gradients" not in problem["message"]
+    assert "smallest change that fits: training.micro_batch_size: 2 (≈ 60.56 GiB)" in problem["message"]
+
+
+def test_keeping_whole_gradients_while_accumulating_is_counted(assets, tmp_path, hf_cache):
+    job = base_job(assets, tmp_path)
+    job["model"] = {"path": "meta-llama/Llama-3.1-8B", "tokenizer": str(assets / "model"), "dtype": "bfloat16"}
+    job["data"]["seq_len"] = 4096
+    job["training"].update(finetune="full", precision="bf16", global_batch_size=64, micro_batch_size=2,
+                           gradient_sync="last_micro_batch")
+    job["scaling"] = {"num_workers": 8, "use_gpu": True, "accelerator_memory_gb": 80}
+    code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json", env=hf_cache)
+    [problem] = json.loads(out)["problems"]
+    assert "unsharded gradients while accumulating 4 B × 8.03B params = 29.92 GiB" in problem["message"]
 
 
 def test_unreachable_hosts_are_notes_for_validate_and_errors_for_run(assets, tmp_path):

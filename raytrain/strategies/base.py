@@ -174,6 +174,21 @@ class TorchStrategy(Strategy):
         dist.barrier()
 
 
+def needs_fp32_master(model: torch.nn.Module) -> bool:
+    return any(p.requires_grad and p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters())
+
+
+def to_fp32_master(model: torch.nn.Module) -> None:
+    """Trained weights in fp32, whatever dtype the model was loaded in, so AdamW steps fp32
+    weights with fp32 state under every strategy (as ZeRO-3's bf16 mode does); compute casts
+    to bf16 (FSDP2's MixedPrecisionPolicy, DDP's autocast). A tied weight stays one parameter."""
+    cast: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+                setattr(module, name, cast.setdefault(id(p), torch.nn.Parameter(p.detach().float())))
+
+
 def enable_activation_checkpointing(spec: JobSpec, hf_model: torch.nn.Module) -> torch.nn.Module:
     """`training.activation_checkpointing`, the same under every strategy: transformers recomputes
     each decoder block in backward (non-reentrant: works under fully_shard, DDP and ZeRO-3)."""
@@ -202,7 +217,9 @@ def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, 
         with torch.device("meta"):
             plain = AutoModelForCausalLM.from_config(hf_model.config, dtype=modeling.DTYPES[spec.model.dtype],
                                                      trust_remote_code=spec.model.trust_remote_code)
-        plain.load_state_dict(full_state, strict=True, assign=True)
+        dtype = modeling.DTYPES[spec.model.dtype]  # the fp32 master weights, exported in the model's dtype
+        plain.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in full_state.items()},
+                              strict=True, assign=True)
         plain.tie_weights()
         plain.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))

@@ -8,11 +8,12 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import TorchStrategy
+from .base import TorchStrategy, to_fp32_master
 
 
 class DDPStrategy(TorchStrategy):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        to_fp32_master(model)  # trained weights in fp32; bf16 compute through autocast
         model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)  # broadcasts rank 0's weights
@@ -23,5 +24,5 @@ class DDPStrategy(TorchStrategy):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
-        with contextlib.nullcontext() if sync else self.model.no_sync():
+        with contextlib.nullcontext() if sync or self.spec.sync_every_micro_batch else self.model.no_sync():
             loss.backward()
