@@ -454,6 +454,17 @@ class JobSpec(Section):
         """Rows are (prompt, chosen, rejected) pairs, not single sequences."""
         return self.training.objective != "sft"
 
+    @property
+    def sequences_per_row(self) -> int:
+        """A preference row is two sequences (chosen and rejected), trained in one forward."""
+        return 2 if self.preference else 1
+
+    @property
+    def reference_copy(self) -> bool:
+        """DPO under full fine-tuning compares against a frozen copy of the starting model
+        (under LoRA the reference is the same model with its adapter off)."""
+        return self.training.objective == "dpo" and self.training.finetune == "full"
+
     @model_validator(mode="after")
     def _no_fp16_master_weights(self):
         # raytrain has no loss scaler, and AdamW state in fp16 underflows (eps=1e-8 is 0 in fp16).

@@ -80,7 +80,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         flags = stops.agree(summed[len(sums):])
         state.step += 1
         state.data = batches.position
-        step_tokens = t.global_batch_size * objective.sequences_per_row * spec.data.seq_len
+        step_tokens = t.global_batch_size * spec.sequences_per_row * spec.data.seq_len
         state.tokens_seen += step_tokens
         step_time = time.perf_counter() - step_start
         tokens_per_s = step_tokens / step_time

@@ -199,7 +199,7 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         base_b = 2 if t.strategy == "zero3" and c == 2 else w
         terms = [(Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P), host_params),
                  (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt)]
-    if t.objective == "dpo" and t.finetune == "full":  # DPO's frozen reference, sharded like the model
+    if spec.reference_copy:  # DPO's frozen reference, sharded like the model
         ref_b = 2 if t.strategy == "zero3" and c == 2 else w  # frozen: kept as loaded (ZeRO-3: its 16-bit copy)
         terms.append((Term("DPO reference copy (frozen)", f"{ref_b} B × {_n(N)}{per}", ref_b * N / P), host_params))
     for term, on_host in terms:
@@ -236,7 +236,7 @@ def checkpoint_bytes(spec: JobSpec, facts: ModelFacts) -> int:
 
 def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     # A preference micro-batch of b pairs is 2b sequences (chosen and rejected in one forward).
-    b, s, c = spec.training.micro_batch_size * (2 if spec.preference else 1), spec.data.seq_len, compute_bytes(spec)
+    b, s, c = spec.training.micro_batch_size * spec.sequences_per_row, spec.data.seq_len, compute_bytes(spec)
     d = facts.dim("hidden_size", "n_embd", "d_model")
     n_layers = facts.dim("num_hidden_layers", "n_layer", "num_layers")
     vocab, heads = facts.dim("vocab_size"), facts.dim("num_attention_heads", "n_head", default=1)

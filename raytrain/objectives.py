@@ -58,7 +58,6 @@ class SFT:
     """Next-token cross-entropy, the token mean over the global batch."""
 
     metrics: tuple[str, ...] = ()
-    sequences_per_row = 1
 
     def units(self, mb: dict) -> int:
         return int((mb["labels"][:, 1:] != IGNORE).sum())
@@ -73,7 +72,6 @@ class Preference:
 
     metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
-    sequences_per_row = 2
 
     def __init__(self, spec: JobSpec):
         self.objective, self.settings = spec.training.objective, spec.training.preference

@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,8 +93,8 @@ def _batch(tok, rows: list[dict], seq_len: int = 32) -> dict:
 
     pairs = [encode_pair(tok, DataSpec(path="x", format="text", seq_len=seq_len), r) for r in rows]
     planes = [*pad_rows([c for c, _ in pairs], seq_len, 0), *pad_rows([r for _, r in pairs], seq_len, 0)]
-    store = SimpleNamespace(seq_len=seq_len, planes=6, manifest={"pad_id": 0}, read=lambda idx: __import__(
-        "numpy").stack(planes, axis=1)[idx])
+    rows = np.stack(planes, axis=1)
+    store = SimpleNamespace(seq_len=seq_len, planes=6, manifest={"pad_id": 0}, read=lambda idx: rows[idx])
     return micro_batches([store], [(0, i) for i in range(len(rows))], 1)[0]
 
 

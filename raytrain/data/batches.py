@@ -21,7 +21,7 @@ from ..config import JobSpec
 from ..errors import JobError
 from .order import DataPosition, Stream, held_out, rank_slice
 from .records import IGNORE
-from .store import TokenStore
+from .store import PLANES, TokenStore
 
 
 @dataclass
@@ -44,6 +44,7 @@ def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: i
     sources = np.array([s for s, _ in ids], dtype=np.int64)
     rows = np.array([r for _, r in ids], dtype=np.int64)
     n, width = stores[0].seq_len, stores[0].planes
+    sequences = width // PLANES  # per row: 2 for a preference pair
     planes = np.empty((len(ids), width, n), dtype=np.int32)
     for i, store in enumerate(stores):
         mine = sources == i
@@ -53,14 +54,13 @@ def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: i
     for part in np.array_split(np.arange(len(ids)), count):
         if len(part):
             t = torch.from_numpy(planes[part]).long()
-            t = torch.cat([t[:, :3], t[:, 3:]]) if width == 6 else t  # [pairs, 6, n] -> [2 x pairs, 3, n]
+            t = torch.cat(t.split(PLANES, dim=1))  # [rows, sequences x 3, n] -> [sequences x rows, 3, n]
             out.append({"input_ids": t[:, 0], "labels": t[:, 1], "position_ids": t[:, 2]})
         else:  # keeps this rank's forward/backward count equal to the others'; trains nothing
             pad = int(stores[0].manifest.get("pad_id", 0))
-            rows_ = width // 3
-            out.append({"input_ids": torch.full((rows_, n), pad, dtype=torch.long),
-                        "labels": torch.full((rows_, n), IGNORE, dtype=torch.long),
-                        "position_ids": torch.arange(n, dtype=torch.long)[None].repeat(rows_, 1)})
+            out.append({"input_ids": torch.full((sequences, n), pad, dtype=torch.long),
+                        "labels": torch.full((sequences, n), IGNORE, dtype=torch.long),
+                        "position_ids": torch.arange(n, dtype=torch.long)[None].repeat(sequences, 1)})
     return out
 
 

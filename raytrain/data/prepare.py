@@ -58,7 +58,7 @@ def tokenizer_fingerprint(spec: JobSpec) -> str:
 
 
 def store_key(d: DataSpec, sources: list[Source], tokenizer: str, unit_bytes: int, pairs: bool = False) -> str:
-    inputs = {"pairs": pairs,"sources": [[s.path, s.size, s.mtime_ns] for s in sources], "tokenizer": tokenizer,
+    inputs = {"pairs": pairs, "sources": [[s.path, s.size, s.mtime_ns] for s in sources], "tokenizer": tokenizer,
               "format": d.format, "columns": d.columns.model_dump(), "tags": d.tags.model_dump(),
               "train_on_inputs": d.train_on_inputs, "seq_len": d.seq_len, "pack": d.pack, "unit_bytes": unit_bytes,
               "packer": PACKER_VERSION}
@@ -120,7 +120,7 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
     out_fs.create_dir(out_path, recursive=True)
     out_fs.delete_dir_contents(out_path, missing_dir_ok=True)  # a half-written earlier attempt
     results = _run_units(spec, data, fs, units, out_fs, out_path, concurrency)
-    manifest = {**_manifest(data, key, sources, units, results), "planes": PLANES * (2 if spec.preference else 1)}
+    manifest = {**_manifest(data, key, sources, units, results), "planes": PLANES * spec.sequences_per_row}
     write_manifest(out_fs, out_path, manifest)
     store = TokenStore.open(uri)
     if store is None:

@@ -60,11 +60,6 @@ class Strategy(ABC):
         """Context for forward passes (strategies that cast inside the wrapper return a no-op)."""
         return contextlib.nullcontext()
 
-    @property
-    def needs_reference_copy(self) -> bool:
-        """DPO under full fine-tuning compares against a frozen copy of the starting model."""
-        return self.spec.training.objective == "dpo" and self.spec.training.finetune == "full"
-
     @contextlib.contextmanager
     def reference(self):
         """DPO's frozen reference model, to call under no_grad: under LoRA the same sharded model
@@ -119,7 +114,7 @@ class TorchStrategy(Strategy):
         o = self.spec.optimizer
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.trainable = modeling.trainable_names(self.hf_model)
-        if self.needs_reference_copy:
+        if self.spec.reference_copy:
             self.reference_model = self.build_reference()
 
     def build_model(self) -> torch.nn.Module:

@@ -63,7 +63,7 @@ class Zero3Strategy(Strategy):
         hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         try:
             self.hf_model = modeling.load_model(s)
-            reference = modeling.load_model(s).requires_grad_(False).eval() if self.needs_reference_copy else None
+            reference = modeling.load_model(s).requires_grad_(False).eval() if s.reference_copy else None
         finally:
             unset_hf_deepspeed_config()
             del hf_ds_config
