@@ -18,11 +18,11 @@ import os
 import sys
 import time
 
-from . import compare, datastore, harness as h, lifecycle
+from . import compare, datastore, harness as h, lifecycle, memory
 
 BENCHMARKS = {"p1": compare.p1, "p2": compare.p2, "p3": lifecycle.p3, "p4": lifecycle.p4, "p5": lifecycle.p5,
               "p6": lifecycle.p6, "p7": compare.p7, "p8": compare.p8, "p9": compare.p9,
-              "d": datastore.d}
+              "d": datastore.d, "m": memory.m}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

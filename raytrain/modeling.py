@@ -3,6 +3,7 @@ parallelism is the strategies' business (torchtitan's split)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from pathlib import Path
@@ -61,8 +62,11 @@ def lora_targets(spec: JobSpec, model: nn.Module) -> list[str]:
 def load_model(spec: JobSpec, *, on_meta: bool = False) -> nn.Module:
     """The model as `from_pretrained` gives it, with LoRA applied if asked.
 
-    on_meta builds the same module tree without weights (no memory, no disk read):
-    sharded strategies build on meta everywhere but rank 0 and broadcast rank 0's weights.
+    on_meta builds the same module tree with no weight read or allocated, for the sharded
+    strategies, which materialize only their shards and fill them from the model's files. LoRA
+    adapters are the exception: they are in no file, so they are created real, from the job's
+    seed, with exactly the values a loaded model's adapters get (see `meta_base`); the
+    strategy takes them out with `take_adapters`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -76,7 +80,8 @@ def load_model(spec: JobSpec, *, on_meta: bool = False) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
     if spec.training.finetune == "lora":
-        model = apply_lora(spec, model)
+        with meta_base(model) if on_meta else contextlib.nullcontext():
+            model = apply_lora(spec, model)
     return model
 
 
@@ -88,6 +93,52 @@ def apply_lora(spec: JobSpec, model: nn.Module) -> nn.Module:
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=lora_targets(spec, model), task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def meta_base(model: nn.Module):
+    """While LoRA is applied to a model built on meta, its weights look like CPU tensors of their
+    shape and dtype (zero-stride views of one element: no memory). peft then creates, seeds and
+    casts the adapters on the CPU exactly as on a loaded model, instead of moving them to meta
+    (peft puts an adapter on its base layer's device). The meta weights are put back after."""
+    swapped: dict[int, nn.Parameter] = {}
+    places = [(m, n, p) for m in model.modules() for n, p in m.named_parameters(recurse=False)]
+    for module, name, p in places:
+        stand_in = swapped.setdefault(id(p), nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
+                                                          requires_grad=p.requires_grad))
+        setattr(module, name, stand_in)
+    try:
+        yield
+    finally:
+        for module, name, p in places:  # peft froze the stand-ins: freeze the weights alike
+            setattr(module, name, p.requires_grad_(swapped[id(p)].requires_grad))
+
+
+def take_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The real (adapter) weights of a model `load_model(on_meta=True)` built, by name; the whole
+    model is on meta after, ready to be sharded."""
+    real = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    model.to("meta")
+    return real
+
+
+def init_buffers(model: nn.Module) -> None:
+    """Compute the buffers of a model materialized from meta as `from_pretrained` computes them
+    (rotary frequencies are in no weight file): transformers' own `_init_weights` of each module
+    that holds buffers and no weights. A buffer it does not compute is refused by name rather
+    than trained on with garbage."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for module in model.modules():
+        own = list(module.named_buffers(recurse=False))
+        if own and not list(module.parameters(recurse=False)):
+            for _, buf in own:
+                if buf.is_floating_point():
+                    buf.fill_(float("nan"))
+            base._init_weights(module)
+            left = [n for n, b in own if b.is_floating_point() and bool(b.isnan().any())]
+            if left:
+                raise JobError(f"cannot compute the buffer(s) {left} of {type(module).__name__} when loading "
+                               f"{type(base).__name__} shard by shard. Use training.strategy: zero3 or ddp")
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,147 @@
+"""M1, M2: host memory of the model path (issue #12), measured inside Ray Train workers.
+
+    python -m benchmarks.bench m --quick        (a ~250M-parameter Llama, fp32, 2 workers)
+
+Each arm is one plain TorchTrainer run on a local Ray cluster whose workers build the
+product's strategy (`build_strategy`) and read their own peak resident memory (VmHWM, reset
+through /proc/self/clear_refs before each phase), so a figure is one process's peak over
+exactly that phase.
+
+M1  peak host memory of the busiest rank while the model loads / (model bytes / N)   goal <= 1.3
+    arms: fsdp2 reading safetensors slices; fsdp2 from a pytorch_model.bin (no safetensors:
+    rank 0 loads it whole and broadcasts, as every model did before); zero3 (transformers
+    under zero.Init).
+M2  peak of a full-fine-tuning step with 4 micro-batches / with 1 (same micro-batch), fsdp2,
+    gradient_sync auto (reduce-scatter every micro-batch) and last_micro_batch   goal <= 1.1
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from . import harness as h
+
+SIZES = {"quick": (1024, 16), "smoke": (64, 2), "gpu": (2048, 16)}  # hidden, layers
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(ln for ln in f if ln.startswith(field + ":")).split()[1]) * 1024
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": the peak resident set starts again from now
+        f.write("5")
+    return _status("VmRSS")
+
+
+def measure(config: dict) -> None:
+    """In each worker: load (M1), then, for M2, one step of 1 and of 4 micro-batches."""
+    import json
+
+    import ray.train
+    import torch
+
+    from raytrain.config import JobSpec
+    from raytrain.strategies import build_strategy
+
+    torch.set_num_threads(1)
+    spec = JobSpec.model_validate(config["job"])
+    before = _reset_peak()
+    strategy = build_strategy(spec, torch.device("cpu"))
+    out = {"load_peak": _status("VmHWM") - before, "how": getattr(strategy, "loaded_by", spec.training.strategy)}
+    if config["steps"]:
+        vocab, micro = strategy.hf_model.config.vocab_size, spec.training.micro_batch_size
+        batch = torch.randint(vocab, (micro, spec.data.seq_len))
+
+        def step(micro_batches: int) -> None:
+            for i in range(micro_batches):
+                with strategy.autocast():
+                    loss = strategy.model(input_ids=batch, labels=batch).loss / micro_batches
+                strategy.backward(loss, sync=i == micro_batches - 1)
+            strategy.optimizer_step(1e-5)
+
+        step(1)  # AdamW's state exists from here on: both phases below hold it
+        for n in (1, 4):
+            before = _reset_peak()
+            step(n)
+            out[f"step_peak_{n}"] = _status("VmHWM")
+            out[f"step_rise_{n}"] = out[f"step_peak_{n}"] - before
+    Path(config["out"], f"rank{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(out))
+
+
+def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool) -> list[dict]:
+    import json
+
+    import ray.cloudpickle
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    out = folder / name
+    out.mkdir(parents=True)
+    TorchTrainer(measure, train_loop_config={"job": job, "out": str(out), "steps": steps},
+                 scaling_config=ScalingConfig(num_workers=s.workers, resources_per_worker={"CPU": 1}),
+                 run_config=RunConfig(name=name, storage_path=str(folder / "ray"))).fit()
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def bin_copy(model: Path) -> Path:
+    """The same model with only a pytorch_model.bin, as older hub repos ship it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = model.parent / (model.name + "-bin")
+    if not (out / "pytorch_model.bin").exists():
+        plain = AutoModelForCausalLM.from_pretrained(str(model))
+        out.mkdir(exist_ok=True)
+        torch.save(plain.state_dict(), out / "pytorch_model.bin")
+        plain.config.save_pretrained(str(out))
+        for f in model.glob("tokenizer*"):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def m(s: h.Setting) -> dict:
+    import ray
+
+    h.header("M host memory of the model path: load (M1), accumulation (M2)", s)
+    hidden, layers = SIZES[s.name]
+    model, data = h.assets(s, hidden=hidden, layers=layers)
+    folder = h.scratch("m")
+    gib = 1 << 30
+    try:
+        ray.init(address="local", num_cpus=s.workers + 1, include_dashboard=False, log_to_driver=False)
+        from safetensors import safe_open
+
+        with safe_open(str(next(model.glob("*.safetensors"))), framework="pt") as f:
+            model_bytes = sum(f.get_slice(k).get_shape().numel() * 4 for k in f.keys())  # fp32
+        share = model_bytes / s.workers
+        result = {"model_gib": model_bytes / gib}
+        print(f"model: {model.name}, {model_bytes / gib:.2f} GiB in fp32; N = {s.workers}: {share / gib:.2f} GiB a rank")
+
+        arms = {"fsdp2": ("fsdp2", model), "fsdp2_bin": ("fsdp2", bin_copy(model)), "zero3": ("zero3", model)}
+        for label, (strategy, path) in arms.items():
+            job = h.job(s, f"m1-{label}", folder / "runs", path, data, training={"strategy": strategy, "gradient_sync": "auto"})
+            ranks = _run(s, folder, f"m1-{label}", job, steps=False)
+            busiest = max(r["load_peak"] for r in ranks)
+            result[f"ratio_m1_{label}"] = busiest / share
+            peaks = ", ".join(f"{r['load_peak'] / gib:.2f}" for r in ranks)
+            print(f"M1 {label:10s} ({ranks[0]['how']}): peak while loading per rank {peaks} GiB; "
+                  f"busiest / (model / N) = {busiest / share:.2f}")
+
+        for sync in ("auto", "last_micro_batch"):
+            job = h.job(s, f"m2-{sync}", folder / "runs", model, data,
+                        training={"strategy": "fsdp2", "gradient_sync": sync, "micro_batch_size": 1})
+            ranks = _run(s, folder, f"m2-{sync}", job, steps=True)
+            worst = max(ranks, key=lambda r: r["step_peak_4"] / r["step_peak_1"])
+            ratio = worst["step_peak_4"] / worst["step_peak_1"]
+            result[f"ratio_m2_{sync}"] = ratio
+            print(f"M2 gradient_sync {sync:16s}: step peak with 4 micro-batches {worst['step_peak_4'] / gib:.2f} GiB, "
+                  f"with 1 {worst['step_peak_1'] / gib:.2f} GiB = ratio {ratio:.3f} (the step's own rise: "
+                  f"{worst['step_rise_4'] / gib:.2f} vs {worst['step_rise_1'] / gib:.2f} GiB)")
+        return result
+    finally:
+        ray.shutdown()
+        h.cleanup(folder)

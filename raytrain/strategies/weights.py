@@ -1,0 +1,114 @@
+"""Fill a model sharded on meta with the starting weights, without any process holding them all.
+
+Each rank reads only the slices of its own shards from the model's safetensors files: DCP's
+`HuggingFaceStorageReader` plans the reads from the files' headers, and safetensors reads a
+slice's bytes and no others (torchtitan's way of loading HF weights). A model without
+safetensors files, or whose parameter names are not its files' keys (a remote-code model that
+renames them), falls back to rank 0 loading it whole and broadcasting, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .. import modeling
+from ..config import JobSpec
+
+log = logging.getLogger(__name__)
+INDEX = "model.safetensors.index.json"
+
+
+def safetensors_folder(spec: JobSpec) -> Path | None:
+    """The local folder of `model.path`'s safetensors files: the folder itself, or the hub
+    snapshot of the pinned revision (downloaded into this node's Hugging Face cache)."""
+    folder = Path(spec.model.path)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(spec.model.path, revision=spec.model.revision,
+                                            allow_patterns=["*.json", "*.safetensors"]))
+        except Exception as exc:  # offline, gated: the whole-model path reports it properly
+            log.info("no safetensors snapshot of %s (%s): rank 0 loads it whole", spec.model.path, exc)
+            return None
+    return folder if any(folder.glob("*.safetensors")) else None
+
+
+def stored_keys(folder: Path) -> set[str]:
+    """The weight names in the folder's safetensors files (the index, or each file's header)."""
+    if (folder / INDEX).exists():
+        return set(json.loads((folder / INDEX).read_text())["weight_map"])
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor]) -> str:
+    """Load the starting weights into `model` (sharded by fully_shard, materialized, buffers
+    computed), then its LoRA adapters' initial values (collective); returns how: "sharded" or
+    "rank0"."""
+    by_key = {modeling.base_name(n): p for n, p in model.named_parameters() if n not in adapters}
+    persistent = {modeling.base_name(n): b for n, b in model.state_dict(keep_vars=True).items()
+                  if not isinstance(b, torch.nn.Parameter) and n not in adapters}
+    folder = safetensors_folder(spec)
+    keys = stored_keys(folder) if folder else set()
+    how = "sharded" if keys and by_key.keys() <= keys else "rank0"
+    if how == "sharded":
+        read_slices(folder, {**{k: b for k, b in persistent.items() if k in keys}, **by_key},
+                    modeling.DTYPES[spec.model.dtype])
+    else:
+        broadcast_from_rank0(spec, model)
+    for name, p in model.named_parameters():
+        if name in adapters:
+            copy_full(p, adapters[name])
+    return how
+
+
+def read_slices(folder: Path, targets: dict[str, torch.Tensor], load_dtype: torch.dtype) -> None:
+    """dcp.load each rank's slices straight into its shards. A weight trained in fp32 from a model
+    loaded in bf16 goes through a bf16 shard first, so it is rounded exactly as `from_pretrained`
+    in `model.dtype` would round it, then upcast."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    staged = {k: like(t, load_dtype) for k, t in targets.items() if t.is_floating_point() and t.dtype != load_dtype}
+    dcp.load({k: staged.get(k, t) for k, t in targets.items()}, storage_reader=HuggingFaceStorageReader(str(folder)))
+    with torch.no_grad():
+        for k, t in staged.items():
+            local(targets[k]).copy_(local(t))
+
+
+def broadcast_from_rank0(spec: JobSpec, model: torch.nn.Module) -> None:
+    full = modeling.load_model(spec).state_dict() if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=False))
+
+
+def copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Set a (sharded) parameter from a whole tensor every rank holds: no communication."""
+    with torch.no_grad():
+        if isinstance(p, DTensor):
+            full = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+        local(p).copy_(local(full))
+
+
+def like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        return DTensor.from_local(torch.empty_like(t.to_local(), dtype=dtype), t.device_mesh, t.placements,
+                                  shape=t.shape, stride=t.stride())
+    return torch.empty_like(t, dtype=dtype)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

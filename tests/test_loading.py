@@ -1,0 +1,94 @@
+"""Sharded loading: under fsdp2 every rank builds the model on meta, shards it and reads only its
+slices from the model's safetensors files. The weights it ends with must be those of a plain
+`from_pretrained` in `model.dtype`, bit for bit (trained ones upcast to their fp32 masters),
+with LoRA's adapters initialized as on a loaded model, at 1, 2 and 3 workers (3 shards the
+64-wide tiny Llama unevenly), from a model split over several safetensors files.
+
+The workers are a plain Ray Train TorchTrainer on the session's cluster, running the product's
+strategy; rank 0 gathers the full state dict it loaded and writes it for the test to compare.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_job
+from raytrain import modeling
+from raytrain.strategies.base import to_fp32_master
+
+pytestmark = pytest.mark.slow
+CASES = [("lora", "bfloat16"), ("full", "bfloat16"), ("full", "float32")]
+
+
+def load_and_gather(config: dict) -> None:
+    """In each worker: build each case's strategy (loading its weights); rank 0 saves what it holds."""
+    import ray.train
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from raytrain.config import JobSpec
+    from raytrain.strategies import build_strategy
+
+    out = {}
+    for key, spec_json in config["specs"].items():
+        strategy = build_strategy(JobSpec.model_validate_json(spec_json), torch.device("cpu"))
+        state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        buffers = {n: b.detach().clone() for n, b in strategy.model.named_buffers()}
+        out[key] = {"state": state, "buffers": buffers, "how": getattr(strategy, "loaded_by", None)}
+        dist.barrier()
+    if ray.train.get_context().get_world_rank() == 0:
+        torch.save(out, config["out"])
+
+
+@pytest.fixture(scope="module")
+def split_model(assets, tmp_path_factory) -> Path:
+    """The demo model stored in bf16 over several safetensors files (with an index), as hub models are."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("split") / "model"
+    AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.bfloat16).save_pretrained(
+        str(folder), max_shard_size="40KB")
+    for f in assets.joinpath("model").glob("tokenizer*"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    assert len(list(folder.glob("*.safetensors"))) >= 3 and (folder / "model.safetensors.index.json").exists()
+    return folder
+
+
+def expected(spec) -> tuple[dict, dict]:
+    """What a plain load gives: from_pretrained in model.dtype (+ peft), trained weights in fp32."""
+    model = modeling.load_model(spec)
+    to_fp32_master(model)
+    return model.state_dict(), dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_sharded_loading_equals_from_pretrained(ray_address, assets, split_model, tmp_path, workers):
+    import ray.cloudpickle
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    specs = {f"{finetune}-{dtype}": make_job(assets, tmp_path, name=f"load-{finetune}",
+                                             model={"path": str(split_model), "dtype": dtype},
+                                             training={"finetune": finetune}, scaling={"num_workers": workers})
+             for finetune, dtype in CASES}
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    out = tmp_path / "loaded.pt"
+    TorchTrainer(load_and_gather, train_loop_config={"specs": {k: s.model_dump_json() for k, s in specs.items()},
+                                                     "out": str(out)},
+                 scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+                 run_config=RunConfig(name=f"load-{workers}", storage_path=str(tmp_path / "ray"))).fit()
+    loaded = torch.load(out)
+    for key, spec in specs.items():
+        state, buffers = expected(spec)
+        got = loaded[key]
+        assert got["how"] == "sharded", key  # read shard by shard, not through rank 0
+        assert got["state"].keys() == state.keys(), key
+        differ = [k for k in state if not torch.equal(got["state"][k], state[k])]
+        assert not differ, f"{key}: {len(differ)} weights differ from from_pretrained, e.g. {differ[:3]}"
+        dtypes = {k: (got["state"][k].dtype, state[k].dtype) for k in state if got["state"][k].dtype != state[k].dtype}
+        assert not dtypes, f"{key}: {dtypes}"
+        assert all(torch.equal(got["buffers"][n], b) for n, b in buffers.items()), key  # rotary frequencies
