@@ -1,6 +1,6 @@
 """M1, M2: host memory of the model path (issue #12), measured inside Ray Train workers.
 
-    python -m benchmarks.bench m --quick        (a ~250M-parameter Llama, fp32, 2 workers)
+    python -m benchmarks.bench m --quick        (a ~400M-parameter Llama, 1.6 GB in fp32, 2 workers)
 
 Each arm is one plain TorchTrainer run on a local Ray cluster whose workers build the
 product's strategy (`build_strategy`) and read their own peak resident memory (VmHWM, reset
@@ -17,12 +17,13 @@ M2  peak of a full-fine-tuning step with 4 micro-batches / with 1 (same micro-ba
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 from . import harness as h
 
-SIZES = {"quick": (1024, 16), "smoke": (64, 2), "gpu": (2048, 16)}  # hidden, layers
+SIZES = {"quick": (2048, 8), "smoke": (64, 2), "gpu": (2048, 16)}  # hidden, layers: ~400M parameters quick
 
 
 def _status(field: str) -> int:
@@ -43,11 +44,15 @@ def measure(config: dict) -> None:
     import ray.train
     import torch
 
+    from raytrain import modeling
     from raytrain.config import JobSpec
     from raytrain.strategies import build_strategy
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate(config["job"])
+    modeling.load_model(spec, on_meta=True)  # imports the model's code first: the phase measures the load
+    if spec.training.strategy == "zero3":
+        import deepspeed  # noqa: F401
     before = _reset_peak()
     strategy = build_strategy(spec, torch.device("cpu"))
     out = {"load_peak": _status("VmHWM") - before, "how": getattr(strategy, "loaded_by", spec.training.strategy)}
@@ -116,7 +121,7 @@ def m(s: h.Setting) -> dict:
         from safetensors import safe_open
 
         with safe_open(str(next(model.glob("*.safetensors"))), framework="pt") as f:
-            model_bytes = sum(f.get_slice(k).get_shape().numel() * 4 for k in f.keys())  # fp32
+            model_bytes = sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # fp32
         share = model_bytes / s.workers
         result = {"model_gib": model_bytes / gib}
         print(f"model: {model.name}, {model_bytes / gib:.2f} GiB in fp32; N = {s.workers}: {share / gib:.2f} GiB a rank")

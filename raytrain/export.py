@@ -1,6 +1,6 @@
 """`raytrain export RUN_DIR`: turn a committed FSDP2/DDP checkpoint into a plain Hugging
-Face model (or peft adapter) in one process, without Ray or a process group, and the
-base-weight fingerprint that ties an adapter to the exact base it was trained on."""
+Face model (or peft adapter) in one process, without Ray or a process group. An adapter
+names the exact base it was trained on by the sha256 of each of the base's weight files."""
 
 from __future__ import annotations
 

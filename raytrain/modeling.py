@@ -179,11 +179,39 @@ def base_name(name: str) -> str:
     return _PEFT_PREFIX.sub("", name).replace(".base_layer.", ".")
 
 
-def base_fingerprint(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over the frozen base weights (names and bytes), LoRA weights excluded."""
-    digest = hashlib.sha256()
-    for name in sorted(k for k in state if "lora_" not in k):
-        tensor = state[name].detach().to("cpu").contiguous()
-        digest.update(base_name(name).encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
+def model_folder(spec: JobSpec, download: bool = False) -> Path | None:
+    """The local folder of `model.path`'s files: the folder itself, or the hub snapshot of the
+    pinned revision in this node's Hugging Face cache (fetched first if `download`: its
+    json and safetensors files only). None if there is none."""
+    folder = Path(spec.model.path)
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec.model.path, revision=spec.model.revision, local_files_only=not download,
+                                      allow_patterns=["*.json", "*.safetensors"]))
+    except Exception:  # offline and not cached, gated: the caller falls back to from_pretrained
+        return None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+
+
+def base_files(spec: JobSpec) -> dict[str, str]:
+    """sha256 of each weight file of the base model, by file name: what identifies the base an
+    adapter was trained on (compare with `sha256sum`, or the hub's file list). A hub file in the
+    cache is stored under its sha256 already (the LFS id), so only local folders are read."""
+    folder = model_folder(spec)
+    digests = {}
+    for file in weight_files(folder) if folder else []:
+        blob = file.resolve().name
+        if not re.fullmatch(r"[0-9a-f]{64}", blob):
+            digest = hashlib.sha256()
+            with open(file, "rb") as f:
+                while chunk := f.read(16 << 20):
+                    digest.update(chunk)
+            blob = digest.hexdigest()
+        digests[file.name] = blob
+    return digests

@@ -4,6 +4,7 @@ model/tokenizer/data built once (the same files `raytrain quickstart` makes)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import secrets
@@ -158,3 +159,8 @@ def metric_history(spec: JobSpec, run_id: str, key: str = "loss") -> dict[int, f
 
     history = MlflowClient(tracking_uri(spec)).get_metric_history(run_id, key)
     return {m.step: m.value for m in history}
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256sum of a model folder's weight files, by name."""
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob("*.safetensors"))}

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_job, metric_history
+from conftest import file_hashes, make_job, metric_history
 from raytrain import launcher
 from raytrain.export import export_checkpoint, latest_checkpoint
-from raytrain.modeling import base_fingerprint
 
 pytestmark = pytest.mark.slow
 PROBE = torch.tensor([[5, 17, 42, 9, 33, 120, 7, 64, 1, 200, 88, 13]])
@@ -49,7 +48,6 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
 
     # The export loads with plain transformers + peft, and equals the checkpoint loaded back.
     base = AutoModelForCausalLM.from_pretrained(spec.model.path)
-    original_fingerprint = base_fingerprint(base.state_dict())
     exported = PeftModel.from_pretrained(base, str(run_dir / "final_model")).eval()
     export_checkpoint(spec.run_dir, str(tmp_path / "from_ckpt"))
     from_ckpt = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(spec.model.path),
@@ -57,10 +55,11 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     torch.testing.assert_close(logits_of(exported), logits_of(from_ckpt), rtol=0, atol=1e-6)
     # Training moved the adapter away from its (zero-effect) init...
     assert not torch.allclose(logits_of(exported), logits_of(AutoModelForCausalLM.from_pretrained(spec.model.path)))
-    # ...and left every base weight bit-identical (fingerprint of the trained model's base weights).
+    # ...and names the exact base it needs: the sha256 of each of its weight files.
     import json
 
-    assert json.loads((run_dir / "final_model" / "raytrain.json").read_text())["base_fingerprint"] == original_fingerprint
+    assert json.loads((run_dir / "final_model" / "raytrain.json").read_text())["base_files"] == \
+        file_hashes(Path(spec.model.path))
 
 
 def test_full_finetune_on_chat_data(ray_address, assets, tmp_path):

@@ -163,7 +163,9 @@ class TorchStrategy(Strategy):
                                   self.spec.training.finetune, directory)
 
     def export(self, directory: str, tokenizer) -> None:
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # LoRA: only the adapter is gathered; the frozen base is identified by its files' hashes.
+        full = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.spec.training.finetune == "lora"))
         if self.rank == 0:
             write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
         dist.barrier()
@@ -193,7 +195,8 @@ def enable_activation_checkpointing(spec: JobSpec, hf_model: torch.nn.Module) ->
 
 
 def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, directory: str, tokenizer) -> None:
-    """Save what plain transformers/peft load: an adapter folder for LoRA, a model folder for full."""
+    """Save what plain transformers/peft load: an adapter folder for LoRA (`full_state` may hold
+    the adapter only), a model folder for full."""
     from safetensors.torch import save_file
 
     out = Path(directory)
@@ -220,5 +223,5 @@ def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, 
     tokenizer.save_pretrained(str(out))
     meta = {"job": spec.name, "finetune": spec.training.finetune, "base_model": spec.model.path}
     if spec.training.finetune == "lora":
-        meta["base_fingerprint"] = modeling.base_fingerprint(full_state)  # the base this adapter was trained on
+        meta["base_files"] = modeling.base_files(spec)  # the base this adapter was trained on, file by file
     (out / "raytrain.json").write_text(json.dumps(meta, indent=2))

@@ -10,7 +10,6 @@ renames them), falls back to rank 0 loading it whole and broadcasting, as before
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -22,24 +21,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .. import modeling
 from ..config import JobSpec
 
-log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 
 
 def safetensors_folder(spec: JobSpec) -> Path | None:
-    """The local folder of `model.path`'s safetensors files: the folder itself, or the hub
-    snapshot of the pinned revision (downloaded into this node's Hugging Face cache)."""
-    folder = Path(spec.model.path)
-    if not folder.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
-
-            folder = Path(snapshot_download(spec.model.path, revision=spec.model.revision,
-                                            allow_patterns=["*.json", "*.safetensors"]))
-        except Exception as exc:  # offline, gated: the whole-model path reports it properly
-            log.info("no safetensors snapshot of %s (%s): rank 0 loads it whole", spec.model.path, exc)
-            return None
-    return folder if any(folder.glob("*.safetensors")) else None
+    folder = modeling.model_folder(spec, download=True)
+    return folder if folder and any(folder.glob("*.safetensors")) else None
 
 
 def stored_keys(folder: Path) -> set[str]:

@@ -140,14 +140,16 @@ class Zero3Strategy(Strategy):
 
     def export(self, directory: str, tokenizer) -> None:
         full = gathered_state_dict(self.hf_model, self.rank, fp32_master=self.bf16,
-                                   dtype=modeling.DTYPES[self.spec.model.dtype])
+                                   dtype=modeling.DTYPES[self.spec.model.dtype], trainable_only=self.lora)
         if self.rank == 0:
             write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
         dist.barrier()
 
 
-def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dtype: torch.dtype) -> dict:
-    """The whole state dict on rank 0 (empty elsewhere), gathered one module at a time (collective).
+def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dtype: torch.dtype,
+                        trainable_only: bool = False) -> dict:
+    """The whole state dict on rank 0 (empty elsewhere), gathered one module at a time (collective);
+    with `trainable_only`, the trained weights only (a LoRA adapter: the base is never gathered).
 
     With bf16 training the module holds bf16 copies; trainable weights then come from the fp32
     master partitions instead, so an export loses nothing to the compute precision.
@@ -160,9 +162,10 @@ def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dt
         keys_of.setdefault(id(tensor), []).append(key)
     full: dict[str, torch.Tensor] = {}
     for module in model.modules():
-        params = list(module.parameters(recurse=False))
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad or not trainable_only]
+        buffers = [] if trainable_only else list(module.buffers(recurse=False))
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            for tensor in params + list(module.buffers(recurse=False)):
+            for tensor in params + buffers:
                 value = tensor
                 if fp32_master and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
                     value = safe_get_full_fp32_param(tensor)  # collective too
