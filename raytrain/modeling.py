@@ -59,8 +59,11 @@ def lora_targets(spec: JobSpec, model: nn.Module) -> list[str]:
     return targets
 
 
-def load_model(spec: JobSpec, *, on_meta: bool = False) -> nn.Module:
+def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> nn.Module:
     """The model as `from_pretrained` gives it, with LoRA applied if asked.
+
+    empty builds it from its config without reading a weight: under a live HfDeepSpeedConfig
+    transformers creates it partitioned (zero.Init), for ZeRO-3 to fill module by module.
 
     on_meta builds the same module tree with no weight read or allocated, for the sharded
     strategies, which materialize only their shards and fill them from the model's files. LoRA
@@ -72,9 +75,9 @@ def load_model(spec: JobSpec, *, on_meta: bool = False) -> nn.Module:
 
     kwargs = dict(dtype=DTYPES[spec.model.dtype], attn_implementation=spec.model.attn_implementation,
                   trust_remote_code=spec.model.trust_remote_code)
-    if on_meta:
+    if on_meta or empty:
         config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs())
-        with torch.device("meta"):
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)

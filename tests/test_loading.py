@@ -1,5 +1,6 @@
 """Sharded loading: under fsdp2 every rank builds the model on meta, shards it and reads only its
-slices from the model's safetensors files. The weights it ends with must be those of a plain
+slices from the model's safetensors files; under zero3 it is built partitioned and filled one
+module at a time from rank 0's reads. The weights it ends with must be those of a plain
 `from_pretrained` in `model.dtype`, bit for bit (trained ones upcast to their fp32 masters),
 with LoRA's adapters initialized as on a loaded model, at 1, 2 and 3 workers (3 shards the
 64-wide tiny Llama unevenly), from a model split over several safetensors files.
@@ -21,7 +22,9 @@ from raytrain import modeling
 from raytrain.strategies.base import to_fp32_master
 
 pytestmark = pytest.mark.slow
-CASES = [("lora", "bfloat16"), ("full", "bfloat16"), ("full", "float32")]
+# (strategy, finetune, model.dtype); the files hold bf16, so float32 casts on the way in.
+CASES = [("fsdp2", "lora", "bfloat16"), ("fsdp2", "full", "bfloat16"), ("fsdp2", "full", "float32"),
+         ("zero3", "lora", "float32"), ("zero3", "full", "float32")]
 
 
 def load_and_gather(config: dict) -> None:
@@ -32,12 +35,18 @@ def load_and_gather(config: dict) -> None:
 
     from raytrain.config import JobSpec
     from raytrain.strategies import build_strategy
+    from raytrain.strategies.zero3 import gathered_state_dict
 
     out = {}
     for key, spec_json in config["specs"].items():
-        strategy = build_strategy(JobSpec.model_validate_json(spec_json), torch.device("cpu"))
-        state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        buffers = {n: b.detach().clone() for n, b in strategy.model.named_buffers()}
+        spec = JobSpec.model_validate_json(spec_json)
+        strategy = build_strategy(spec, torch.device("cpu"))
+        if spec.training.strategy == "zero3":  # the partitioned module's weights, gathered one module at a time
+            state = gathered_state_dict(strategy.hf_model, dist.get_rank(), fp32_master=False,
+                                        dtype=modeling.DTYPES[spec.model.dtype])
+        else:
+            state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        buffers = {n: b.detach().clone() for n, b in strategy.hf_model.named_buffers()}
         out[key] = {"state": state, "buffers": buffers, "how": getattr(strategy, "loaded_by", None)}
         dist.barrier()
     if ray.train.get_context().get_world_rank() == 0:
@@ -59,9 +68,11 @@ def split_model(assets, tmp_path_factory) -> Path:
 
 
 def expected(spec) -> tuple[dict, dict]:
-    """What a plain load gives: from_pretrained in model.dtype (+ peft), trained weights in fp32."""
+    """What a plain load gives: from_pretrained in model.dtype (+ peft), trained weights in fp32
+    under fsdp2 (zero3 keeps its fp32 masters in the optimizer, not the module)."""
     model = modeling.load_model(spec)
-    to_fp32_master(model)
+    if spec.training.strategy == "fsdp2":
+        to_fp32_master(model)
     return model.state_dict(), dict(model.named_buffers())
 
 
@@ -71,10 +82,10 @@ def test_sharded_loading_equals_from_pretrained(ray_address, assets, split_model
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    specs = {f"{finetune}-{dtype}": make_job(assets, tmp_path, name=f"load-{finetune}",
-                                             model={"path": str(split_model), "dtype": dtype},
-                                             training={"finetune": finetune}, scaling={"num_workers": workers})
-             for finetune, dtype in CASES}
+    specs = {f"{strategy}-{finetune}-{dtype}": make_job(
+        assets, tmp_path, name=f"load-{finetune}", model={"path": str(split_model), "dtype": dtype},
+        training={"strategy": strategy, "finetune": finetune}, scaling={"num_workers": workers})
+        for strategy, finetune, dtype in CASES}
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     out = tmp_path / "loaded.pt"
     TorchTrainer(load_and_gather, train_loop_config={"specs": {k: s.model_dump_json() for k, s in specs.items()},

@@ -24,7 +24,6 @@ from torch.futures import Future
 from .. import modeling
 from ..config import JobSpec
 
-INDEX = "model.safetensors.index.json"
 FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -33,17 +32,38 @@ def safetensors_folder(spec: JobSpec) -> Path | None:
     return folder if folder and any(folder.glob("*.safetensors")) else None
 
 
-def stored_keys(folder: Path) -> set[str]:
-    """The weight names in the folder's safetensors files (the index, or each file's header)."""
-    if (folder / INDEX).exists():
-        return set(json.loads((folder / INDEX).read_text())["weight_map"])
-    from safetensors import safe_open
+class WeightFiles:
+    """A model's safetensors files by weight name, read with plain file reads: a memory map would
+    add every page a rank touches to its resident memory, on top of the tensor it fills (2x the
+    shard while loading, measured in benchmarks/ M1)."""
 
-    keys: set[str] = set()
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as f:
-            keys.update(f.keys())
-    return keys
+    def __init__(self, folder: Path):
+        self.entries: dict[str, tuple[Path, dict, int]] = {}  # name -> (file, header entry, data start)
+        for file in sorted(folder.glob("*.safetensors")):
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            self.entries.update({k: (file, v, 8 + size) for k, v in header.items() if k != "__metadata__"})
+
+    def whole_rows(self, key: str, offsets, lengths) -> bool:
+        """Whether a slice is rows of dim 0 in full, so its bytes are one run in the file."""
+        _, entry, _ = self.entries[key]
+        shape = entry["shape"]
+        return entry["dtype"] in FILE_DTYPES and bool(shape) and list(offsets[1:]) == [0] * (len(shape) - 1) \
+            and list(lengths[1:]) == shape[1:]
+
+    def read_rows(self, key: str, first: int, count: int, into: torch.Tensor) -> None:
+        """Rows [first, first + count) of weight `key` into `into` (cast to its dtype)."""
+        file, entry, start = self.entries[key]
+        dtype = FILE_DTYPES[entry["dtype"]]
+        row = math.prod(entry["shape"][1:]) * dtype.itemsize
+        buffer = into if into.dtype == dtype and into.is_contiguous() else torch.empty(into.shape, dtype=dtype)
+        with open(file, "rb") as f:
+            f.seek(start + entry["data_offsets"][0] + first * row)
+            if buffer.numel() and f.readinto(buffer.view(-1).view(torch.uint8).numpy()) != count * row:
+                raise OSError(f"{file}: short read of {key}")
+        if buffer is not into:
+            into.copy_(buffer)
 
 
 def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor]) -> str:
@@ -54,7 +74,7 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     persistent = {modeling.base_name(n): b for n, b in model.state_dict(keep_vars=True).items()
                   if not isinstance(b, torch.nn.Parameter) and n not in adapters}
     folder = safetensors_folder(spec)
-    keys = stored_keys(folder) if folder else set()
+    keys = WeightFiles(folder).entries.keys() if folder else set()
     how = "sharded" if keys and by_key.keys() <= keys else "rank0"
     if how == "sharded":
         read_slices(folder, {**{k: b for k, b in persistent.items() if k in keys}, **by_key},
@@ -68,47 +88,60 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
 
 
 class SliceReader(HuggingFaceStorageReader):
-    """DCP's safetensors reader, reading each slice with plain file reads straight into the shard
-    it fills. (safetensors' memory map would add every page a rank touches to its resident memory,
-    on top of the shard: 2x the shard while loading, measured in benchmarks/ M1.) A slice that is
-    not a run of whole rows goes through safetensors as before."""
+    """DCP's safetensors reader, reading each slice that is whole rows with `WeightFiles` straight
+    into the shard it fills; any other slice goes through safetensors as before."""
 
     def read_data(self, plan, planner) -> Future:
         from safetensors import safe_open
 
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for file_name, items in per_file.items():
-            with open(file_name, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header, start = json.loads(f.read(size)), 8 + size
-                rest = []
-                for req in items:
-                    entry = header[req.storage_index.fqn]
-                    dtype, shape = FILE_DTYPES.get(entry["dtype"]), entry["shape"]
-                    whole_rows = list(req.storage_offsets[1:]) == [0] * (len(shape) - 1) and \
-                        list(req.lengths[1:]) == shape[1:]
-                    if dtype is None or not shape or not whole_rows:
-                        rest.append(req)
-                        continue
-                    target = planner.resolve_tensor(req).detach()
-                    row = math.prod(shape[1:]) * dtype.itemsize
-                    buffer = target if target.dtype == dtype and target.is_contiguous() else \
-                        torch.empty(target.shape, dtype=dtype)
-                    f.seek(start + entry["data_offsets"][0] + req.storage_offsets[0] * row)
-                    if buffer.numel() and f.readinto(buffer.view(-1).view(torch.uint8).numpy()) != req.lengths[0] * row:
-                        raise OSError(f"{file_name}: short read of {req.storage_index.fqn}")
-                    if buffer is not target:
-                        target.copy_(buffer)
-                    planner.commit_tensor(req, target)
-            if rest:
-                with safe_open(filename=file_name, framework="pt") as f:
-                    for req in rest:
-                        self._process_read_request(f, req, planner)
+        files = WeightFiles(Path(self.path))
+        rest: dict[str, list] = {}
+        for req in plan.items:
+            key = req.storage_index.fqn
+            if files.whole_rows(key, req.storage_offsets, req.lengths):
+                target = planner.resolve_tensor(req).detach()
+                files.read_rows(key, req.storage_offsets[0], req.lengths[0], target)
+                planner.commit_tensor(req, target)
+            else:
+                rest.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for file_name, reqs in rest.items():
+            with safe_open(filename=file_name, framework="pt") as f:
+                for req in reqs:
+                    self._process_read_request(f, req, planner)
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
+    """ZeRO-3: fill a model built partitioned (`load_model(empty=True)` under zero.Init) one module
+    at a time: rank 0 reads the module's weights from the files and DeepSpeed partitions them to
+    every rank (GatheredParameters with modifier rank 0), so no process holds more than one
+    module beyond its partitions. Returns "sharded", or "" if the files do not fit the model
+    (then the caller loads with from_pretrained)."""
+    import deepspeed
+
+    folder = safetensors_folder(spec)
+    files = WeightFiles(folder) if folder else None
+    named = dict(model.named_parameters())  # tied weights once
+    base = {n: modeling.base_name(n) for n, p in named.items() if "lora_" not in n}
+    if files is None or not set(base.values()) <= files.entries.keys():
+        return ""
+    rank, seen = dist.get_rank(), set()
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            own = {f"{prefix}.{n}" if prefix else n: p for n, p in module.named_parameters(recurse=False)}
+            own = {n: p for n, p in own.items() if n in base and id(p) not in seen}
+            seen.update(id(p) for p in own.values())
+            if own:
+                with deepspeed.zero.GatheredParameters(list(own.values()), modifier_rank=0):
+                    if rank == 0:
+                        for n, p in own.items():
+                            files.read_rows(base[n], 0, p.shape[0], p.data)
+        for n, buf in model.state_dict(keep_vars=True).items():  # persistent buffers, every rank
+            if not isinstance(buf, torch.nn.Parameter) and modeling.base_name(n) in files.entries:
+                files.read_rows(modeling.base_name(n), 0, buf.shape[0], buf)
+    return "sharded"
 
 
 def read_slices(folder: Path, targets: dict[str, torch.Tensor], load_dtype: torch.dtype) -> None:

@@ -7,11 +7,11 @@ and says explicitly which micro-batch ends the step (`set_gradient_accumulation_
 the gradient DeepSpeed steps on is then the one FSDP2 and DDP step on, and the optimizer
 (torch AdamW, unless optimizer state is offloaded on GPU) the same math.
 
-Build: the DeepSpeed config is registered with transformers (`HfDeepSpeedConfig`) before
-`from_pretrained`, which then creates every layer under `deepspeed.zero.Init` (partitioned
-as it is built) and copies rank 0's weights in one gathered layer at a time: no rank ever
-holds the whole model. LoRA adapters are created after, whole, and partitioned by
-`deepspeed.initialize`.
+Build: the DeepSpeed config is registered with transformers (`HfDeepSpeedConfig`), which then
+creates every layer from the config under `deepspeed.zero.Init` (partitioned as it is built);
+`weights.fill_partitioned` fills it one module at a time, rank 0 reading that module's weights
+from the safetensors files and DeepSpeed partitioning them: no rank ever holds the whole model.
+LoRA adapters are created after, whole, and partitioned by `deepspeed.initialize`.
 
 Checkpoints are DeepSpeed's own `save_checkpoint` folders (tag `ds`), one file pair per rank,
 merged by Ray like FSDP2's DCP shards. A checkpoint written at another world size is
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .. import modeling
 from ..errors import JobError
-from . import deepspeed_config
+from . import deepspeed_config, weights
 from .base import Strategy, enable_activation_checkpointing, write_hf_export
 
 TAG = "ds"  # the checkpoint's subfolder; fixed, so every committed step_* folder has the same layout
@@ -62,8 +62,8 @@ class Zero3Strategy(Strategy):
         # on for from_pretrained (and peft), off after, or rank 0's plain export copy would hang.
         hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         try:
-            self.hf_model = modeling.load_model(s)
-            reference = modeling.load_model(s).requires_grad_(False).eval() if s.reference_copy else None
+            self.hf_model, self.loaded_by = load_partitioned(s)
+            reference = load_partitioned(s)[0].requires_grad_(False).eval() if s.reference_copy else None
         finally:
             unset_hf_deepspeed_config()
             del hf_ds_config
@@ -173,6 +173,16 @@ def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dt
                     for key in keys_of.get(id(tensor), []):
                         full[key] = value.detach().to("cpu", dtype=dtype if value.is_floating_point() else None, copy=True)
     return full
+
+
+def load_partitioned(spec) -> tuple[torch.nn.Module, str]:
+    """(model, how): built partitioned under zero.Init, then filled from the safetensors module by
+    module ("sharded"); a model the files do not fit goes through from_pretrained ("rank0")."""
+    model = modeling.load_model(spec, empty=True)
+    if weights.fill_partitioned(spec, model):
+        model.tie_weights()
+        return model, "sharded"
+    return modeling.load_model(spec), "rank0"
 
 
 def is_zero3_checkpoint(directory: str) -> bool:
