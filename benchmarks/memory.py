@@ -9,10 +9,13 @@ exactly that phase.
 
 M1  peak host memory of the busiest rank while the model loads / (model bytes / N)   goal <= 1.3
     arms: fsdp2 reading safetensors slices; fsdp2 from a pytorch_model.bin (no safetensors:
-    rank 0 loads it whole and broadcasts, as every model did before); zero3 (transformers
-    under zero.Init).
+    rank 0 loads it whole and broadcasts, as every model did before); zero3 filled module by
+    module; zero3 through transformers' from_pretrained under zero.Init (as before). For zero3
+    the phase is the load alone: deepspeed.initialize then allocates the engine's own buffers.
 M2  peak of a full-fine-tuning step with 4 micro-batches / with 1 (same micro-batch), fsdp2,
     gradient_sync auto (reduce-scatter every micro-batch) and last_micro_batch   goal <= 1.1
+M3  peak of a training step above the process before loading (its imports) / `raytrain validate`'s
+    estimate, fsdp2 and zero3 x LoRA and full                                goal 0.8 to 1.2
 """
 
 from __future__ import annotations
@@ -53,9 +56,14 @@ def measure(config: dict) -> None:
     modeling.load_model(spec, on_meta=True)  # imports the model's code first: the phase measures the load
     if spec.training.strategy == "zero3":
         import deepspeed  # noqa: F401
-    before = _reset_peak()
-    strategy = build_strategy(spec, torch.device("cpu"))
-    out = {"load_peak": _status("VmHWM") - before, "how": getattr(strategy, "loaded_by", spec.training.strategy)}
+    base = _status("VmRSS")  # the process with its imports, before any weight exists
+    if config.get("zero3_load"):  # M1 of ZeRO-3: the load alone (deepspeed.initialize then allocates its
+        out = zero3_load(spec, config["zero3_load"])  # flat fp32 partitions and gradient buffers: engine state)
+    else:
+        before = _reset_peak()
+        strategy = build_strategy(spec, torch.device("cpu"))
+        out = {"load_peak": _status("VmHWM") - before, "how": getattr(strategy, "loaded_by", spec.training.strategy)}
+    out["base"] = base
     if config["steps"]:
         vocab, micro = strategy.hf_model.config.vocab_size, spec.training.micro_batch_size
         batch = torch.randint(vocab, (micro, spec.data.seq_len))
@@ -76,7 +84,28 @@ def measure(config: dict) -> None:
     Path(config["out"], f"rank{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(out))
 
 
-def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool) -> list[dict]:
+def zero3_load(spec, how: str) -> dict:
+    """The ZeRO-3 strategy's model load as `setup` runs it: "sharded" (the product's
+    `load_partitioned`) or "from_pretrained" (transformers' own loading under zero.Init, as before)."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from raytrain import modeling
+    from raytrain.strategies import deepspeed_config, zero3
+
+    zero3.init_deepspeed_comm()
+    hidden = AutoConfig.from_pretrained(spec.model.path).hidden_size
+    live = HfDeepSpeedConfig(deepspeed_config.build(spec, dist.get_world_size(), hidden))  # noqa: F841 (while it lives)
+    before = _reset_peak()
+    if how == "sharded":
+        _, how = zero3.load_partitioned(spec)
+    else:
+        modeling.load_model(spec)
+    return {"load_peak": _status("VmHWM") - before, "how": how}
+
+
+def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool, zero3_load: str | None = None) -> list[dict]:
     import json
 
     import ray.cloudpickle
@@ -86,7 +115,7 @@ def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool) -> list[
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     out = folder / name
     out.mkdir(parents=True)
-    TorchTrainer(measure, train_loop_config={"job": job, "out": str(out), "steps": steps},
+    TorchTrainer(measure, train_loop_config={"job": job, "out": str(out), "steps": steps, "zero3_load": zero3_load},
                  scaling_config=ScalingConfig(num_workers=s.workers, resources_per_worker={"CPU": 1}),
                  run_config=RunConfig(name=name, storage_path=str(folder / "ray"))).fit()
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -126,10 +155,11 @@ def m(s: h.Setting) -> dict:
         result = {"model_gib": model_bytes / gib}
         print(f"model: {model.name}, {model_bytes / gib:.2f} GiB in fp32; N = {s.workers}: {share / gib:.2f} GiB a rank")
 
-        arms = {"fsdp2": ("fsdp2", model), "fsdp2_bin": ("fsdp2", bin_copy(model)), "zero3": ("zero3", model)}
-        for label, (strategy, path) in arms.items():
+        arms = {"fsdp2": ("fsdp2", model, None), "fsdp2_bin": ("fsdp2", bin_copy(model), None),
+                "zero3": ("zero3", model, "sharded"), "zero3_from_pretrained": ("zero3", model, "from_pretrained")}
+        for label, (strategy, path, zero3) in arms.items():
             job = h.job(s, f"m1-{label}", folder / "runs", path, data, training={"strategy": strategy, "gradient_sync": "auto"})
-            ranks = _run(s, folder, f"m1-{label}", job, steps=False)
+            ranks = _run(s, folder, f"m1-{label}", job, steps=False, zero3_load=zero3)
             busiest = max(r["load_peak"] for r in ranks)
             result[f"ratio_m1_{label}"] = busiest / share
             peaks = ", ".join(f"{r['load_peak'] / gib:.2f}" for r in ranks)
@@ -146,6 +176,21 @@ def m(s: h.Setting) -> dict:
             print(f"M2 gradient_sync {sync:16s}: step peak with 4 micro-batches {worst['step_peak_4'] / gib:.2f} GiB, "
                   f"with 1 {worst['step_peak_1'] / gib:.2f} GiB = ratio {ratio:.3f} (the step's own rise: "
                   f"{worst['step_rise_4'] / gib:.2f} vs {worst['step_rise_1'] / gib:.2f} GiB)")
+
+        from raytrain.config import JobSpec
+        from raytrain.memory import estimate, read_facts
+
+        for strategy, finetune in (("fsdp2", "lora"), ("fsdp2", "full"), ("zero3", "lora"), ("zero3", "full")):
+            job = h.job(s, f"m3-{strategy}-{finetune}", folder / "runs", model, data,
+                        training={"strategy": strategy, "finetune": finetune, "gradient_sync": "auto",
+                                  "micro_batch_size": 1})
+            ranks = _run(s, folder, f"m3-{strategy}-{finetune}", job, steps=True)
+            measured = max(r["step_peak_1"] - r["base"] for r in ranks)
+            predicted = estimate(JobSpec.model_validate(job), read_facts(model), s.workers)
+            ratio = measured / predicted.total
+            result[f"ratio_m3_{strategy}_{finetune}"] = ratio
+            print(f"M3 {strategy} {finetune:4s}: measured peak of a step above the bare process {measured / gib:.2f} GiB "
+                  f"/ estimate {predicted.total / gib:.2f} GiB = {ratio:.2f}  ({predicted.arithmetic()})")
         return result
     finally:
         ray.shutdown()
