@@ -309,6 +309,12 @@ class ScalingSpec(Section):
     workers_per_node: int = Field(1, gt=0)
     """Training workers on one machine (e.g. 8 on an 8-GPU node): `raytrain k8s` packs them into one
     pod, so ranks of a node share its NVLink; worker counts must be multiples of it."""
+    hsdp: bool | Literal["auto"] = "auto"
+    """FSDP2's mesh: shard the model within a node (`workers_per_node` ranks) and replicate it across
+    nodes (HSDP: the per-layer all-gathers stay on the node's fast links; gradients are all-reduced
+    across nodes once per step), instead of one flat mesh over every rank. auto: HSDP on GPU
+    clusters when the job spans more than one node; true: whenever it spans more than one node;
+    false: one flat mesh. Checkpoints reshard between any meshes."""
 
     @model_validator(mode="after")
     def _one_way_to_size(self):
@@ -441,6 +447,30 @@ class JobSpec(Section):
         if self.training.gradient_sync == "auto":
             return self.training.finetune == "full" and self.training.strategy != "ddp"
         return self.training.gradient_sync == "every_micro_batch"
+
+    def mesh_shape(self, workers: int) -> tuple[int, ...]:
+        """FSDP2's device mesh at `workers` ranks: (replicas, shard size) under HSDP, else (workers,).
+        The one place the mesh is decided (the strategy builds it, the memory estimate divides by it)."""
+        s = self.scaling
+        hsdp = (s.use_gpu if s.hsdp == "auto" else s.hsdp) and self.training.strategy == "fsdp2"
+        if hsdp and 1 < s.workers_per_node < workers:
+            return workers // s.workers_per_node, s.workers_per_node
+        return (workers,)
+
+    def shard_degree(self, workers: int) -> int:
+        """Ranks one copy of the model is sharded over (1: every rank holds it whole)."""
+        return {"fsdp2": self.mesh_shape(workers)[-1], "zero3": workers}.get(self.training.strategy, 1)
+
+    @model_validator(mode="after")
+    def _hsdp_fits(self):
+        if self.scaling.hsdp is True and self.training.strategy != "fsdp2":
+            raise ValueError(f"scaling.hsdp=true applies to training.strategy fsdp2, not {self.training.strategy}: "
+                             "ZeRO-3's equivalent is training.deepspeed: {zero_optimization: {zero_hpz_partition_size: "
+                             "<GPUs per node>}}; remove scaling.hsdp")
+        if self.scaling.hsdp is True and self.scaling.workers_per_node == 1:
+            raise ValueError("scaling.hsdp=true shards within a node: set scaling.workers_per_node to the training "
+                             "workers of one node (e.g. 8)")
+        return self
 
     @model_validator(mode="after")
     def _gradient_sync_fits_the_strategy(self):

@@ -12,7 +12,8 @@ back-of-the-envelope one, written out term by term so a user can check it:
     + logits (b·s·V in the compute dtype, its fp32 copy and that copy's gradient)
     + runtime (CUDA context, NCCL buffers) on GPUs
 
-P is the worker count for fsdp2/zero3 and 1 for ddp. Offload moves terms to host memory.
+P is the ranks one copy of the model is sharded over (`JobSpec.shard_degree`): every worker
+for zero3 and flat fsdp2, a node's workers under HSDP, 1 for ddp. Offload moves terms to host memory.
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ def compute_bytes(spec: JobSpec) -> int:
 def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     t, off = spec.training, spec.training.offload
     sharded = t.strategy in ("fsdp2", "zero3")
-    P, c, w = (workers if sharded else 1), compute_bytes(spec), DTYPE_BYTES[spec.model.dtype]
-    N, per = facts.n_params, f" / {workers}" if sharded and workers > 1 else ""
+    P, c, w = spec.shard_degree(workers), compute_bytes(spec), DTYPE_BYTES[spec.model.dtype]
+    N, per = facts.n_params, f" / {P}" if P > 1 else ""
     out = Estimate(workers)
     # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together;
     # ZeRO-3 offloads the optimizer (with its fp32 master) and the parameters separately.

@@ -33,6 +33,11 @@ KNOWN_CONFIGS = {
         "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
         "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "vocab_size": 128256},
+    "meta-llama/Llama-3.1-70B": {
+        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 8192, "intermediate_size": 28672,
+        "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 64, "num_hidden_layers": 80,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "vocab_size": 128256},
     "Qwen/Qwen2.5-7B": {
         "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
         "max_position_embeddings": 131072, "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,

@@ -37,8 +37,10 @@ class FSDP2Strategy(TorchStrategy):
         # Offload moves shards from the accelerator to host memory; on a CPU worker they are there
         # already (and CPUOffloadPolicy needs an accelerator to move them back to).
         cpu_offload = (offload.params or offload.optimizer) and self.device.type != "cpu"
+        shape = self.spec.mesh_shape(self.world_size)
         kwargs = dict(
-            mesh=init_device_mesh(self.device.type, (self.world_size,)),
+            # One flat mesh, or HSDP: replicate across nodes x shard within one (`JobSpec.mesh_shape`).
+            mesh=init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):]),
             # bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU.
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.compute_bf16 else None,
                                            reduce_dtype=torch.float32),
