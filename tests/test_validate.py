@@ -329,6 +329,15 @@ def fsdp2_offloading_the_optimizer_alone(job, tmp, assets):
 def zero3_asked_to_keep_whole_gradients(job, tmp, assets):
     job["training"].update(strategy="zero3", gradient_sync="last_micro_batch")
 
+@case("scaling.hsdp", "ZeRO-3's equivalent is training.deepspeed: {zero_optimization: {zero_hpz_partition_size")
+def hsdp_asked_of_zero3(job, tmp, assets):
+    job["training"]["strategy"] = "zero3"
+    job["scaling"]["hsdp"] = True
+
+@case("scaling.hsdp", "set scaling.workers_per_node to the training workers of one node")
+def hsdp_without_nodes(job, tmp, assets):
+    job["scaling"]["hsdp"] = True
+
 PAIR_OK = {"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs."}
 
 @case("data.columns.rejected = 'rejected'", "columns there: chosen, prompt, worse")
@@ -498,6 +507,21 @@ def test_keeping_whole_gradients_while_accumulating_is_counted(assets, tmp_path,
     code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json", env=hf_cache)
     [problem] = json.loads(out)["problems"]
     assert "unsharded gradients while accumulating 4 B × 8.03B params = 29.92 GiB" in problem["message"]
+
+
+@pytest.mark.parametrize("hsdp, divisor", [("auto", 8), (False, 16)])
+def test_the_estimate_divides_by_the_shard_group_of_the_mesh(assets, tmp_path, hf_cache, hsdp, divisor):
+    """16 GPUs on 2 nodes: HSDP (auto on GPU clusters) shards each copy over a node's 8 ranks."""
+    job = base_job(assets, tmp_path)
+    job["model"] = {"path": "meta-llama/Llama-3.1-8B", "tokenizer": str(assets / "model"), "dtype": "bfloat16"}
+    job["data"]["seq_len"] = 4096
+    job["training"].update(finetune="full", precision="bf16", global_batch_size=64, micro_batch_size=1)
+    job["scaling"] = {"num_workers": 16, "workers_per_node": 8, "hsdp": hsdp, "use_gpu": True,
+                      "accelerator_memory_gb": 80}
+    code, out, _ = cli("validate", str(write_job(tmp_path, job)), "--json", env=hf_cache)
+    report = json.loads(out)
+    [memory] = [n for n in report["notes"] + report["problems"] if n["field"] == "scaling.accelerator_memory_gb"]
+    assert f"weights 4 B × 8.03B params / {divisor} " in memory["message"], memory["message"]
 
 
 def test_unreachable_hosts_are_notes_for_validate_and_errors_for_run(assets, tmp_path):
