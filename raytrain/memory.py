@@ -7,7 +7,8 @@ back-of-the-envelope one, written out term by term so a user can check it:
 
     full fine-tune   (weights + grads + AdamW m, v [+ fp32 master]) x N / P
     LoRA             weights x N / P + 16 B x N_lora / P    (adapters are fp32 under peft)
-    + gathered layers (sharded: the all-gathered block and the prefetched next one)
+    + gathered layers (fsdp2: the all-gathered block and the prefetched next one; zero3: what
+      stage3_max_live_parameters lets it keep gathered between forward and backward)
     + activations (Korthikanti et al. 2022: 34·b·s·d bytes per layer at 16 bit; +5·a·s²·b eager)
     + logits (b·s·V in the compute dtype, its fp32 copy and that copy's gradient)
     + runtime (CUDA context, NCCL buffers) on GPUs
@@ -27,6 +28,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .config import JobSpec
+from .strategies import deepspeed_config
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -210,7 +212,18 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         # parameter's whole (unsharded) fp32 gradient on every rank until the step.
         n = N if t.finetune == "full" else n_lora
         out.device.append(Term("unsharded gradients while accumulating", f"4 B × {_n(n)}", 4 * n))
-    if sharded and P > 1:
+    if t.strategy == "zero3" and P > 1:
+        # ZeRO-3 keeps a gathered parameter whole until stage3_max_live_parameters are live, if it is
+        # used again within stage3_max_reuse_distance (forward then backward): up to the whole model.
+        hidden = facts.dim("hidden_size", default=0)
+        try:
+            zero = deepspeed_config.build(spec, workers, hidden)["zero_optimization"]
+        except ValueError:  # a bad training.deepspeed override: reported on its own; estimate without it
+            zero = deepspeed_config.generate(spec, workers, hidden)["zero_optimization"]
+        live = min(zero["stage3_max_live_parameters"], N) if zero["stage3_max_reuse_distance"] else facts.layer_params
+        out.device.append(Term("parameters kept gathered (stage3_max_live_parameters)",
+                               f"{_n(live)} × {c} B", live * c))
+    elif sharded and P > 1:
         layer = facts.layer_params
         out.device.append(Term("gathered layers", f"2 × {_n(layer)} × {c} B", 2 * layer * c))
     out.device.extend(activation_terms(spec, facts))
