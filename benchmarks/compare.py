@@ -264,3 +264,18 @@ def p9(s: h.Setting) -> dict:
         out[finetune] = h.ratio_line(f"P9 step time per row, {finetune}", "dpo (a pair)", times[f"dpo-{finetune}"],
                                      "sft (one sequence)", times[f"sft-{finetune}"])
     return {"ratio": out["lora"], "ratio_full": out["full"], "times": times}
+
+
+# ---------------------------------------------------------------- P10
+def p10(s: h.Setting) -> dict:
+    h.header("P10 training.compile on / off: in-loop step time, fsdp2 full, both through raytrain", s)
+    model, data = h.assets(s)
+    times, first = {"compiled": [], "eager": []}, {"compiled": [], "eager": []}
+    for arm in h.alternate(s.reps, ["compiled", "eager"]):
+        r = raytrain_arm(s, f"p10-{arm}", model, data, training={"finetune": "full", "compile": arm == "compiled"})
+        times[arm].append(steady(r["step_time_s"], s.warmup))
+        first[arm].append(ordered(r["step_time_s"])[0])  # step 1 pays the compilation (inductor caches it on disk)
+        print(f"    {arm}: in-loop step {times[arm][-1]:.4f} s, step 1 {first[arm][-1]:.2f} s", flush=True)
+    ratio = h.ratio_line("P10 in-loop step time", "compiled", times["compiled"], "eager", times["eager"])
+    h.ratio_line("P10 step 1 (compilation)", "compiled", first["compiled"], "eager", first["eager"])
+    return {"ratio": ratio, "times": times, "first_step": first}

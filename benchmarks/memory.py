@@ -1,4 +1,4 @@
-"""M1, M2: host memory of the model path (issue #12), measured inside Ray Train workers.
+"""M1-M4: the model path at scale (issue #12), measured inside Ray Train workers.
 
     python -m benchmarks.bench m --quick        (a ~400M-parameter Llama, 1.6 GB in fp32, 2 workers)
 
@@ -16,6 +16,10 @@ M2  peak of a full-fine-tuning step with 4 micro-batches / with 1 (same micro-ba
     gradient_sync auto (reduce-scatter every micro-batch) and last_micro_batch   goal <= 1.1
 M3  peak of a training step above the process before loading (its imports) / `raytrain validate`'s
     estimate, fsdp2 and zero3 x LoRA and full                                goal 0.8 to 1.2
+M4  bytes the busiest rank reads from the checkpoint's storage on restore / (checkpoint bytes / N),
+    fsdp2 and zero3 full: the product (`SignedCheckpoint`: this rank's files, verified as fetched)
+    and as before (every file of the folder hashed on every rank, then the strategy read its part
+    in place; from s3:// the whole folder was downloaded to every node first)   goal <= 1.2
 """
 
 from __future__ import annotations
@@ -84,6 +88,51 @@ def measure(config: dict) -> None:
     Path(config["out"], f"rank{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(out))
 
 
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(ln for ln in f if ln.startswith("rchar:")).split()[1])
+
+
+def restore_reads(config: dict) -> None:
+    """In each worker: save a signed checkpoint as the product does (each rank its own folder,
+    merged), or restore it both ways and count the bytes read."""
+    import json
+    import shutil
+    import tempfile
+
+    import ray.train
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain import signing
+    from raytrain.config import JobSpec
+    from raytrain.strategies import build_strategy
+
+    torch.set_num_threads(1)
+    spec = JobSpec.model_validate(config["job"])
+    strategy = build_strategy(spec, torch.device("cpu"))
+    folder, name = config["checkpoint"], Path(config["checkpoint"]).name
+    if config["save"]:
+        mine = tempfile.mkdtemp()
+        strategy.save(mine)
+        signing.sign_checkpoint(mine, spec.name, name, strategy.rank, strategy.world_size)
+        shutil.copytree(mine, folder, dirs_exist_ok=True)
+        return
+    with signing.SignedCheckpoint(folder, spec.name, name) as checkpoint:
+        before = _rchar()
+        strategy.load(checkpoint)
+        out = {"fetched": checkpoint.bytes_read, "rchar": _rchar() - before,
+               "checkpoint_bytes": sum(Path(folder, f).stat().st_size for f in checkpoint.names)}
+    before = _rchar()  # as before: every file hashed, then the strategy's own reader on the folder in place
+    signing.verify_checkpoint(folder, spec.name, name)
+    if spec.training.strategy == "zero3":
+        strategy.engine.load_checkpoint(folder, tag="ds", load_lr_scheduler_states=False)
+    else:
+        dcp.load(strategy._state(), checkpoint_id=folder)
+    out["before"] = _rchar() - before
+    Path(config["out"], f"rank{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(out))
+
+
 def zero3_load(spec, how: str) -> dict:
     """The ZeRO-3 strategy's model load as `setup` runs it: "sharded" (the product's
     `load_partitioned`) or "from_pretrained" (transformers' own loading under zero.Init, as before)."""
@@ -105,7 +154,8 @@ def zero3_load(spec, how: str) -> dict:
     return {"load_peak": _status("VmHWM") - before, "how": how}
 
 
-def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool, zero3_load: str | None = None) -> list[dict]:
+def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool = False, zero3_load: str | None = None,
+         fn=measure, **config) -> list[dict]:
     import json
 
     import ray.cloudpickle
@@ -115,7 +165,7 @@ def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool, zero3_lo
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     out = folder / name
     out.mkdir(parents=True)
-    TorchTrainer(measure, train_loop_config={"job": job, "out": str(out), "steps": steps, "zero3_load": zero3_load},
+    TorchTrainer(fn, train_loop_config={"job": job, "out": str(out), "steps": steps, "zero3_load": zero3_load, **config},
                  scaling_config=ScalingConfig(num_workers=s.workers, resources_per_worker={"CPU": 1}),
                  run_config=RunConfig(name=name, storage_path=str(folder / "ray"))).fit()
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -194,6 +244,21 @@ def m(s: h.Setting) -> dict:
             result[f"ratio_m3_{strategy}_{finetune}"] = ratio
             print(f"M3 {strategy} {finetune:4s}: measured peak of a step above the bare process {measured / gib:.2f} GiB "
                   f"/ estimate {predicted.total / gib:.2f} GiB = {ratio:.2f}  ({predicted.arithmetic()})")
+
+        small, _ = h.assets(s, hidden=hidden // 2, layers=layers)  # a full checkpoint is 12 B a parameter
+        for strategy in ("fsdp2", "zero3"):
+            job = h.job(s, f"m4-{strategy}", folder / "runs", small, data,
+                        training={"strategy": strategy, "finetune": "full", "gradient_sync": "auto"})
+            checkpoint = str(folder / f"m4-{strategy}" / "step_00000001")
+            _run(s, folder, f"m4-{strategy}-save", job, fn=restore_reads, checkpoint=checkpoint, save=True)
+            ranks = _run(s, folder, f"m4-{strategy}-restore", job, fn=restore_reads, checkpoint=checkpoint, save=False)
+            share = ranks[0]["checkpoint_bytes"] / s.workers
+            fetched, before = max(r["fetched"] for r in ranks), max(r["before"] for r in ranks)
+            result[f"ratio_m4_{strategy}"], result[f"ratio_m4_{strategy}_before"] = fetched / share, before / share
+            print(f"M4 {strategy}: checkpoint {ranks[0]['checkpoint_bytes'] / gib:.2f} GiB; the busiest rank reads "
+                  f"{fetched / gib:.2f} GiB from storage = {fetched / share:.2f} x (checkpoint / N) "
+                  f"(all its reads, the local copy included: {max(r['rchar'] for r in ranks) / gib:.2f} GiB); "
+                  f"before: {before / gib:.2f} GiB = {before / share:.2f} x")
         return result
     finally:
         ray.shutdown()

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import signing
+from . import signing, storage
 from .data import DataPosition
 from .errors import JobError
 
@@ -119,13 +119,15 @@ def confirm(strategy) -> str | None:
 
 
 def restore(strategy) -> TrainState | None:
-    """Load the latest committed checkpoint into the strategy; None on a fresh start."""
+    """Load the latest committed checkpoint into the strategy; None on a fresh start. Each rank
+    reads only its files, straight from the run directory (local or remote), each verified
+    before it is read (signing.SignedCheckpoint)."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
-    with checkpoint.as_directory() as directory:  # nothing is unpickled before every file verifies
-        signing.verify_checkpoint(directory, strategy.spec.name, Path(checkpoint.path).name, where=checkpoint.path)
-        strategy.load(directory)
-        return TrainState.from_json(Path(directory, STATE_FILE).read_text())
+    name = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+    with signing.SignedCheckpoint(storage.join(strategy.spec.run_dir, name), strategy.spec.name, name) as signed:
+        strategy.load(signed)
+        return TrainState.from_json(signed.read_bytes(STATE_FILE).decode())

@@ -268,6 +268,10 @@ class TrainingSpec(Section):
     """When gradients are reduced while accumulating (fsdp2, ddp; zero3 always reduce-scatters each micro-batch). `every_micro_batch` keeps only this rank's shard of the gradients (fsdp2), at one reduce-scatter per micro-batch; `last_micro_batch` communicates once per step but keeps every parameter's whole fp32 gradient until then. `auto`: every micro-batch for full fine-tuning (those gradients are the model's size), the last for LoRA (adapters are small). The loss and steps are the same either way."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward to save memory."""
+    compile: bool = False
+    """torch.compile each decoder block (fsdp2, ddp), as torchtitan does: fused kernels, the same losses. The first step pays the compilation (tens of seconds); CPU workers need a C++ compiler."""
+    chunked_loss: Literal["auto"] | bool | int = "auto"
+    """Compute the cross-entropy a chunk of tokens at a time, each chunk's logits recomputed in backward, so a micro-batch's whole fp32 logits never exist (fsdp2, ddp). `auto`: when they would pass 1 GiB (long sequences at a 128k vocabulary); true: always; a number: that many tokens a chunk (else 256 MiB of fp32 logits' worth). The per-token losses are the same; their sum is taken in another order (~1e-7 relative)."""
     deepspeed: dict[str, Any] | None = None
     """Expert overrides merged into the generated DeepSpeed config (`zero3` only)."""
 
@@ -460,6 +464,36 @@ class JobSpec(Section):
     def shard_degree(self, workers: int) -> int:
         """Ranks one copy of the model is sharded over (1: every rank holds it whole)."""
         return {"fsdp2": self.mesh_shape(workers)[-1], "zero3": workers}.get(self.training.strategy, 1)
+
+    def loss_chunk_tokens(self, model_config: dict) -> int:
+        """Tokens per cross-entropy chunk for this model (its config.json), 0 for the whole logits at
+        once: the one place `training.chunked_loss` is resolved (the strategy computes by it, the
+        estimate counts it). A model that transforms its logits after the output layer (Gemma 2's
+        softcapping, Cohere's logit scale) computes them whole."""
+        vocab, chunked = model_config.get("vocab_size") or 0, self.training.chunked_loss
+        if any(model_config.get(k) is not None for k in ("final_logit_softcapping", "logit_scale")):
+            chunked = False
+        tokens = self.training.micro_batch_size * self.sequences_per_row * self.data.seq_len
+        if chunked is False or not vocab or self.training.strategy == "zero3" or (
+                chunked == "auto" and tokens * vocab * 4 <= 1 << 30):
+            return 0
+        if chunked is True or chunked == "auto":
+            return max(1, (256 << 20) // (vocab * 4))  # 256 MiB of fp32 logits a chunk: 523 tokens at 128k
+        return chunked
+
+    @model_validator(mode="after")
+    def _compile_and_chunked_loss_fit(self):
+        if self.training.compile and self.training.strategy == "zero3":
+            raise ValueError("training.compile=true compiles decoder blocks under fsdp2 and ddp; ZeRO-3's parameter "
+                             "hooks break compiled graphs: remove training.compile or set training.strategy: fsdp2")
+        if self.training.chunked_loss not in ("auto", False) and self.training.strategy == "zero3":
+            raise ValueError(f"training.chunked_loss={str(self.training.chunked_loss).lower()} applies the output "
+                             "layer chunk by chunk after the forward, and ZeRO-3 has partitioned it again by then: remove training.chunked_loss (auto is off "
+                             "under zero3) or set training.strategy: fsdp2")
+        if type(self.training.chunked_loss) is int and self.training.chunked_loss < 1:
+            raise ValueError(f"training.chunked_loss={self.training.chunked_loss} tokens a chunk: use a number >= 1, "
+                             "true or auto")
+        return self
 
     @model_validator(mode="after")
     def _hsdp_fits(self):

@@ -27,34 +27,33 @@ def latest_checkpoint(run_dir: str) -> str:
     raise FileNotFoundError(f"no committed checkpoint (step_*/ with {COMMITTED_FILE}) under {run_dir}")
 
 
-def load_checkpoint_model(spec: JobSpec, checkpoint_dir: str, name: str | None = None) -> torch.nn.Module:
-    """A plain single-process model with the checkpoint's weights (DCP reshards to one process),
-    once every file of the local folder `checkpoint_dir` (checkpoint `name`) verifies."""
-    signing.verify_checkpoint(checkpoint_dir, spec.name, name or Path(checkpoint_dir).name)
+def load_checkpoint_model(spec: JobSpec, checkpoint: signing.SignedCheckpoint) -> torch.nn.Module:
+    """A plain single-process model with the checkpoint's weights (DCP reshards to one process);
+    each file is verified as it is fetched, before anything reads it."""
     model = modeling.load_model(spec)
     trainable = modeling.trainable_names(model)
     full = model.state_dict()
     wanted = {k: v for k, v in full.items() if spec.training.finetune == "full" or k in trainable}
-    if zero3.is_zero3_checkpoint(checkpoint_dir):  # DeepSpeed's own layout: its consolidation, not DCP
-        wanted = zero3.consolidated_state_dict(checkpoint_dir, trainable_only=spec.training.finetune == "lora")
+    if zero3.is_zero3_checkpoint(checkpoint.names):  # DeepSpeed's own layout: its consolidation, not DCP
+        wanted = zero3.consolidated_state_dict(checkpoint.fetch(*checkpoint.names),
+                                               trainable_only=spec.training.finetune == "lora")
     else:
-        read_checkpoint({"model": wanted}, checkpoint_dir)
+        read_checkpoint({"model": wanted}, checkpoint)
     result = model.load_state_dict(wanted, strict=False)
-    modeling.require_complete(model, result.missing_keys, result.unexpected_keys, spec.training.finetune, checkpoint_dir)
+    modeling.require_complete(model, result.missing_keys, result.unexpected_keys, spec.training.finetune,
+                              checkpoint.where)
     return model
 
 
 def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None) -> str:
     """A run directory's latest (or the given) committed checkpoint as a plain HF folder at
-    `out`; either may be local or remote (a remote checkpoint is copied to a temp folder first)."""
+    `out`; either may be local or remote."""
     spec = read_job_file(run_dir)
     checkpoint_dir = checkpoint_dir or latest_checkpoint(run_dir)
-    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp:
-        local = checkpoint_dir
-        if storage.is_remote(checkpoint_dir):
-            local = str(Path(tmp, "checkpoint"))
-            storage.download_dir(checkpoint_dir, local)
-        model = load_checkpoint_model(spec, local, name=checkpoint_dir.rstrip("/").rsplit("/", 1)[-1])
+    name = checkpoint_dir.rstrip("/").rsplit("/", 1)[-1]
+    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp, \
+            signing.SignedCheckpoint(checkpoint_dir, spec.name, name) as checkpoint:
+        model = load_checkpoint_model(spec, checkpoint)
         write_hf_export(spec, model, model.state_dict(), str(Path(tmp, "model")), modeling.load_tokenizer(spec))
         storage.upload_dir(str(Path(tmp, "model")), out)
     return checkpoint_dir

@@ -10,7 +10,8 @@ back-of-the-envelope one, written out term by term so a user can check it:
     + gathered layers (fsdp2: the all-gathered block and the prefetched next one; zero3: what
       stage3_max_live_parameters lets it keep gathered between forward and backward)
     + activations (Korthikanti et al. 2022: 34·b·s·d bytes per layer at 16 bit; +5·a·s²·b eager)
-    + logits (b·s·V in the compute dtype, its fp32 copy and that copy's gradient)
+    + logits (b·s·V in the compute dtype, its fp32 copy and that copy's gradient; one chunk's
+      under training.chunked_loss)
     + runtime (CUDA context, NCCL buffers) on GPUs
 
 P is the ranks one copy of the model is sharded over (`JobSpec.shard_degree`): every worker
@@ -264,6 +265,9 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
                    n_layers * b * s * d * c + layer)
     else:
         act = Term("activations", f"{n_layers} × (34{quad_text}) × {b}·{s}·{d} × {c}/2 B", n_layers * layer)
+    chunk = spec.loss_chunk_tokens(facts.config)
+    if chunk:  # one chunk's logits exist at a time (training.chunked_loss)
+        return [act, Term("logits (one chunk)", f"{chunk}·{vocab} × ({c} + 4 + 4) B", chunk * vocab * (c + 8))]
     return [act, Term("logits", f"{b}·{s}·{vocab} × ({c} + 4 + 4) B", b * s * vocab * (c + 8))]
 
 

@@ -10,27 +10,63 @@ SimPO); tests/test_preference.py checks them against TRL itself.
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import JobSpec, PreferenceSpec
 from .data import IGNORE
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+@dataclass
+class Hidden:
+    """What a forward gives under `training.chunked_loss`: the last hidden states and the output
+    layer, which the loss applies a chunk of tokens at a time."""
+    states: torch.Tensor
+    head: torch.nn.Module
+    chunk: int
+    autocast: Callable  # the strategy's compute precision, which the output layer runs in as in the model
+
+
+def token_loss(out: torch.Tensor | Hidden, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy over the labelled tokens."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
+    if isinstance(out, Hidden):
+        return chunked_cross_entropy(out, labels[:, 1:]).sum()
+    return F.cross_entropy(out[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
                            reduction="sum")
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(out: torch.Tensor | Hidden, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: the summed log-probability of its labelled tokens, and their count.
     (Cross-entropy per token rather than a log-softmax over the vocabulary: one fp32 copy of
     the logits, not two.)"""
     target = labels[:, 1:]
-    per_token = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE,
-                                 reduction="none").view(target.shape)
+    if isinstance(out, Hidden):
+        per_token = -chunked_cross_entropy(out, target)
+    else:
+        per_token = -F.cross_entropy(out[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE,
+                                     reduction="none").view(target.shape)
     return per_token.sum(-1), (target != IGNORE).sum(-1)
+
+
+def chunked_cross_entropy(out: Hidden, target: torch.Tensor) -> torch.Tensor:
+    """Per-token next-token cross-entropy (0 where unlabelled), `out.chunk` tokens at a time. Each
+    chunk's logits are recomputed in backward (a checkpoint), so at most one chunk's exist at once:
+    at a 128k vocabulary a 4k-token sequence's fp32 logits and their gradient are 4 GiB, a chunk 256 MiB."""
+    states, labels = out.states[:, :-1].flatten(0, 1), target.flatten()
+    weight, bias = out.head.weight, out.head.bias
+    with out.autocast():  # recorded by each checkpoint and restored when backward recomputes it
+        parts = [checkpoint(_chunk_cross_entropy, states[i:i + out.chunk], weight, bias, labels[i:i + out.chunk],
+                            use_reentrant=False) for i in range(0, len(labels), out.chunk)]
+    return torch.cat(parts).view(target.shape)
+
+
+def _chunk_cross_entropy(states, weight, bias, labels) -> torch.Tensor:
+    return F.cross_entropy(F.linear(states, weight, bias).float(), labels, ignore_index=IGNORE, reduction="none")
 
 
 def pair_losses(objective: str, p: PreferenceSpec, chosen: torch.Tensor, rejected: torch.Tensor,
@@ -105,11 +141,28 @@ def _real_pairs(mb: dict) -> torch.Tensor:
     return (chosen_labels != IGNORE).any(-1)
 
 
-def forward(strategy, model, mb: dict) -> torch.Tensor:
-    """Logits of a micro-batch; per-document positions, so packed documents never attend to each other."""
-    with strategy.autocast():
-        return model(input_ids=mb["input_ids"].to(strategy.device),
-                     position_ids=mb["position_ids"].to(strategy.device)).logits
+def forward(strategy, model, mb: dict) -> torch.Tensor | Hidden:
+    """Logits of a micro-batch, or under `training.chunked_loss` its last hidden states with the
+    output layer; per-document positions, so packed documents never attend to each other."""
+    chunk, head = strategy.loss_chunk, getattr(model, "module", model).get_output_embeddings()  # (DDP's wrapper)
+    with strategy.autocast(), _skipped(head) if chunk else contextlib.nullcontext():
+        out = model(input_ids=mb["input_ids"].to(strategy.device), position_ids=mb["position_ids"].to(strategy.device))
+    # The output layer is used after the model's forward: FSDP2 keeps the root's parameters (the
+    # output layer's among them) gathered from its forward to its backward, so this is the same weight.
+    return Hidden(out.logits, head, chunk, strategy.autocast) if chunk else out.logits
+
+
+@contextlib.contextmanager
+def _skipped(head: torch.nn.Module):
+    head.forward = _identity  # shadows the layer's own forward for this call: the model returns its hidden states
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def build(spec: JobSpec) -> SFT | Preference:

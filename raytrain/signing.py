@@ -22,6 +22,8 @@ import hmac
 import json
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 from . import storage
@@ -128,29 +130,81 @@ def verified_manifests(uri: str, run: str, name: str, where: str | None = None) 
     return listed
 
 
+class SignedCheckpoint:
+    """A checkpoint folder (local or remote) whose manifests verify, read file by file: a rank
+    fetches only the files it needs, straight from storage into a local folder of its own,
+    hashing as it copies, and a file whose sha256 is not the signed one is refused before
+    anything reads it (the copy, not the storage, is what is then read: nothing can change
+    between the check and the use). Restore fetches a rank's shards, not the whole folder."""
+
+    def __init__(self, uri: str, run: str, name: str, where: str | None = None):
+        self.uri, self.where = uri, where or uri
+        self.listed = verified_manifests(uri, run, name, self.where)
+        present = {f for f in storage.tree(uri) if not f.startswith(MANIFEST_PREFIX) and f not in UNSIGNED}
+        unlisted, missing = sorted(present - self.listed.keys()), sorted(self.listed.keys() - present)
+        if unlisted:
+            raise _refuse(self.where, f"{unlisted[0]} is in no manifest: it was put there after the checkpoint was written")
+        if missing:
+            raise _refuse(self.where, f"{missing[0]} is missing")
+        self.bytes_read = 0  # from storage, by this process (benchmarks/memory.py's M4)
+        self._local: str | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.listed)
+
+    def fetch(self, *files: str) -> str:
+        """Copy `files` (verified) into this process's local folder, once each; returns the folder."""
+        if self._local is None:
+            self._local = tempfile.mkdtemp(prefix="raytrain-restore-")
+        for file in files:
+            target = Path(self._local, file)
+            if target.exists():
+                continue
+            if file not in self.listed:
+                raise _refuse(self.where, f"{file} is in no manifest")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs, path = storage.filesystem(storage.join(self.uri, file))
+            digest, partial = hashlib.sha256(), target.with_name(target.name + ".partial")
+            with fs.open_input_stream(path) as source, open(partial, "wb") as out:
+                while chunk := source.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    self.bytes_read += len(chunk)
+            if digest.hexdigest() != self.listed[file]:
+                partial.unlink()
+                raise _refuse(self.where, f"{file} was changed after it was written (its sha256 is not the signed one)")
+            partial.rename(target)
+        return self._local
+
+    def read_bytes(self, file: str) -> bytes:
+        return Path(self.fetch(file), file).read_bytes()
+
+    def close(self) -> None:
+        if self._local is not None:
+            shutil.rmtree(self._local, ignore_errors=True)
+            self._local = None
+
+    def __enter__(self) -> "SignedCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def verify_checkpoint(directory: str, run: str, name: str, where: str | None = None) -> None:
-    """Every file of the folder signed, present and unchanged; else a JobError naming the file."""
-    where = where or directory
-    listed = verified_manifests(directory, run, name, where)
-    present = {f for f in _files(Path(directory)) if not f.startswith(MANIFEST_PREFIX) and f not in UNSIGNED}
-    unlisted = sorted(present - listed.keys())
-    if unlisted:
-        raise _refuse(where, f"{unlisted[0]} is in no manifest: it was put there after the checkpoint was written")
-    for file, digest in sorted(listed.items()):
-        if file not in present:
-            raise _refuse(where, f"{file} is missing")
+    """Every file of a local folder signed, present and unchanged; else a JobError naming the file."""
+    checkpoint = SignedCheckpoint(directory, run, name, where)
+    for file, digest in sorted(checkpoint.listed.items()):
         if file_sha256(Path(directory, file)) != digest:
-            raise _refuse(where, f"{file} was changed after it was written (its sha256 is not the signed one)")
+            raise _refuse(checkpoint.where, f"{file} was changed after it was written (its sha256 is not the signed one)")
 
 
 def verified_read(uri: str, run: str, name: str, file: str) -> bytes:
     """One small file of a checkpoint (local or remote), checked against its signed manifest
     without reading the rest (the driver reads train_state.json so)."""
-    listed = verified_manifests(uri, run, name)
-    data = storage.read_bytes(storage.join(uri, file))
-    if file not in listed or hashlib.sha256(data).hexdigest() != listed[file]:
-        raise _refuse(uri, f"{file} is not the file that was signed")
-    return data
+    with SignedCheckpoint(uri, run, name) as checkpoint:
+        return checkpoint.read_bytes(file)
 
 
 # --- small signed documents: the job file, a token store's manifest ---

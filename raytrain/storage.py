@@ -71,6 +71,13 @@ def files(uri: str) -> list[str]:
     return [e.base_name for e in entries if e.type == pafs.FileType.File]
 
 
+def tree(uri: str) -> list[str]:
+    """Every file under a local path or URI, as paths relative to it."""
+    fs, path = filesystem(uri)
+    entries = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    return sorted(e.path[len(path):].lstrip("/") for e in entries if e.type == pafs.FileType.File)
+
+
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 

@@ -43,7 +43,7 @@ def job(assets, storage, strategy, finetune, name, steps=STEPS, **over):
     # A constant LR after warmup: a run stopped at step 10 and continued is the same
     # optimization as the 20-step run (a cosine schedule would depend on max_steps).
     return make_job(assets, storage, name=name,
-                    training={"strategy": strategy, "finetune": finetune, "max_steps": steps},
+                    training={"strategy": strategy, "finetune": finetune, "max_steps": steps, **over.pop("training", {})},
                     optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
                     checkpoint={"every_n_steps": EVERY, "keep_last": 2}, **over)
 
@@ -286,6 +286,21 @@ def test_full_fine_tuning_keeps_fp32_master_weights_whatever_the_load_dtype(ray_
     assert losses["fsdp2", "bfloat16"][4] != losses["fsdp2", "bfloat16"][1]  # it trained
     reader = dcp_dtypes(checkpoints["fsdp2", "bfloat16"])
     assert reader and set(reader.values()) == {torch.float32}, reader  # weights and AdamW state
+
+
+@pytest.mark.parametrize("setting", [{"compile": True}, {"chunked_loss": 5}], ids=["compile", "chunked_loss"])
+def test_compiled_blocks_and_the_chunked_loss_train_with_the_eager_losses(trained, assets, tmp_path, setting):
+    """training.compile (each decoder block through torch.compile, inductor's CPU kernels) and
+    training.chunked_loss (the cross-entropy 5 tokens at a time: 13 chunks of a micro-batch's 62
+    next-token targets) under fsdp2 full: the first steps equal the plain run's within the parity bound."""
+    spec = job(assets, tmp_path, "fsdp2", "full", "variant", steps=4, training=setting)
+    losses = metric_history(spec, launcher.run(spec).run_id)
+    plain = {k: v for k, v in trained["fsdp2", "full"].losses.items() if k <= 4}
+    assert sorted(losses) == [1, 2, 3, 4]
+    abs_diff, rel_diff = max_diffs(losses, plain)
+    print(f"\n[{next(iter(setting))}] fsdp2 full, 4 steps: max abs {abs_diff:.2e}, max rel {rel_diff:.2e}")
+    assert rel_diff <= LOSS_REL_TOL, (losses, plain)
+    assert losses[4] < losses[1]
 
 
 def dcp_dtypes(step: Path) -> dict[str, torch.dtype]:

@@ -338,6 +338,14 @@ def hsdp_asked_of_zero3(job, tmp, assets):
 def hsdp_without_nodes(job, tmp, assets):
     job["scaling"]["hsdp"] = True
 
+@case("training.compile = true", "ZeRO-3's parameter hooks break compiled graphs")
+def compile_asked_of_zero3(job, tmp, assets):
+    job["training"].update(strategy="zero3", compile=True)
+
+@case("training.chunked_loss = true", "ZeRO-3 has partitioned it again by then")
+def chunked_loss_asked_of_zero3(job, tmp, assets):
+    job["training"].update(strategy="zero3", chunked_loss=True)
+
 PAIR_OK = {"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs."}
 
 @case("data.columns.rejected = 'rejected'", "columns there: chosen, prompt, worse")
@@ -494,7 +502,9 @@ def test_cached_hub_config_gets_the_memory_check(assets, tmp_path, hf_cache):
     # A full fine-tune reduce-scatters every micro-batch (training.gradient_sync: auto), so no rank keeps
     # whole fp32 gradients while accumulating (+32 GB, which once made micro-batch 1 the only fit).
     assert "unsharded gradients" not in problem["message"]
-    assert "smallest change that fits: training.micro_batch_size: 2 (≈ 60.56 GiB)" in problem["message"]
+    # 8 x 4096 tokens at a 128k vocabulary: training.chunked_loss (auto) keeps 523 tokens' logits, not 40 GiB.
+    assert "logits (one chunk) 523·128256 × (2 + 4 + 4) B = 0.62 GiB" in problem["message"]
+    assert "smallest change that fits: training.micro_batch_size: 3 (≈ 68.39 GiB)" in problem["message"]
 
 
 def test_keeping_whole_gradients_while_accumulating_is_counted(assets, tmp_path, hf_cache):

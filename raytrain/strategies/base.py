@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
+import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable
@@ -19,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
@@ -26,19 +29,51 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from .. import modeling
 from ..config import JobSpec
 from ..errors import JobError
+from ..signing import SignedCheckpoint
 
 
-def read_checkpoint(state: dict, directory: str) -> None:
-    """dcp.load into `state` (resharding to this world size); a weight the checkpoint lacks is
-    a clear JobError, not DCP's traceback."""
+def read_checkpoint(state: dict, checkpoint: SignedCheckpoint) -> None:
+    """dcp.load into `state` (resharding to this world size), each rank fetching only the files
+    its slices are in; a weight the checkpoint lacks or a refused file is one clear JobError on
+    every rank, not DCP's traceback."""
     try:
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, storage_reader=SignedReader(checkpoint))
     except CheckpointException as exc:  # each rank's error, wrapped (a BaseException, not an Exception)
+        refused = [e for e, _ in exc.failures.values() if isinstance(e, JobError)]
+        if refused:
+            raise JobError(str(refused[0])) from None
         missing = re.search(r"Missing key in checkpoint state_dict: ([\w.-]+?)\.(?:\s|$)", str(exc))
         if missing is None:
             raise
-        raise JobError(f"the checkpoint {directory} has no value for {missing.group(1)}: it was written for another "
-                       f"model or its keys were renamed. Point model.path at the model it was trained from") from None
+        raise JobError(f"the checkpoint {checkpoint.where} has no value for {missing.group(1)}: it was written for "
+                       f"another model or its keys were renamed. Point model.path at the model it was trained from") from None
+
+
+class SignedReader(FileSystemReader):
+    """DCP's file reader over a signed checkpoint: the metadata, then the files this rank's load
+    plan reads, are fetched and verified first (`SignedCheckpoint.fetch`); nothing else is read."""
+
+    def __init__(self, checkpoint: SignedCheckpoint):
+        super().__init__(checkpoint.fetch(".metadata"))  # a pickle: verified before DCP unpickles it
+        self.checkpoint = checkpoint
+
+    def read_data(self, plan, planner):
+        self.checkpoint.fetch(*sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}))
+        return super().read_data(plan, planner)
+
+
+def fetch_on_every_rank(checkpoint: SignedCheckpoint, files: list[str]) -> str:
+    """Collective: fetch this rank's `files`; a file refused on any rank is refused on all (no rank
+    waits in a collective for one that stopped). Returns the local folder."""
+    try:
+        error, folder = None, checkpoint.fetch(*files)
+    except JobError as exc:
+        error, folder = str(exc), ""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise JobError(next(e for e in errors if e))
+    return folder
 
 
 class Strategy(ABC):
@@ -51,6 +86,7 @@ class Strategy(ABC):
         self.world_size = dist.get_world_size()
         self.compute_bf16 = spec.training.precision == "bf16" or (spec.training.precision == "auto" and device.type == "cuda")
         self.model: torch.nn.Module  # what the loop calls forward on
+        self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives.py); 0: the whole logits
 
     @abstractmethod
     def setup(self) -> None:
@@ -90,8 +126,9 @@ class Strategy(ABC):
         return lambda: None
 
     @abstractmethod
-    def load(self, directory: str) -> None:
-        """Restore from a committed checkpoint folder, at any world size (collective)."""
+    def load(self, checkpoint: SignedCheckpoint) -> None:
+        """Restore from a committed checkpoint, at any world size, fetching only the files this
+        rank needs (collective)."""
 
     @abstractmethod
     def export(self, directory: str, tokenizer) -> None:
@@ -109,8 +146,10 @@ class TorchStrategy(Strategy):
         """Return the parallel model."""
 
     def setup(self) -> None:
-        self.model = self.wrap(enable_activation_checkpointing(self.spec, self.build_model()))
+        self.model = self.wrap(compile_blocks(self.spec, enable_activation_checkpointing(self.spec, self.build_model()),
+                                              self.device))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.loss_chunk = self.spec.loss_chunk_tokens(self.hf_model.config.to_dict())
         o = self.spec.optimizer
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.trainable = modeling.trainable_names(self.hf_model)
@@ -154,13 +193,13 @@ class TorchStrategy(Strategy):
         future = dcp.async_save(self._state(), checkpoint_id=directory, process_group=self._save_group)
         return future.result
 
-    def load(self, directory: str) -> None:
+    def load(self, checkpoint: SignedCheckpoint) -> None:
         state = self._state()
-        read_checkpoint(state, directory)
+        read_checkpoint(state, checkpoint)
         result = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                                 optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
         modeling.require_complete(self.model, result.missing_keys, result.unexpected_keys,
-                                  self.spec.training.finetune, directory)
+                                  self.spec.training.finetune, checkpoint.where)
 
     def export(self, directory: str, tokenizer) -> None:
         # LoRA: only the adapter is gathered; the frozen base is identified by its files' hashes.
@@ -191,6 +230,19 @@ def enable_activation_checkpointing(spec: JobSpec, hf_model: torch.nn.Module) ->
     each decoder block in backward (non-reentrant: works under fully_shard, DDP and ZeRO-3)."""
     if spec.training.activation_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return hf_model
+
+
+def compile_blocks(spec: JobSpec, hf_model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`training.compile`: torch.compile each decoder block in place, before it is sharded or
+    wrapped (torchtitan's order), so FSDP2's per-block hooks stay outside the compiled graphs."""
+    if spec.training.compile:
+        if device.type == "cpu" and not shutil.which(os.environ.get("CXX", "c++")):
+            raise JobError("training.compile on CPU workers needs a C++ compiler (torch.compile builds its CPU "
+                           "kernels with it) and this node has none: install g++ on every node, or remove "
+                           "training.compile")
+        for block in modeling.decoder_blocks(hf_model):
+            block.compile()
     return hf_model
 
 

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from .. import modeling
 from ..errors import JobError
 from . import deepspeed_config, weights
-from .base import Strategy, enable_activation_checkpointing, write_hf_export
+from ..signing import SignedCheckpoint
+from .base import Strategy, enable_activation_checkpointing, fetch_on_every_rank, write_hf_export
 
 TAG = "ds"  # the checkpoint's subfolder; fixed, so every committed step_* folder has the same layout
 SHM_OP = "deepspeed_shm_comm"
@@ -106,22 +107,27 @@ class Zero3Strategy(Strategy):
         # LoRA: the frozen base comes from model.path again, as with FSDP2; only adapters are saved.
         self.engine.save_checkpoint(directory, tag=TAG, exclude_frozen_parameters=self.lora)
 
-    def load(self, directory: str) -> None:
-        saved = saved_world_size(directory)
+    def load(self, checkpoint: SignedCheckpoint) -> None:
+        saved = saved_world_size(checkpoint)
         if saved == self.world_size:
+            # DeepSpeed reads this rank's own partition files and the shared ones; nothing else is fetched.
+            mine = [n for n in checkpoint.names if "zero_pp_rank_" not in n or f"zero_pp_rank_{self.rank}_" in n]
+            directory = fetch_on_every_rank(checkpoint, mine)
             path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_module_strict=not self.lora,
                                                   load_lr_scheduler_states=False)
             if path is None:
-                raise JobError(f"could not load the DeepSpeed checkpoint in {directory}")
+                raise JobError(f"could not load the DeepSpeed checkpoint in {checkpoint.where}")
             return
-        self._load_universal(directory, saved)
+        self._load_universal(checkpoint, saved)
 
-    def _load_universal(self, directory: str, saved: int) -> None:
-        """Another world size: convert to DeepSpeed's universal checkpoint, once per node, and load that."""
+    def _load_universal(self, checkpoint: SignedCheckpoint, saved: int) -> None:
+        """Another world size: convert to DeepSpeed's universal checkpoint, once per node (which
+        fetches every file of the checkpoint there), and load that."""
         box = [tempfile.mkdtemp(prefix="raytrain-universal-") if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # the same path on every node; each node converts locally
         root = box[0]
         converter = int(os.environ.get("LOCAL_RANK", self.rank)) == 0  # Ray Train sets LOCAL_RANK
+        directory = fetch_on_every_rank(checkpoint, checkpoint.names if converter else [])
         if converter:
             os.makedirs(root, exist_ok=True)  # exists on rank 0's node only
             if self.rank == 0:
@@ -185,8 +191,8 @@ def load_partitioned(spec) -> tuple[torch.nn.Module, str]:
     return modeling.load_model(spec), "rank0"
 
 
-def is_zero3_checkpoint(directory: str) -> bool:
-    return Path(directory, TAG).is_dir()
+def is_zero3_checkpoint(names: list[str]) -> bool:
+    return any(n.startswith(TAG + "/") for n in names)
 
 
 def consolidated_state_dict(directory: str, trainable_only: bool) -> dict[str, torch.Tensor]:
@@ -197,11 +203,11 @@ def consolidated_state_dict(directory: str, trainable_only: bool) -> dict[str, t
     return get_fp32_state_dict_from_zero_checkpoint(directory, tag=TAG, exclude_frozen_parameters=trainable_only)
 
 
-def saved_world_size(directory: str) -> int:
+def saved_world_size(checkpoint: SignedCheckpoint) -> int:
     """How many data-parallel ranks wrote the checkpoint: one optimizer-state file each."""
-    files = list(Path(directory, TAG).glob("*zero_pp_rank_*_optim_states.pt"))
+    files = [n for n in checkpoint.names if re.fullmatch(rf"{TAG}/\w*zero_pp_rank_\d+_\w*optim_states\.pt", n)]
     if not files:
-        raise JobError(f"{directory} is not a zero3 checkpoint (no {TAG}/*optim_states.pt); was it written by "
+        raise JobError(f"{checkpoint.where} is not a zero3 checkpoint (no {TAG}/*optim_states.pt); was it written by "
                        f"another training.strategy? A job resumes with the strategy that wrote its checkpoints")
     return len(files)
 

@@ -1,0 +1,102 @@
+"""`training.chunked_loss`: the cross-entropy a chunk of tokens at a time, each chunk's logits
+recomputed in backward. The same per-token losses and gradients as the whole-logits loss (fp32
+tolerance: the sums run in another order), with a fraction of its peak memory. Its use inside a
+real fsdp2 run is tests/test_strategies.py's (the eager run's losses)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raytrain.config import JobSpec
+from raytrain.data import IGNORE
+from raytrain.objectives import Hidden, sequence_logps, token_loss
+
+
+def problem(tokens=300, hidden=32, vocab=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(2, tokens, hidden, generator=g, requires_grad=True)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    torch.nn.init.normal_(head.weight, std=0.2, generator=g)
+    labels = torch.randint(vocab, (2, tokens), generator=g)
+    labels[0, :40] = IGNORE  # a prompt
+    labels[1, -25:] = IGNORE  # padding
+    return states, head, labels
+
+
+def grads(loss, *tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+@pytest.mark.parametrize("chunk", [64, 299, 1000])  # several chunks with a ragged last one; one chunk
+def test_chunked_loss_equals_the_whole_logits_loss_and_its_gradients(chunk):
+    states, head, labels = problem()
+    whole, chunked = head(states), Hidden(states, head, chunk, contextlib.nullcontext)
+    loss_whole, loss_chunked = token_loss(whole, labels), token_loss(chunked, labels)
+    torch.testing.assert_close(loss_chunked, loss_whole, rtol=1e-6, atol=0)
+    for a, b in zip(grads(loss_chunked, states, head.weight), grads(loss_whole, states, head.weight)):
+        # The weight's gradient is summed over chunks, then over tokens: fp32 rounding at its scale.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    # DPO's per-sequence log-probabilities and counts (what the preference losses take).
+    (lp_c, n_c), (lp_w, n_w) = sequence_logps(chunked, labels), sequence_logps(whole, labels)
+    assert n_c.tolist() == n_w.tolist() == [260, 274]
+    torch.testing.assert_close(lp_c, lp_w, rtol=1e-6, atol=0)
+    assert loss_whole.item() > 0
+
+
+PEAK = """
+import json, sys, contextlib, torch
+from raytrain.objectives import Hidden, token_loss
+torch.manual_seed(0)
+tokens, hidden, vocab, chunk = 4096, 64, 32000, {chunk}
+states = torch.randn(1, tokens, hidden, requires_grad=True)
+head = torch.nn.Linear(hidden, vocab, bias=False)
+labels = torch.randint(vocab, (1, tokens))
+def status(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field + ":")).split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the peak resident set starts again from here
+before = status("VmRSS")
+out = Hidden(states, head, chunk, contextlib.nullcontext) if chunk else head(states)
+token_loss(out, labels).backward()
+print(json.dumps({{"peak": status("VmHWM") - before, "loss": float(token_loss(out, labels))}}))
+"""
+
+
+def peak_of(chunk: int) -> dict:
+    # Blocks of 256 KiB and more are returned to the OS when freed, so the resident peak is the live tensors'.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(256 << 10), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", PEAK.format(chunk=chunk)], env=env, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    """4096 tokens at a 32k vocabulary: the whole fp32 logits are 500 MiB, their gradient as much."""
+    whole, chunked = peak_of(0), peak_of(512)
+    mib = 1 << 20
+    print(f"\n[chunked loss] peak above the inputs: whole logits {whole['peak'] / mib:.0f} MiB, "
+          f"chunks of 512 tokens {chunked['peak'] / mib:.0f} MiB")
+    assert abs(chunked["loss"] - whole["loss"]) <= 1e-6 * whole["loss"]
+    assert whole["peak"] > 4096 * 32000 * 4  # at least the whole logits once
+    assert chunked["peak"] < whole["peak"] / 4
+
+
+def test_auto_chunks_a_128k_vocabulary_at_long_sequences_only(assets, tmp_path):
+    llama3 = {"vocab_size": 128256}
+    job = {"name": "j", "model": {"path": str(assets / "model")}, "data": {"path": str(assets / "text.jsonl"),
+                                                                          "seq_len": 4096},
+           "training": {"micro_batch_size": 1}}
+    spec = JobSpec.model_validate(job)
+    assert spec.loss_chunk_tokens(llama3) == 523  # 256 MiB of fp32 logits a chunk
+    assert spec.loss_chunk_tokens({"vocab_size": 384}) == 0  # small logits: the plain loss
+    assert spec.loss_chunk_tokens({**llama3, "final_logit_softcapping": 30.0}) == 0  # logits transformed
+    short = JobSpec.model_validate({**job, "data": {**job["data"], "seq_len": 512}})
+    assert short.loss_chunk_tokens(llama3) == 0  # 512 x 128k x 4 B = 250 MiB
+    zero3 = JobSpec.model_validate({**job, "training": {"micro_batch_size": 1, "strategy": "zero3"}})
+    assert zero3.loss_chunk_tokens(llama3) == 0
