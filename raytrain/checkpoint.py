@@ -130,4 +130,8 @@ def restore(strategy) -> TrainState | None:
     name = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
     with signing.SignedCheckpoint(storage.join(strategy.spec.run_dir, name), strategy.spec.name, name) as signed:
         strategy.load(signed)
-        return TrainState.from_json(signed.read_bytes(STATE_FILE).decode())
+        state = TrainState.from_json(signed.read_bytes(STATE_FILE).decode())
+        if strategy.rank == 0:
+            print(f"[raytrain] restored step {state.step} from {signed.uri}: rank 0 read {signed.bytes_read / 2**20:,.1f} "
+                  f"MiB of its files", flush=True)
+        return state

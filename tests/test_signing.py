@@ -30,3 +30,46 @@ def test_the_key_is_generated_once_private_and_the_environment_wins(tmp_path, mo
     # A node with the same key has it (nothing forwarded); a node with another key lacks it.
     assert worker_env._present([signing.KEY_ENV], signing.key_id()) == [signing.KEY_ENV]
     assert worker_env._present([signing.KEY_ENV], first) == []
+
+
+def test_a_rank_fetches_only_its_files_from_s3_each_verified_before_it_is_read(tmp_path, s3_server, monkeypatch):
+    """Restore's reader (signing.SignedCheckpoint) on a real S3 API: a rank's files come straight
+    from the bucket, nothing else is read, and a changed file is refused only where it is fetched,
+    before any of it reaches the local folder."""
+    import os
+
+    import pytest
+
+    from raytrain import storage
+
+    env, client = s3_server
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv(signing.KEY_ENV, "the cluster's secret")
+    client.create_bucket(Bucket="ckpt")
+    files = {0: {".metadata": 1000, "__0_0.distcp": 3 << 20, "train_state.json": 200}, 1: {"__1_0.distcp": 3 << 20}}
+    merged = tmp_path / "step_00000004"
+    for rank, names in files.items():  # each rank writes and signs its own folder; Ray merges them
+        part = tmp_path / f"rank{rank}"
+        part.mkdir()
+        for name, size in names.items():
+            (part / name).write_bytes(os.urandom(size))
+        signing.sign_checkpoint(str(part), "run", merged.name, rank, 2)
+        storage.upload_dir(str(part), "s3://ckpt/run/step_00000004")
+    uri = "s3://ckpt/run/step_00000004"
+    with signing.SignedCheckpoint(uri, "run", merged.name) as checkpoint:
+        assert checkpoint.names == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"]
+        folder = checkpoint.fetch(".metadata", "__1_0.distcp")
+        assert checkpoint.bytes_read == 1000 + (3 << 20)  # rank 1's shard and the metadata: not rank 0's shard
+        assert (Path(folder, "__1_0.distcp").read_bytes() ==
+                client.get_object(Bucket="ckpt", Key="run/step_00000004/__1_0.distcp")["Body"].read())
+    assert not Path(folder).exists()  # the local copies go with the restore
+
+    changed = bytearray(client.get_object(Bucket="ckpt", Key="run/step_00000004/__0_0.distcp")["Body"].read())
+    changed[12345] ^= 1
+    client.put_object(Bucket="ckpt", Key="run/step_00000004/__0_0.distcp", Body=bytes(changed))
+    with signing.SignedCheckpoint(uri, "run", merged.name) as checkpoint:
+        folder = checkpoint.fetch("__1_0.distcp")  # another rank's file changed: this rank's still loads
+        with pytest.raises(signing.JobError, match=r"__0_0\.distcp was changed after it was written"):
+            checkpoint.fetch("__0_0.distcp")
+        assert sorted(p.name for p in Path(folder).iterdir()) == ["__1_0.distcp"]  # nothing of it kept
