@@ -245,6 +245,9 @@ def m(s: h.Setting) -> dict:
             print(f"M3 {strategy} {finetune:4s}: measured peak of a step above the bare process {measured / gib:.2f} GiB "
                   f"/ estimate {predicted.total / gib:.2f} GiB = {ratio:.2f}  ({predicted.arithmetic()})")
 
+        from raytrain import signing
+
+        signing.ensure_key()  # as `raytrain run` does: the workers here sign and verify with the key file
         small, _ = h.assets(s, hidden=hidden // 2, layers=layers)  # a full checkpoint is 12 B a parameter
         for strategy in ("fsdp2", "zero3"):
             job = h.job(s, f"m4-{strategy}", folder / "runs", small, data,
