@@ -190,8 +190,9 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     # ZeRO-3 offloads the optimizer (with its fp32 master) and the parameters separately.
     host_opt = off.optimizer or (t.strategy == "fsdp2" and off.params)
     host_params = off.params or (t.strategy == "fsdp2" and off.optimizer)
-    if t.strategy == "zero3":  # DeepSpeed: 16-bit params and grads with an fp32 master in the optimizer
-        p_b, opt_b, opt_label = (2, 12, "AdamW m, v + fp32 master") if c == 2 else (4, 8, "AdamW m, v")
+    if t.strategy == "zero3":  # DeepSpeed: 16-bit params and grads with an fp32 master in the optimizer; in
+        # fp32 its optimizer still clones the partition (stage3's _create_fp32_partitions): 12 B either way
+        p_b, opt_b, opt_label = (2, 12, "AdamW m, v + fp32 master") if c == 2 else (4, 12, "AdamW m, v + fp32 copy")
     else:  # fsdp2 / ddp: trained weights are fp32 masters with fp32 grads and AdamW state (to_fp32_master)
         p_b, opt_b, opt_label = 4, 8, "AdamW m, v"
     n_lora = trainable_params(spec, facts) if t.finetune == "lora" else 0
