@@ -61,13 +61,15 @@ def test_on_demand_head_and_autoscaling_spot_gpu_workers(cloud):
     workers = [t for name, t in types.items() if name != config["head_node_type"]]
     assert workers and all(is_spot(cloud, t["node_config"]) for t in workers)
     assert all(t["resources"].get("GPU", 0) >= 1 for t in workers)
-    # Autoscaling from zero, up to the largest GPU job in jobs/, with room for Ray Data per worker.
+    # Autoscaling from zero, up to the largest GPU job in jobs/, with room for Ray Data per worker
+    # and, for a job that places workers_per_node on each node, nodes with that many GPUs.
     assert all(t["min_workers"] == 0 for t in workers)
     assert sum(t["max_workers"] for t in workers) <= config["max_workers"]
     assert GPU_JOBS, "jobs/ has no GPU job to size the cluster for"
     for spec in GPU_JOBS:
         _, hi = spec.scaling.worker_range
-        fits = [t for t in workers if t["resources"]["CPU"] >= spec.scaling.cpus_per_worker + 1]
+        fits = [t for t in workers if t["resources"]["CPU"] / t["resources"]["GPU"] >= spec.scaling.cpus_per_worker + 1
+                and t["resources"]["GPU"] >= (spec.scaling.workers_per_node or 1)]
         assert sum(t["max_workers"] * t["resources"]["GPU"] for t in fits) >= hi, spec.name
 
 

@@ -103,6 +103,7 @@ class _OneProcess:
 
     def __init__(self, model, reference):
         self.model, self.device, self._reference = model, torch.device("cpu"), reference
+        self.loss_chunk = 0  # the whole logits at once (training.chunked_loss has its own test)
 
     def autocast(self):
         return contextlib.nullcontext()
