@@ -251,17 +251,19 @@ def test_export_refuses_a_tampered_checkpoint_before_reading_it(trained, tmp_pat
 
 
 @pytest.mark.parametrize("strategy,case", [("fsdp2", "pickle"), ("zero3", "changed")])
-def test_restore_refuses_a_tampered_checkpoint(assets, tmp_path, strategy, case):
+def test_restore_refuses_a_tampered_checkpoint(trained, assets, tmp_path, strategy, case):
+    import shutil
+
     from raytrain.errors import JobError
 
+    run = trained[strategy, "full"]  # a copy of its run directory, continued past its last step
     storage = tmp_path / "runs"
-    spec = job(assets, storage, strategy, "full", "tampered", steps=2)
-    launcher.run(spec)
+    shutil.copytree(run.run_dir, storage / run.run_dir.name)
     side_effect = tmp_path / "pwned"
-    tamper(Path(latest_checkpoint(spec.run_dir)), case, strategy, side_effect)
+    tamper(storage / run.run_dir.name / f"step_{STEPS:08d}", case, strategy, side_effect)
     with pytest.raises(JobError, match=REFUSALS[case].format(shard=SHARD[strategy], pickled=PICKLED[strategy])
                        .replace(".", r"\.") + ".*Nothing in it was loaded"):
-        launcher.run(job(assets, storage, strategy, "full", "tampered", steps=3))
+        launcher.run(job(assets, storage, strategy, "full", run.spec.name, steps=STEPS + 1))
     assert not side_effect.exists()
 
 
