@@ -9,6 +9,7 @@ The loop owns the rest and has no `if strategy == ...` anywhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -21,8 +22,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
@@ -60,6 +63,26 @@ class SignedReader(FileSystemReader):
     def read_data(self, plan, planner):
         self.checkpoint.fetch(*sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}))
         return super().read_data(plan, planner)
+
+
+class SplitWriter(FileSystemWriter):
+    """DCP's file writer with a rank's own shards in one file (`__<rank>_0.distcp`) and its share
+    of what DCP writes once for all ranks in another (`__<rank>_shared0.distcp`: replicated
+    tensors such as AdamW's step counters, pickled values such as the param groups). Restoring
+    fetches whole files (each is verified as a whole), and every rank needs the replicated items:
+    in one file with the shards, a rank would fetch every other rank's shards for a few scalars."""
+
+    def write_data(self, plan, planner):
+        own = [item for item in plan.items if item.type == WriteItemType.SHARD]
+        shared = [item for item in plan.items if item.type != WriteItemType.SHARD]
+        prefix, results = plan.storage_data.prefix, []
+        for items, name in ((own, prefix), (shared, prefix + "shared")):
+            if items:
+                part = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(name))
+                results += super().write_data(part, planner).wait()
+        done = torch.futures.Future()
+        done.set_result(results)
+        return done
 
 
 def fetch_on_every_rank(checkpoint: SignedCheckpoint, files: list[str]) -> str:
@@ -182,7 +205,7 @@ class TorchStrategy(Strategy):
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self, directory: str) -> None:
-        dcp.save(self._state(), checkpoint_id=directory)
+        dcp.save(self._state(), storage_writer=SplitWriter(directory))
 
     def save_async(self, directory: str) -> Callable[[], None]:
         # DCP copies the state into CPU memory (the next steps change the parameters), then a
@@ -190,7 +213,7 @@ class TorchStrategy(Strategy):
         # since two threads on one group could interleave collectives.
         if getattr(self, "_save_group", None) is None:
             self._save_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(self._state(), checkpoint_id=directory, process_group=self._save_group)
+        future = dcp.async_save(self._state(), storage_writer=SplitWriter(directory), process_group=self._save_group)
         return future.result
 
     def load(self, checkpoint: SignedCheckpoint) -> None:
