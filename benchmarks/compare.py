@@ -84,9 +84,11 @@ def p1(s: h.Setting) -> dict:
         s = h.with_overrides(s, steps=60, warmup=30)
     h.header("P1 steady step time: raytrain (Ray Train + FSDP2) / bare torchrun FSDP2", s)
     model, data = h.assets(s)
-    periods, in_loop, early = {a: [] for a in P1_ARMS}, {a: [] for a in P1_ARMS}, {a: [] for a in P1_ARMS}
-    first_loss, check = {}, {a: [] for a in P1_ARMS if a != "torchrun"}
-    for arm in h.alternate(s.reps, list(P1_ARMS)):
+    # The smoke setting checks the harness, not the fixes: it runs the two arms the ratio needs.
+    arms = [a for a in P1_ARMS if not (s.name == "smoke" and a == "raytrain-before")]
+    periods, in_loop, early = {a: [] for a in arms}, {a: [] for a in arms}, {a: [] for a in arms}
+    first_loss, check = {}, {a: [] for a in arms if a != "torchrun"}
+    for arm in h.alternate(s.reps, arms):
         if arm == "torchrun":
             r = bare_arm(s, "p1-torchrun", model, data)
             first_loss[arm] = r["loss"][0]
@@ -114,8 +116,9 @@ def p1(s: h.Setting) -> dict:
     if s.steps >= EARLY[1]:
         h.ratio_line(f"P1 in-loop step time, early steps {EARLY[0]}-{EARLY[1]}", "raytrain", early["raytrain"],
                      "torchrun", early["torchrun"])
-    before = h.ratio_line("P1 step period before P1's fixes", "raytrain-before", periods["raytrain-before"],
-                          "torchrun", periods["torchrun"], goal="<= 1.02")
+    before = None if "raytrain-before" not in arms else h.ratio_line(
+        "P1 step period before P1's fixes", "raytrain-before", periods["raytrain-before"], "torchrun",
+        periods["torchrun"], goal="<= 1.02")
     for arm, values in check.items():
         print(f"P1 {arm}: rank-0 stop check median {h.median(values) * 1e3:.2f} ms per step = "
               f"{h.median(values) / h.median(periods[arm]):.1%} of its step period", flush=True)

@@ -118,6 +118,39 @@ def confirm(strategy) -> str | None:
     return latest.path
 
 
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
+
+
+def forget_deleted(run_dir: str) -> list[str]:
+    """Drop from Ray Train's run snapshot the checkpoints whose folder is gone, and return their
+    names. A restart resumes from the newest registered checkpoint (`ray.train.get_checkpoint`);
+    one deleted by hand (as a refused, tampered checkpoint's message advises) or by a storage
+    lifecycle rule would otherwise make Ray refuse the whole run directory. Registered folders
+    that still exist are kept whether or not they carry COMMITTED yet (an async upload is marked
+    at the next save). The snapshot's layout is Ray 2.60's (k8s/constraints.txt pins it)."""
+    uri = storage.join(run_dir, RAY_SNAPSHOT)
+    if not storage.exists(uri):
+        return []
+    snapshot = json.loads(storage.read_text(uri))
+    results, indices = snapshot["checkpoint_results"], snapshot["checkpoint_report_indices"]
+    gone = {r["checkpoint_dir_name"] for r in results if not storage.exists(storage.join(run_dir, r["checkpoint_dir_name"]))}
+    if not gone:
+        return []
+    kept = [(r, i) for r, i in zip(results, indices) if r["checkpoint_dir_name"] not in gone]
+    snapshot["checkpoint_results"] = [r for r, _ in kept]
+    snapshot["checkpoint_report_indices"] = [i for _, i in kept]
+    latest = snapshot.get("latest_checkpoint_result")
+    if latest and latest["checkpoint_dir_name"] in gone:
+        snapshot["latest_checkpoint_result"] = max((r for r, _ in kept), default=None,
+                                                   key=lambda r: r["checkpoint_dir_name"])
+    pending = [(r, v) for r, v in zip(snapshot["pending_training_results"], snapshot["pending_validation_specs"])
+               if r["checkpoint_dir_name"] not in gone]
+    snapshot["pending_training_results"] = [r for r, _ in pending]
+    snapshot["pending_validation_specs"] = [v for _, v in pending]
+    storage.write_text(uri, json.dumps(snapshot))
+    return sorted(gone)
+
+
 def restore(strategy) -> TrainState | None:
     """Load the latest committed checkpoint into the strategy; None on a fresh start. Each rank
     reads only its files, straight from the run directory (local or remote), each verified

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from . import control, modeling, signing, tracking
 from .worker_env import HEALTH_CHECK_ENV, runtime_env, secrets_the_cluster_lacks
 from .timeline import Timeline
-from .checkpoint import STATE_FILE, TrainState
+from .checkpoint import STATE_FILE, TrainState, forget_deleted
 from .data import prepare
 from .export import latest_checkpoint, write_job_file
 from .config import JobSpec
@@ -135,7 +135,11 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     # Ray Train's controller checks on the workers this often: a finished or failed group is
     # noticed within it (its default, 2 s, is added to every exit and every restart).
     os.environ.setdefault(HEALTH_CHECK_ENV, "0.5")
+    gone = forget_deleted(spec.run_dir)
     latest, where = _latest_state(spec)
+    if gone:
+        print(f"[raytrain] checkpoint {', '.join(gone)} of {spec.run_dir} was deleted: resuming from "
+              f"{where or 'the start'}", flush=True)
     spec = pin_model(spec, latest, where)
     with ThreadPoolExecutor(1) as pool:  # the MLflow run opens (a new store migrates its schema) while Ray starts
         opening = pool.submit(_start_run, spec, timeline)

@@ -58,6 +58,12 @@ def read_text(uri: str) -> str:
         return f.read().decode()
 
 
+def write_text(uri: str, text: str) -> None:
+    fs, path = filesystem(uri)
+    with fs.open_output_stream(path) as f:
+        f.write(text.encode())
+
+
 def read_bytes(uri: str) -> bytes:
     fs, path = filesystem(uri)
     with fs.open_input_stream(path) as f:

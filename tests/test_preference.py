@@ -230,8 +230,10 @@ def runs(ray_address, assets, tmp_path_factory):
 
     from raytrain import launcher
 
+    # DPO's strategy parity is fsdp2 against zero3 (sharded policy and reference both ways); ddp's
+    # parity with them is test_strategies.py's, and its reference is a plain unsharded copy.
     plan = [("fsdp2", "lora", "dpo", STEPS, 2)] + [(s, f, "dpo", PARITY_STEPS, 2) for s, f in [
-        ("zero3", "lora"), ("ddp", "lora"), ("fsdp2", "full"), ("zero3", "full"), ("ddp", "full")]] + [
+        ("zero3", "lora"), ("fsdp2", "full"), ("zero3", "full")]] + [
         ("fsdp2", "lora", "simpo", PARITY_STEPS, 2), ("fsdp2", "lora", "dpo", PARITY_STEPS, 3)]
     out = {}
     for strategy, finetune, objective, steps, workers in plan:
@@ -263,8 +265,8 @@ def test_lora_dpo_starts_at_the_reference_and_learns_the_held_out_preference(run
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_strategies_agree_per_step_on_dpo(runs, finetune):
     figures = {}
-    by = {s: runs["dpo", s, finetune] for s in ("fsdp2", "zero3", "ddp")}
-    for a, b in [("fsdp2", "zero3"), ("fsdp2", "ddp"), ("zero3", "ddp")]:
+    by = {s: runs["dpo", s, finetune] for s in ("fsdp2", "zero3")}
+    for a, b in [("fsdp2", "zero3")]:
         for key in ("loss", "logps_chosen", "rewards_margins"):
             x, y = getattr(by[a], key), getattr(by[b], key)
             if key == "rewards_margins":  # starts at 0: absolute (beta x log-ratio), not relative

@@ -99,8 +99,9 @@ def test_per_step_losses_agree_across_strategies(trained, finetune):
     print(f"\n[parity] {finetune}: {json.dumps(figures, indent=1)}")
 
 
-# fsdp2's kill-and-resume is tests/test_fault_tolerance.py's subject (bit-identical at every kill point).
-@pytest.mark.parametrize("strategy,finetune", [("zero3", "full"), ("zero3", "lora"), ("ddp", "full")])
+# fsdp2's kill-and-resume is tests/test_fault_tolerance.py's subject (bit-identical at every kill point);
+# zero3's full restore is test_zero3_checkpoint_resumes_at_another_world_size's.
+@pytest.mark.parametrize("strategy,finetune", [("zero3", "lora"), ("ddp", "full")])
 def test_killed_run_resumes_from_its_checkpoint_with_the_same_next_step(trained, inject_faults, tmp_path, assets,
                                                                         strategy, finetune):
     reference = trained[strategy, finetune]
@@ -125,8 +126,9 @@ def test_checkpoints_are_each_strategys_own_format(trained):
             assert not any(n.endswith(".distcp") for n in names)
         else:  # torch DCP files from both ranks; FSDP2's own shards apart from what all ranks read
             assert ".metadata" in names and {n[:4] for n in names if n.endswith(".distcp")} == {"__0_", "__1_"}
-            if strategy == "fsdp2":
-                assert {"__0_0.distcp", "__1_0.distcp", "__0_shared0.distcp"} <= names
+            if strategy == "fsdp2":  # which rank writes the replicated items is DCP's dedup's choice
+                assert {"__0_0.distcp", "__1_0.distcp"} <= names
+                assert any(n.endswith("_shared0.distcp") for n in names)
 
 
 def test_zero3_checkpoint_resumes_at_another_world_size(trained, tmp_path, assets):
