@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import control, modeling, signing, tracking
-from .worker_env import HEALTH_CHECK_ENV, runtime_env, secrets_the_cluster_lacks
+from .worker_env import controller_env, runtime_env, secrets_the_cluster_lacks
 from .timeline import Timeline
 from .checkpoint import STATE_FILE, TrainState, forget_deleted
 from .data import prepare
@@ -132,9 +132,7 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
     # In this process's environment too, so that the forwarding below can send it to nodes that
     # would sign with another key (or none); nodes that have the same key get nothing.
     os.environ.setdefault(signing.KEY_ENV, signing.key().decode())
-    # Ray Train's controller checks on the workers this often: a finished or failed group is
-    # noticed within it (its default, 2 s, is added to every exit and every restart).
-    os.environ.setdefault(HEALTH_CHECK_ENV, "0.5")
+    os.environ.update(controller_env(spec))
     gone = forget_deleted(spec.run_dir)
     latest, where = _latest_state(spec)
     if gone:

@@ -9,7 +9,24 @@ import os
 from . import preemption, signing
 from .config import JobSpec
 
-HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by Ray Train's controller (propagated from here)
+# Read by Ray Train's controller, which inherits them from the driver's environment.
+HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+_SUBMITTERS = {k: os.environ.get(k) for k in (HEALTH_CHECK_ENV, START_TIMEOUT_ENV)}  # as the user's shell set them
+
+
+def controller_env(spec: JobSpec) -> dict[str, str]:
+    """Ray Train controller settings for this job; what the submitter's shell set wins.
+
+    Health checks every 0.5 s (its default, 2 s, is added to every exit and every restart).
+    An elastic job waits 15 s, not Ray's 60, for a worker group's resources before it starts
+    with the ones there are (the resize check grows it later): after a spot notice, Ray still
+    counts the draining node's resources as ready, so a restart first asks for the old size
+    and would wait out the whole timeout on the node being reclaimed (chaos.py spot: 83 s
+    from the reclaim to the first step, 60 of them this wait)."""
+    lo, hi = spec.scaling.worker_range
+    env = {HEALTH_CHECK_ENV: "0.5", START_TIMEOUT_ENV: "15" if lo < hi else "60"}
+    return {k: _SUBMITTERS[k] or v for k, v in env.items()}
 
 
 # What the workers need from the submitter's environment. Settings always travel; secrets
