@@ -2,10 +2,10 @@
 --head`), jobs sent with the real `ray job submit` / `ray job stop` CLI, a real `mlflow server`
 for tracking, and a real S3-compatible server (moto's server mode) for data and checkpoints.
 
-1. `ray job submit --working-dir . -- python -m raytrain run job.yaml` runs to SUCCEEDED; its
-   checkpoints and its MLflow run (read back from the server) are all there.
-2. `ray job stop` on a running job: the job commits a final checkpoint before it ends.
-3. Data and checkpoints on s3://: a training worker is SIGKILLed mid-run; the job resumes
+1. `ray job submit --working-dir . -- python -m raytrain run job.yaml`, then `ray job stop`: the
+   job commits a checkpoint before it ends; the same job submitted again resumes there and runs
+   to SUCCEEDED, its checkpoints and its one MLflow run (read back from the server) all there.
+2. Data and checkpoints on s3://: a training worker is SIGKILLed mid-run; the job resumes
    from the checkpoint on S3 (never from scratch) and finishes.
 """
 
@@ -180,58 +180,53 @@ def mlflow_run(server: tuple[str, dict], experiment: str):
     return client, run, history
 
 
-# ---------------------------------------------------------------- 1. ray job submit
-def test_ray_job_submit_runs_a_job_yaml_to_success(cluster, mlflow_server, assets, tmp_path):
-    job = write_job(tmp_path / "job.yaml", assets, str(tmp_path / "runs"), name="submitted",
-                    training={"max_steps": 6}, checkpoint={"every_n_steps": 3},
-                    tracking={"uri": mlflow_server[0], "experiment": "deploy-submit"})
-    job_id = submission_id("submitted")
-    out = cluster.ray("job", "submit", "--submission-id", job_id, "--working-dir", ".", "--",
-                      "python", "-m", "raytrain", "run", str(job), timeout=600)
-    assert f"Job '{job_id}' succeeded" in out, out[-3000:]
-    assert cluster.status(job_id) == "SUCCEEDED"
-    logs = cluster.ray("job", "logs", job_id)
+# ---------------------------------------------------------------- 1. ray job submit, stop, submit again
+def test_ray_job_stop_commits_a_checkpoint_and_a_second_submit_finishes_the_same_run(cluster, mlflow_server, assets,
+                                                                                     tmp_path):
+    # every_n_steps beyond max_steps: the only checkpoint there can be is the one the stop commits.
+    def submit(max_steps: int, *flags: str) -> tuple[str, str]:
+        job = write_job(tmp_path / "job.yaml", assets, str(tmp_path / "runs"), name="submitted",
+                        training={"max_steps": max_steps}, checkpoint={"every_n_steps": 1000},
+                        tracking={"uri": mlflow_server[0], "experiment": "deploy-submit"})
+        job_id = submission_id("submitted")
+        return job_id, cluster.ray("job", "submit", *flags, "--submission-id", job_id, "--working-dir", ".", "--",
+                                   "python", "-m", "raytrain", "run", str(job), timeout=600)
+
+    first, _ = submit(400, "--no-wait")
+    deadline = time.monotonic() + 300
+    while not re.search(r"step ([3-9]|\d\d+)/400", logs := cluster.ray("job", "logs", first)):
+        assert cluster.status(first) not in TERMINAL and time.monotonic() < deadline, logs[-3000:]
+        time.sleep(2)
+    cluster.ray("job", "stop", first, timeout=300)
+    assert cluster.wait(first) == "STOPPED"
+    run_dir = tmp_path / "runs" / "submitted"
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    committed = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]  # registered by Ray Train
+    stopped_at = json.loads((run_dir / committed / "train_state.json").read_text())["step"]
+    assert 3 <= stopped_at < 400 and (run_dir / committed / ".metadata").is_file()
+    client, run, history = mlflow_run(mlflow_server, "deploy-submit")
+    assert run.info.status == "KILLED" and sorted(step for step, _ in history) == list(range(1, stopped_at + 1))
+
+    # The same job, submitted again with 3 more steps: it resumes there and finishes the same MLflow run.
+    second, out = submit(stopped_at + 3)
+    assert f"Job '{second}' succeeded" in out, out[-3000:]
+    assert cluster.status(second) == "SUCCEEDED"
+    logs = cluster.ray("job", "logs", second)
     assert "[raytrain] done" in logs
     assert "forwarding" not in logs  # the nodes have the MLflow login and the signing key: nothing rides in runtime_env
-
-    run_dir = tmp_path / "runs" / "submitted"
-    for step in (3, 6):
-        ckpt = run_dir / f"step_{step:08d}"
-        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"} <= {p.name for p in ckpt.iterdir()}
-        assert json.loads((ckpt / "train_state.json").read_text())["step"] == step
+    final = run_dir / f"step_{stopped_at + 3:08d}"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"} <= {p.name for p in final.iterdir()}
+    assert json.loads((final / "train_state.json").read_text())["step"] == stopped_at + 3
     assert (run_dir / "final_model" / "adapter_config.json").is_file()
 
-    client, run, history = mlflow_run(mlflow_server, "deploy-submit")
+    client, run, history = mlflow_run(mlflow_server, "deploy-submit")  # still the one run
     assert run.info.status == "FINISHED" and run.info.run_name == "submitted"
-    assert sorted(step for step, _ in history) == [1, 2, 3, 4, 5, 6]
+    assert sorted(step for step, _ in history) == list(range(1, stopped_at + 4))  # each step once
     assert run.data.params["training.strategy"] == "fsdp2" and run.data.tags["raytrain.run_dir"] == str(run_dir)
     assert "final_model" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
-# ---------------------------------------------------------------- 2. ray job stop
-def test_ray_job_stop_commits_a_final_checkpoint(cluster, mlflow_server, assets, tmp_path):
-    # every_n_steps beyond max_steps: the only checkpoint there can be is the one the stop commits.
-    job = write_job(tmp_path / "job.yaml", assets, str(tmp_path / "runs"), name="stopped",
-                    training={"max_steps": 400}, checkpoint={"every_n_steps": 1000, "export_final": False},
-                    tracking={"uri": mlflow_server[0], "experiment": "deploy-stop"})
-    job_id = submission_id("stopped")
-    cluster.ray("job", "submit", "--no-wait", "--submission-id", job_id, "--working-dir", ".", "--",
-                "python", "-m", "raytrain", "run", str(job))
-    deadline = time.monotonic() + 300
-    while not re.search(r"step ([3-9]|\d\d+)/400", logs := cluster.ray("job", "logs", job_id)):
-        assert cluster.status(job_id) not in TERMINAL and time.monotonic() < deadline, logs[-3000:]
-        time.sleep(2)
-
-    cluster.ray("job", "stop", job_id, timeout=300)
-    assert cluster.wait(job_id) == "STOPPED"
-    run_dir = tmp_path / "runs" / "stopped"
-    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-    committed = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]  # registered by Ray Train
-    state = json.loads((run_dir / committed / "train_state.json").read_text())
-    assert 3 <= state["step"] < 400 and (run_dir / committed / ".metadata").is_file()
-
-
-# ---------------------------------------------------------------- 3. S3 + a worker killed mid-run
+# ---------------------------------------------------------------- 2. S3 + a worker killed mid-run
 def test_s3_data_and_checkpoints_resume_after_a_worker_is_killed(cluster, s3, mlflow_server, assets, tmp_path):
     _, client = s3
     client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")
