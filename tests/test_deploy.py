@@ -2,11 +2,11 @@
 --head`), jobs sent with the real `ray job submit` / `ray job stop` CLI, a real `mlflow server`
 for tracking, and a real S3-compatible server (moto's server mode) for data and checkpoints.
 
-1. `ray job submit --working-dir . -- python -m raytrain run job.yaml`, then `ray job stop`: the
-   job commits a checkpoint before it ends; the same job submitted again resumes there and runs
-   to SUCCEEDED, its checkpoints and its one MLflow run (read back from the server) all there.
-2. Data and checkpoints on s3://: a training worker is SIGKILLed mid-run; the job resumes
-   from the checkpoint on S3 (never from scratch) and finishes.
+One job, as a user runs it: `ray job submit --working-dir . -- python -m raytrain run job.yaml`
+with its data and checkpoints on s3://; a training worker is SIGKILLed mid-run (the job resumes
+from the checkpoint on S3, never from scratch); `ray job stop` (the job commits its last step
+before it ends); the same job submitted again resumes there and runs to SUCCEEDED, its checkpoints,
+its final model and its one MLflow run (read back from the server) all there.
 """
 
 from __future__ import annotations
@@ -180,65 +180,22 @@ def mlflow_run(server: tuple[str, dict], experiment: str):
     return client, run, history
 
 
-# ---------------------------------------------------------------- 1. ray job submit, stop, submit again
-def test_ray_job_stop_commits_a_checkpoint_and_a_second_submit_finishes_the_same_run(cluster, mlflow_server, assets,
-                                                                                     tmp_path):
-    # every_n_steps beyond max_steps: the only checkpoint there can be is the one the stop commits.
+# ---------------------------------------------------------------- submit, a worker killed, stop, submit again
+def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_finishes_its_run(
+        cluster, s3, mlflow_server, assets, tmp_path):
+    _, client = s3
+    client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")
+
     def submit(max_steps: int, *flags: str) -> tuple[str, str]:
-        job = write_job(tmp_path / "job.yaml", assets, str(tmp_path / "runs"), name="submitted",
-                        training={"max_steps": max_steps}, checkpoint={"every_n_steps": 1000},
-                        tracking={"uri": mlflow_server[0], "experiment": "deploy-submit"})
-        job_id = submission_id("submitted")
+        job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="on-s3",
+                        data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": max_steps},
+                        checkpoint={"every_n_steps": 5}, failure={"max_failures": 1},
+                        tracking={"uri": mlflow_server[0], "experiment": "deploy-s3"})
+        job_id = submission_id("on-s3")
         return job_id, cluster.ray("job", "submit", *flags, "--submission-id", job_id, "--working-dir", ".", "--",
                                    "python", "-m", "raytrain", "run", str(job), timeout=600)
 
-    first, _ = submit(400, "--no-wait")
-    deadline = time.monotonic() + 300
-    while not re.search(r"step ([3-9]|\d\d+)/400", logs := cluster.ray("job", "logs", first)):
-        assert cluster.status(first) not in TERMINAL and time.monotonic() < deadline, logs[-3000:]
-        time.sleep(2)
-    cluster.ray("job", "stop", first, timeout=300)
-    assert cluster.wait(first) == "STOPPED"
-    run_dir = tmp_path / "runs" / "submitted"
-    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-    committed = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]  # registered by Ray Train
-    stopped_at = json.loads((run_dir / committed / "train_state.json").read_text())["step"]
-    assert 3 <= stopped_at < 400 and (run_dir / committed / ".metadata").is_file()
-    client, run, history = mlflow_run(mlflow_server, "deploy-submit")
-    assert run.info.status == "KILLED" and sorted(step for step, _ in history) == list(range(1, stopped_at + 1))
-
-    # The same job, submitted again with 3 more steps: it resumes there and finishes the same MLflow run.
-    second, out = submit(stopped_at + 3)
-    assert f"Job '{second}' succeeded" in out, out[-3000:]
-    assert cluster.status(second) == "SUCCEEDED"
-    logs = cluster.ray("job", "logs", second)
-    assert "[raytrain] done" in logs
-    assert "forwarding" not in logs  # the nodes have the MLflow login and the signing key: nothing rides in runtime_env
-    final = run_dir / f"step_{stopped_at + 3:08d}"
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"} <= {p.name for p in final.iterdir()}
-    assert json.loads((final / "train_state.json").read_text())["step"] == stopped_at + 3
-    assert (run_dir / "final_model" / "adapter_config.json").is_file()
-
-    client, run, history = mlflow_run(mlflow_server, "deploy-submit")  # still the one run
-    assert run.info.status == "FINISHED" and run.info.run_name == "submitted"
-    assert sorted(step for step, _ in history) == list(range(1, stopped_at + 4))  # each step once
-    assert run.data.params["training.strategy"] == "fsdp2" and run.data.tags["raytrain.run_dir"] == str(run_dir)
-    assert "final_model" in {a.path for a in client.list_artifacts(run.info.run_id)}
-
-
-# ---------------------------------------------------------------- 2. S3 + a worker killed mid-run
-def test_s3_data_and_checkpoints_resume_after_a_worker_is_killed(cluster, s3, mlflow_server, assets, tmp_path):
-    _, client = s3
-    client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")
-    job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="on-s3",
-                    data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": 20},
-                    checkpoint={"every_n_steps": 5}, failure={"max_failures": 1},
-                    tracking={"uri": mlflow_server[0], "experiment": "deploy-s3"})
-    job_id = submission_id("on-s3")
-    cluster.ray("job", "submit", "--no-wait", "--submission-id", job_id, "--working-dir", ".", "--",
-                "python", "-m", "raytrain", "run", str(job))
-
-    def committed_step() -> int:
+    def committed_step() -> int:  # the latest checkpoint Ray Train registered, read from S3
         try:
             body = client.get_object(Bucket=BUCKET, Key="runs/on-s3/checkpoint_manager_snapshot.json")["Body"].read()
         except client.exceptions.NoSuchKey:
@@ -246,37 +203,50 @@ def test_s3_data_and_checkpoints_resume_after_a_worker_is_killed(cluster, s3, ml
         latest = json.loads(body)["latest_checkpoint_result"]
         return int(latest["checkpoint_dir_name"].removeprefix("step_")) if latest else 0
 
-    deadline = time.monotonic() + 420
-    while (before := committed_step()) < 5:  # a checkpoint on S3, committed by Ray Train
-        assert cluster.status(job_id) not in TERMINAL and time.monotonic() < deadline, \
-            cluster.ray("job", "logs", job_id)[-3000:]
-        time.sleep(0.5)
-    old = cluster.train_workers()
+    def wait_until(ready, job_id: str) -> None:
+        deadline = time.monotonic() + 420
+        while not ready():
+            assert cluster.status(job_id) not in TERMINAL and time.monotonic() < deadline, \
+                cluster.ray("job", "logs", job_id)[-3000:]
+            time.sleep(0.5)
+
+    # 1. Submitted; once a checkpoint is committed on S3, a training worker is SIGKILLed.
+    first, _ = submit(400, "--no-wait")
+    wait_until(lambda: committed_step() >= 5, first)
+    before, old = committed_step(), cluster.train_workers()
     assert old, "no Ray Train worker process found"
     victim = psutil.Process(min(old))
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
+    # The group restarts from S3 and commits a later checkpoint; then `ray job stop`.
+    wait_until(lambda: bool(cluster.train_workers() - old) and committed_step() > before, first)
+    cluster.ray("job", "stop", first, timeout=300)
+    assert cluster.wait(first) == "STOPPED"
+    stopped_at = committed_step()
+    mlflow, run, history = mlflow_run(mlflow_server, "deploy-s3")
+    live = {m.step for m in mlflow.get_metric_history(run.info.run_id, "live/loss")}
+    assert run.info.status == "KILLED" and stopped_at == max(live)  # the stop committed the last step trained
+    state = json.loads(client.get_object(Bucket=BUCKET, Key=f"runs/on-s3/step_{stopped_at:08d}/train_state.json")["Body"].read())
+    assert state["step"] == stopped_at
 
-    restarted = False
-    while (status := cluster.status(job_id)) not in TERMINAL:
-        restarted = restarted or bool(cluster.train_workers() - old)
-        assert time.monotonic() < deadline + 300, cluster.ray("job", "logs", job_id)[-3000:]
-        time.sleep(1)
-    logs = cluster.ray("job", "logs", job_id)
-    assert status == "SUCCEEDED", logs[-3000:]
-    assert restarted, "the worker group was never restarted after the kill"
-
-    # The run finished on S3: last checkpoint committed there, the final model exported there.
-    assert committed_step() == 20
-    state = json.loads(client.get_object(Bucket=BUCKET, Key="runs/on-s3/step_00000020/train_state.json")["Body"].read())
-    assert state["step"] == 20
+    # 2. The same job submitted again with 3 more steps: it resumes there and finishes the same MLflow run.
+    second, out = submit(stopped_at + 3)
+    assert f"Job '{second}' succeeded" in out, out[-3000:]
+    assert cluster.status(second) == "SUCCEEDED"
+    logs = cluster.ray("job", "logs", second)
+    assert "[raytrain] done" in logs
+    assert "forwarding" not in logs  # the nodes have the MLflow login and the signing key: nothing rides in runtime_env
+    last = stopped_at + 3
+    assert committed_step() == last
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="runs/on-s3/")["Contents"]}
-    assert "runs/on-s3/step_00000020/.metadata" in keys
-    assert any(k.startswith("runs/on-s3/final_model/") for k in keys)
+    assert {f"runs/on-s3/step_{last:08d}/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json")} <= keys
+    assert "runs/on-s3/final_model/adapter_config.json" in keys
 
-    # One MLflow run saw every step; the steps up to the checkpoint committed before the kill
-    # ran once: the restart resumed from S3, not from scratch.
-    _, run, history = mlflow_run(mlflow_server, "deploy-s3")
+    # One MLflow run saw every step; the steps up to the checkpoint committed before the kill ran
+    # once: the restart resumed from S3, not from scratch.
+    mlflow, run, history = mlflow_run(mlflow_server, "deploy-s3")
     steps = [step for step, _ in history]
-    assert run.info.status == "FINISHED" and set(steps) == set(range(1, 21))
+    assert run.info.status == "FINISHED" and run.info.run_name == "on-s3" and set(steps) == set(range(1, last + 1))
     assert all(steps.count(s) == 1 for s in range(1, before + 1)), (before, sorted(steps))
+    assert run.data.params["training.strategy"] == "fsdp2" and run.data.tags["raytrain.run_dir"] == f"s3://{BUCKET}/runs/on-s3"
+    assert "final_model" in {a.path for a in mlflow.list_artifacts(run.info.run_id)}

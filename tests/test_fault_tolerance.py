@@ -51,18 +51,31 @@ def test_worker_killed_three_times_resumes_bit_identical_each_time(reference, in
     assert [(f["resumed_from"], f["steps_lost"]) for f in result.goodput["failures"]] == [(4, 1), (4, 4), (8, 2)]
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, inject_faults, tmp_path, assets,
-                                                                  async_save):
-    # Rank 1 dies after writing its shards of step 8 (async: while a background thread is
-    # still writing them) but before the checkpoint is reported: the step-8 checkpoint must
-    # stay invisible and the run resumes from step 4.
+def test_kill_during_checkpoint_write_never_loads_torn_checkpoint(reference, inject_faults, tmp_path, assets):
+    # Rank 1 dies after writing its shards of step 8 but before the checkpoint is reported: the
+    # step-8 checkpoint must stay invisible and the run resumes from step 4.
     spec, result = run_with_faults(inject_faults, tmp_path, assets, "torn",
-                                   [{"at": "save", "step": 8, "rank": 1, "action": "exit"}],
-                                   checkpoint={"async_save": async_save})
+                                   [{"at": "save", "step": 8, "rank": 1, "action": "exit"}])
     [failure] = result.goodput["failures"]
     assert failure["resumed_from"] == 4
     assert metric_history(spec, result.run_id) == reference
+
+
+def test_async_checkpoints_torn_by_a_kill_stay_invisible_and_committed_ones_are_used(reference, inject_faults,
+                                                                                     tmp_path, assets):
+    # checkpoint.async_save, two kills of rank 1 in one job. First while a background thread is
+    # still writing step 8's shards: that checkpoint stays invisible, the restart resumes from 4.
+    # Then, in the restarted attempt, at step 10: step 8's checkpoint was uploaded in the background
+    # and committed by Ray while training went on, but the loop never confirmed it (that happens at
+    # the next save). The restart resumes from 8, and MLflow still gets steps 5-8 (from the checkpoint).
+    spec = job(assets, tmp_path / "runs", "async", checkpoint={"async_save": True})
+    inject_faults([{"at": "save", "step": 8, "rank": 1, "action": "exit"},
+                   {"at": "step", "step": 10, "rank": 1, "action": "exit",
+                    "after_commit": {"run_dir": spec.run_dir, "step": 8}}])
+    result = launcher.run(spec)
+    assert [(f["resumed_from"], f["steps_lost"]) for f in result.goodput["failures"]] == [(4, 4), (8, 2)]
+    assert metric_history(spec, result.run_id) == reference
+    assert latest_checkpoint(spec.run_dir).endswith(f"step_{STEPS:08d}")
 
 
 def test_sigterm_checkpoints_at_the_notice_and_loses_no_step(reference, inject_faults, tmp_path, assets):
@@ -99,20 +112,6 @@ def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, inj
     assert latest_checkpoint(spec.run_dir).endswith("step_00000004")
     export_checkpoint(spec.run_dir, str(tmp_path / "out"))  # the last committed checkpoint still loads
     assert (tmp_path / "out" / "model.safetensors").is_file()
-
-
-def test_a_kill_after_a_background_upload_committed_resumes_from_it(reference, inject_faults, tmp_path, assets):
-    # Step 8's checkpoint uploads in the background and Ray commits it while training goes on;
-    # rank 1 dies at step 10, before the loop ever confirmed it (that happens at the next save).
-    # The restart resumes from step 8, and MLflow still gets steps 5-8 (from the checkpoint).
-    spec = job(assets, tmp_path / "runs", "async", checkpoint={"async_save": True})
-    inject_faults([{"at": "step", "step": 10, "rank": 1, "action": "exit",
-                    "after_commit": {"run_dir": spec.run_dir, "step": 8}}])
-    result = launcher.run(spec)
-    [failure] = result.goodput["failures"]
-    assert (failure["resumed_from"], failure["steps_lost"]) == (8, 2)
-    assert metric_history(spec, result.run_id) == reference
-    assert latest_checkpoint(spec.run_dir).endswith(f"step_{STEPS:08d}")
 
 
 def test_a_failure_before_training_still_ends_the_mlflow_run(ray_address, assets, tmp_path):
