@@ -182,8 +182,8 @@ def mlflow_run(server: tuple[str, dict], experiment: str):
 
 # ---------------------------------------------------------------- submit, a worker killed, stop, submit again
 def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_finishes_its_run(
-        cluster, s3, mlflow_server, assets, tmp_path):
-    _, client = s3
+        cluster, s3, mlflow_server, assets, tmp_path, monkeypatch):
+    s3_env, client = s3
     client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")
 
     def submit(max_steps: int, *flags: str) -> tuple[str, str]:
@@ -249,4 +249,6 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     assert run.info.status == "FINISHED" and run.info.run_name == "on-s3" and set(steps) == set(range(1, last + 1))
     assert all(steps.count(s) == 1 for s in range(1, before + 1)), (before, sorted(steps))
     assert run.data.params["training.strategy"] == "fsdp2" and run.data.tags["raytrain.run_dir"] == f"s3://{BUCKET}/runs/on-s3"
+    for key, value in s3_env.items():  # the run's artifacts are on S3 too: read with the nodes' S3 settings
+        monkeypatch.setenv(key, value)
     assert "final_model" in {a.path for a in mlflow.list_artifacts(run.info.run_id)}

@@ -299,17 +299,23 @@ def test_simpo_trains_without_a_reference(runs):
 
 
 @pytest.mark.slow
-def test_killed_full_dpo_resumes_bit_identically(runs, inject_faults, assets, tmp_path):
+def test_full_dpo_continued_from_its_checkpoint_takes_the_same_steps(runs, assets, tmp_path):
+    # The fsdp2 full run's directory without its last checkpoint (deleted, as a user deletes a
+    # folder), continued: the policy, its AdamW state and the frozen reference copy come back,
+    # and steps 5-8 and their evals are the uninterrupted run's, bit for bit.
+    import shutil
+
     from conftest import metric_history
 
     from raytrain import launcher
 
     reference = runs["dpo", "fsdp2", "full"]
-    inject_faults([{"at": "step", "step": 6, "rank": 1, "action": "exit"}])
-    spec = dpo_job(assets, tmp_path / "runs", "dpo-resume", "fsdp2", "full", failure={"max_failures": 1})
+    storage = tmp_path / "runs"
+    shutil.copytree(reference.spec.run_dir, storage / reference.spec.name,
+                    ignore=shutil.ignore_patterns(f"step_{PARITY_STEPS:08d}", "final_model"))
+    spec = dpo_job(assets, storage, reference.spec.name, "fsdp2", "full")
     result = launcher.run(spec)
-    [failure] = result.goodput["failures"]
-    assert failure["resumed_from"] == EVERY
+    assert result.goodput["failures"] == []
     for key in ("loss", "rewards/margins", "eval_rewards/accuracies"):
         assert metric_history(spec, result.run_id, key) == getattr(reference, key.replace("/", "_")), key
 

@@ -99,21 +99,26 @@ def test_per_step_losses_agree_across_strategies(trained, finetune):
     print(f"\n[parity] {finetune}: {json.dumps(figures, indent=1)}")
 
 
-# fsdp2's kill-and-resume is tests/test_fault_tolerance.py's subject (bit-identical at every kill point);
-# zero3's full restore is test_zero3_checkpoint_resumes_at_another_world_size's.
+def continued(run: Run, storage: Path) -> Path:
+    """`storage` holding a copy of a fixture run's directory without its last checkpoint and
+    export (deleted as a user deletes a folder): the same job there resumes at step EVERY."""
+    import shutil
+
+    shutil.copytree(run.run_dir, storage / run.run_dir.name,
+                    ignore=shutil.ignore_patterns(f"step_{STEPS:08d}", "final_model"))
+    return storage
+
+
+# A restore under each strategy's own checkpoint format. How a killed worker's group comes back
+# (bit-identical at every kill point) is tests/test_fault_tolerance.py's, under fsdp2; zero3's full
+# restore is test_zero3_checkpoint_resumes_at_another_world_size's.
 @pytest.mark.parametrize("strategy,finetune", [("zero3", "lora"), ("ddp", "full")])
-def test_killed_run_resumes_from_its_checkpoint_with_the_same_next_step(trained, inject_faults, tmp_path, assets,
-                                                                        strategy, finetune):
+def test_a_run_continued_from_its_checkpoint_takes_the_same_next_steps(trained, tmp_path, assets, strategy, finetune):
     reference = trained[strategy, finetune]
-    inject_faults([{"at": "step", "step": 12, "rank": 1, "action": "exit"}])
-    spec = job(assets, tmp_path / "runs", strategy, finetune, f"resume-{strategy}-{finetune}",
-               failure={"max_failures": 1})
-    result = launcher.run(spec)
-    [failure] = result.goodput["failures"]
-    assert failure["resumed_from"] == EVERY
-    losses = metric_history(spec, result.run_id)
+    spec = job(assets, continued(reference, tmp_path / "runs"), strategy, finetune, reference.spec.name)
+    losses = metric_history(spec, launcher.run(spec).run_id)
     assert losses[EVERY + 1] == reference.losses[EVERY + 1]  # the next step after the restore
-    assert losses == reference.losses  # and the whole run, bit for bit
+    assert losses == reference.losses  # and the whole run, bit for bit (1-10 as the checkpoint recorded them)
 
 
 def test_checkpoints_are_each_strategys_own_format(trained):
@@ -132,12 +137,12 @@ def test_checkpoints_are_each_strategys_own_format(trained):
 
 
 def test_zero3_checkpoint_resumes_at_another_world_size(trained, tmp_path, assets):
-    """2 workers to step 10, then the same run continued by 1 worker: DeepSpeed refuses a
+    """The 2-worker run's step-10 checkpoint continued by 1 worker: DeepSpeed refuses a
     checkpoint of another world size, so the strategy converts it to a universal checkpoint."""
-    storage = tmp_path / "runs"
-    launcher.run(job(assets, storage, "zero3", "full", "shrink", steps=EVERY))
-    spec = job(assets, storage, "zero3", "full", "shrink", steps=EVERY + 1, scaling={"num_workers": 1})
-    result = launcher.run(spec)  # same name and storage: Ray Train restores the step-10 checkpoint
+    run = trained["zero3", "full"]
+    spec = job(assets, continued(run, tmp_path / "runs"), "zero3", "full", run.spec.name, steps=EVERY + 1,
+               scaling={"num_workers": 1})
+    result = launcher.run(spec)
     assert result.metrics["world_size"] == 1 and result.metrics["step"] == EVERY + 1
     reference = trained["zero3", "full"].losses[EVERY + 1]
     loss = metric_history(spec, result.run_id)[EVERY + 1]
