@@ -133,7 +133,8 @@ def forget_deleted(run_dir: str) -> list[str]:
         return []
     snapshot = json.loads(storage.read_text(uri))
     results, indices = snapshot["checkpoint_results"], snapshot["checkpoint_report_indices"]
-    gone = {r["checkpoint_dir_name"] for r in results if not storage.exists(storage.join(run_dir, r["checkpoint_dir_name"]))}
+    present = set(storage.subfolders(run_dir))  # one listing, not a request per checkpoint (S3)
+    gone = {r["checkpoint_dir_name"] for r in results} - present
     if not gone:
         return []
     kept = [(r, i) for r, i in zip(results, indices) if r["checkpoint_dir_name"] not in gone]

@@ -311,7 +311,7 @@ def chaos_soak(args, root: Path, assets: Path) -> dict:
         problems.append("MLflow's loss history is not each trained step once")
     if runs and "goodput_wall_s" not in runs[0].data.metrics:
         problems.append("no goodput figures in MLflow")
-    worst = max(abs(losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in losses)
+    worst = _max_rel_diff(losses, ref_losses)
     failures = result.goodput["failures"]
     recovery = sorted(f["recovery_s"] for f in failures)
     return {"mode": "soak", "minutes": round((time.monotonic() - started) / 60, 1), "steps": max(lineage),

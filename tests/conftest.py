@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -155,6 +156,14 @@ def make_job(assets: Path, storage: Path, **over) -> JobSpec:
         "tracking": {"experiment": "tests"},
     }
     return JobSpec.model_validate(deep_merge(base, over))
+
+
+def copy_run_without(run_dir, storage: Path, step: int) -> Path:
+    """`storage` holding a copy of a run directory without its step-`step` checkpoint and its
+    export (deleted, as a user deletes a folder): the same job there resumes from the one before."""
+    shutil.copytree(run_dir, storage / Path(run_dir).name,
+                    ignore=shutil.ignore_patterns(f"step_{step:08d}", "final_model"))
+    return storage
 
 
 def metric_history(spec: JobSpec, run_id: str, key: str = "loss") -> dict[int, float]:

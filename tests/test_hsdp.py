@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import make_job, metric_history
+from conftest import copy_run_without, make_job, metric_history
 from raytrain import launcher
 from raytrain.export import latest_checkpoint
 
@@ -36,8 +36,6 @@ def shards_per_weight(step_dir: str) -> int:
 
 
 def test_hsdp_trains_like_the_flat_mesh_and_checkpoints_reshard_between_them(ray_address, assets, tmp_path):
-    import shutil
-
     hsdp = job(assets, tmp_path / "a", hsdp=True, steps=6)
     a = metric_history(hsdp, launcher.run(hsdp).run_id)
     assert sorted(a) == [1, 2, 3, 4, 5, 6] and a[6] < a[1]  # it trained
@@ -45,8 +43,7 @@ def test_hsdp_trains_like_the_flat_mesh_and_checkpoints_reshard_between_them(ray
 
     # Same name: A's run directory, continued, without its step-6 folder (deleted as a user deletes a
     # refused checkpoint: Ray Train's snapshot still lists it, and raytrain drops it from there).
-    flat = job(assets, tmp_path / "b", hsdp=False, steps=6)
-    shutil.copytree(hsdp.run_dir, flat.run_dir, ignore=shutil.ignore_patterns("step_00000006", "final_model"))
+    flat = job(assets, copy_run_without(hsdp.run_dir, tmp_path / "b", 6), hsdp=False, steps=6)
     b = metric_history(flat, launcher.run(flat).run_id)  # resumes at A's step 3
     assert shards_per_weight(latest_checkpoint(flat.run_dir)) == 4
 

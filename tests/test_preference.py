@@ -303,16 +303,12 @@ def test_full_dpo_continued_from_its_checkpoint_takes_the_same_steps(runs, asset
     # The fsdp2 full run's directory without its last checkpoint (deleted, as a user deletes a
     # folder), continued: the policy, its AdamW state and the frozen reference copy come back,
     # and steps 5-8 and their evals are the uninterrupted run's, bit for bit.
-    import shutil
-
-    from conftest import metric_history
+    from conftest import copy_run_without, metric_history
 
     from raytrain import launcher
 
     reference = runs["dpo", "fsdp2", "full"]
-    storage = tmp_path / "runs"
-    shutil.copytree(reference.spec.run_dir, storage / reference.spec.name,
-                    ignore=shutil.ignore_patterns(f"step_{PARITY_STEPS:08d}", "final_model"))
+    storage = copy_run_without(reference.spec.run_dir, tmp_path / "runs", PARITY_STEPS)
     spec = dpo_job(assets, storage, reference.spec.name, "fsdp2", "full")
     result = launcher.run(spec)
     assert result.goodput["failures"] == []

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import file_hashes, make_job, metric_history
+from conftest import copy_run_without, file_hashes, make_job, metric_history
 from raytrain import launcher
 from raytrain.export import export_checkpoint, latest_checkpoint
 
@@ -99,23 +99,14 @@ def test_per_step_losses_agree_across_strategies(trained, finetune):
     print(f"\n[parity] {finetune}: {json.dumps(figures, indent=1)}")
 
 
-def continued(run: Run, storage: Path) -> Path:
-    """`storage` holding a copy of a fixture run's directory without its last checkpoint and
-    export (deleted as a user deletes a folder): the same job there resumes at step EVERY."""
-    import shutil
-
-    shutil.copytree(run.run_dir, storage / run.run_dir.name,
-                    ignore=shutil.ignore_patterns(f"step_{STEPS:08d}", "final_model"))
-    return storage
-
-
 # A restore under each strategy's own checkpoint format. How a killed worker's group comes back
 # (bit-identical at every kill point) is tests/test_fault_tolerance.py's, under fsdp2; zero3's full
 # restore is test_zero3_checkpoint_resumes_at_another_world_size's.
 @pytest.mark.parametrize("strategy,finetune", [("zero3", "lora"), ("ddp", "full")])
 def test_a_run_continued_from_its_checkpoint_takes_the_same_next_steps(trained, tmp_path, assets, strategy, finetune):
     reference = trained[strategy, finetune]
-    spec = job(assets, continued(reference, tmp_path / "runs"), strategy, finetune, reference.spec.name)
+    storage = copy_run_without(reference.run_dir, tmp_path / "runs", STEPS)  # resumes at step EVERY
+    spec = job(assets, storage, strategy, finetune, reference.spec.name)
     losses = metric_history(spec, launcher.run(spec).run_id)
     assert losses[EVERY + 1] == reference.losses[EVERY + 1]  # the next step after the restore
     assert losses == reference.losses  # and the whole run, bit for bit (1-10 as the checkpoint recorded them)
@@ -140,8 +131,8 @@ def test_zero3_checkpoint_resumes_at_another_world_size(trained, tmp_path, asset
     """The 2-worker run's step-10 checkpoint continued by 1 worker: DeepSpeed refuses a
     checkpoint of another world size, so the strategy converts it to a universal checkpoint."""
     run = trained["zero3", "full"]
-    spec = job(assets, continued(run, tmp_path / "runs"), "zero3", "full", run.spec.name, steps=EVERY + 1,
-               scaling={"num_workers": 1})
+    storage = copy_run_without(run.run_dir, tmp_path / "runs", STEPS)  # resumes at step EVERY
+    spec = job(assets, storage, "zero3", "full", run.spec.name, steps=EVERY + 1, scaling={"num_workers": 1})
     result = launcher.run(spec)
     assert result.metrics["world_size"] == 1 and result.metrics["step"] == EVERY + 1
     reference = trained["zero3", "full"].losses[EVERY + 1]
