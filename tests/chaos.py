@@ -219,6 +219,13 @@ def chaos_spot(args, root: Path, assets: Path) -> dict:
     cluster.add_node(num_cpus=1, resources={"slot": 1})
     events = {"noticed_after_step": noticed_after, "checkpoint_step": checkpoint_step,
               "added_node_after_step": _steps_done(log)}
+    # The 1-worker group must still be training when the resize lands (Ray Train checks every
+    # 5 s, then starts a group of 2): slow it down until 2 workers train again, then let the rest
+    # run unthrottled. On a fast machine a fixed pace finished the job at 1 worker first.
+    _throttle(2.0)
+    while thread.is_alive() and _steps_done(log, world=2) <= events["added_node_after_step"]:
+        time.sleep(0.2)
+    _throttle(0.0)
     thread.join()
     at["end_s"] = round(time.monotonic() - started, 1)
     result, losses, lineage = box["value"]
