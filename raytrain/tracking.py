@@ -8,10 +8,15 @@ secrets in it (pre-flight refuses them), and keys that look like secrets are dro
 
 from __future__ import annotations
 
+import os
 import queue
+import shutil
+import sqlite3
 import sys
 import threading
 import time
+from importlib import metadata
+from pathlib import Path
 
 from . import storage
 from .config import JobSpec
@@ -56,8 +61,47 @@ def _client(spec: JobSpec):
     return MlflowClient(tracking_uri=tracking_uri(spec))
 
 
+def _template(version: str) -> Path:
+    """An empty sqlite store with MLflow's schema, made once per MLflow version in the user's cache."""
+    from mlflow.tracking import MlflowClient
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raytrain"
+    template = cache / f"mlflow-{version}.db"
+    if not template.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cache / f".mlflow-{version}.{os.getpid()}.db"
+        MlflowClient(tracking_uri=f"sqlite:///{partial}").search_experiments()  # creates and migrates it
+        os.replace(partial, template)  # complete or absent, whoever else makes one at the same time
+    return template
+
+
+def seed_store(spec: JobSpec) -> None:
+    """A new default (sqlite) store starts as a copy of an empty, migrated one: MLflow runs its
+    schema migrations on every new file, 1-2 s on the critical path of a job's first start in a
+    new storage path. Its Default experiment keeps its artifacts beside the job's."""
+    if spec.tracking.uri:
+        return
+    db = Path(tracking_uri(spec).removeprefix("sqlite:///"))
+    if db.exists():
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    copy = db.with_name(f".{db.name}.{os.getpid()}")
+    shutil.copyfile(_template(metadata.version("mlflow")), copy)
+    with sqlite3.connect(copy) as conn:
+        conn.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                     (f"{artifact_root(spec)}/0",))
+    conn.close()
+    try:
+        os.link(copy, db)  # never over a store another process created meanwhile
+    except FileExistsError:
+        pass
+    finally:
+        copy.unlink()
+
+
 def start_run(spec: JobSpec) -> str:
     """Driver: the job's run; a job resubmitted to the same run directory continues its run."""
+    seed_store(spec)
     client = _client(spec)
     experiment = client.get_experiment_by_name(spec.tracking.experiment)
     if experiment is None:

@@ -92,3 +92,33 @@ def test_quickstart_runs_from_any_folder(ray_address, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (tmp_path / "runs" / "quickstart" / "step_00000002" / "COMMITTED").is_file()
     assert "eval_loss" in proc.stdout.splitlines()[-1]  # the quickstart shows its held-out loss
+
+
+def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_store_is_kept(assets, tmp_path, monkeypatch):
+    # A new sqlite store skips MLflow's schema migrations by starting as a copy of an empty one;
+    # the copy must be at the schema MLflow itself makes, and a store that exists is never replaced.
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from raytrain import tracking
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = make_job(assets, tmp_path / "a", name="first")
+    run_id = tracking.start_run(first)  # makes the template, then this store from it
+    [template] = (tmp_path / "cache" / "raytrain").glob("mlflow-*.db")
+    MlflowClient(f"sqlite:///{tmp_path / 'own.db'}").search_experiments()  # a store MLflow migrates itself
+
+    def query(db, sql):
+        with sqlite3.connect(db) as conn:
+            return conn.execute(sql).fetchall()
+
+    copy = tmp_path / "a" / "mlflow.db"
+    assert query(copy, "SELECT version_num FROM alembic_version") == query(tmp_path / "own.db",
+                                                                           "SELECT version_num FROM alembic_version")
+    assert query(copy, "SELECT artifact_location FROM experiments WHERE experiment_id = 0") == [
+        (f"{tmp_path / 'a'}/mlartifacts/0",)]
+    made = template.stat().st_mtime_ns
+    second = make_job(assets, tmp_path / "b", name="second")
+    assert tracking.start_run(second) != run_id and template.stat().st_mtime_ns == made  # made once
+    assert tracking.start_run(first) == run_id  # the unfinished run continues: its store was kept
