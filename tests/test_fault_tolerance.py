@@ -37,22 +37,27 @@ def run_with_faults(inject_faults, tmp_path, assets, name, faults, **over):
     return spec, launcher.run(spec)
 
 
-# Three kills of rank 1 in one job (each fires once): just after a checkpoint (step 5), during a
-# checkpoint's write (rank 1 dies after writing its shards of step 8 but before the checkpoint is
-# reported: that checkpoint must stay invisible) and mid-interval (step 10). Rank 1: rank 0 reports
-# each step to the driver without waiting, so a rank 0 killed right after a step may take that
-# report with it (its death is tested in test_too_many_failures...). Each restart resumes
-# bit-identically and is counted on its own.
-def test_worker_killed_three_times_resumes_bit_identical_each_time(reference, inject_faults, tmp_path, assets):
+# Three kills of rank 1 and one SIGTERM in one job (each fires once), in this order: a kill just
+# after a checkpoint (step 5); SIGTERM after step 6, which lands during step 7: every rank finishes
+# step 7, commits it and leaves, a preemption that is no failure (the job has a budget of exactly
+# its three kills); a kill during a checkpoint's write (rank 1 dies after writing its shards of
+# step 8 but before the checkpoint is reported: it must stay invisible, so the restart takes 7);
+# and a kill mid-interval (step 10). Rank 1: rank 0 reports each step to the driver without
+# waiting, so a rank 0 killed right after a step may take that report with it (its death is tested
+# in test_too_many_failures...). Each restart resumes bit-identically and is counted on its own.
+def test_worker_killed_three_times_and_preempted_once_resumes_bit_identical_each_time(reference, inject_faults,
+                                                                                        tmp_path, assets):
     spec, result = run_with_faults(inject_faults, tmp_path, assets, "kills",
                                    [{"at": "step", "step": 5, "rank": 1, "action": "exit"},
+                                    {"at": "step", "step": 6, "rank": 1, "action": "sigterm"},
                                     {"at": "save", "step": 8, "rank": 1, "action": "exit"},
                                     {"at": "step", "step": 10, "rank": 1, "action": "exit"}],
                                    failure={"max_failures": 3})
     assert metric_history(spec, result.run_id) == reference  # every step once, bit-identical
-    # (resumed from, steps redone): after step 5 -> 4 (1 lost); the torn step 8 -> 4 (4 lost: its
-    # checkpoint never counted); after step 10 -> 8 (2 lost: step 8's second save committed)
-    assert [(f["resumed_from"], f["steps_lost"]) for f in result.goodput["failures"]] == [(4, 1), (4, 4), (8, 2)]
+    # (kind, resumed from, steps redone): after step 5 -> 4 (1 lost); the SIGTERM -> 7 (none lost);
+    # the torn step 8 -> 7 (its checkpoint never counted); after step 10 -> 8 (step 8's second save)
+    assert [(f["kind"], f["resumed_from"], f["steps_lost"]) for f in result.goodput["failures"]] == [
+        ("failure", 4, 1), ("preemption", 7, 0), ("failure", 7, 1), ("failure", 8, 2)]
 
 
 def test_async_checkpoints_torn_by_a_kill_stay_invisible_and_committed_ones_are_used(reference, inject_faults,
@@ -70,18 +75,6 @@ def test_async_checkpoints_torn_by_a_kill_stay_invisible_and_committed_ones_are_
     assert [(f["resumed_from"], f["steps_lost"]) for f in result.goodput["failures"]] == [(4, 4), (8, 2)]
     assert metric_history(spec, result.run_id) == reference
     assert latest_checkpoint(spec.run_dir).endswith(f"step_{STEPS:08d}")
-
-
-def test_sigterm_checkpoints_at_the_notice_and_loses_no_step(reference, inject_faults, tmp_path, assets):
-    # SIGTERM lands after step 6 (during step 7): every rank finishes step 7, commits it, leaves.
-    # A preemption that committed its checkpoint is no failure: the job survives it with no
-    # failure budget at all (it used to fail with the default of 0).
-    spec, result = run_with_faults(inject_faults, tmp_path, assets, "sigterm",
-                                   [{"at": "step", "step": 6, "rank": 1, "action": "sigterm"}],
-                                   failure={"max_failures": 0})
-    [failure] = result.goodput["failures"]
-    assert failure["resumed_from"] == 7 and failure["steps_lost"] == 0 and failure["kind"] == "preemption"
-    assert metric_history(spec, result.run_id) == reference
 
 
 def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, inject_faults, tmp_path, assets):
