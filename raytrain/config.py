@@ -366,7 +366,7 @@ class FailureSpec(Section):
 
 class TrackingSpec(Section):
     uri: str | None = None
-    """MLflow tracking URI (http://host:5000, sqlite:///...); default: sqlite file under the run directory."""
+    """MLflow tracking URI (http://host:5000, sqlite:///...); default: the sqlite file <checkpoint.storage_path>/mlflow.db."""
     experiment: str = "raytrain"
     """MLflow experiment name."""
     log_every_n_steps: int = Field(1, gt=0)

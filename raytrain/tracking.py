@@ -15,6 +15,7 @@ import sqlite3
 import sys
 import threading
 import time
+from contextlib import closing
 from importlib import metadata
 from pathlib import Path
 
@@ -31,13 +32,16 @@ REMOTE_WITHOUT_SERVER = ("checkpoint.storage_path is remote and tracking.uri is 
                          "MLflow server (http://mlflow:5000, as the k8s/ manifests run one)")
 
 
-def tracking_uri(spec: JobSpec) -> str:
-    if spec.tracking.uri:
-        return spec.tracking.uri
+def default_store(spec: JobSpec) -> Path:
+    """The default store's sqlite file, beside the checkpoints (used when tracking.uri is unset)."""
     root = spec.checkpoint.storage_path
     if storage.is_remote(root):
         raise ValueError(REMOTE_WITHOUT_SERVER)
-    return f"sqlite:///{storage.absolute(root)}/mlflow.db"
+    return Path(storage.absolute(root)) / "mlflow.db"
+
+
+def tracking_uri(spec: JobSpec) -> str:
+    return spec.tracking.uri or f"sqlite:///{default_store(spec)}"
 
 
 def artifact_root(spec: JobSpec) -> str:
@@ -81,22 +85,21 @@ def seed_store(spec: JobSpec) -> None:
     new storage path. Its Default experiment keeps its artifacts beside the job's."""
     if spec.tracking.uri:
         return
-    db = Path(tracking_uri(spec).removeprefix("sqlite:///"))
+    db = default_store(spec)
     if db.exists():
         return
     db.parent.mkdir(parents=True, exist_ok=True)
     copy = db.with_name(f".{db.name}.{os.getpid()}")
-    shutil.copyfile(_template(metadata.version("mlflow")), copy)
-    with sqlite3.connect(copy) as conn:
-        conn.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
-                     (f"{artifact_root(spec)}/0",))
-    conn.close()
     try:
+        shutil.copyfile(_template(metadata.version("mlflow")), copy)
+        with closing(sqlite3.connect(copy)) as conn, conn:  # closed, and committed
+            conn.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                         (f"{artifact_root(spec)}/0",))
         os.link(copy, db)  # never over a store another process created meanwhile
     except FileExistsError:
         pass
     finally:
-        copy.unlink()
+        copy.unlink(missing_ok=True)
 
 
 def start_run(spec: JobSpec) -> str:
