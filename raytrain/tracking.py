@@ -89,9 +89,13 @@ def seed_store(spec: JobSpec) -> None:
     if db.exists():
         return
     db.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        template = _template(metadata.version("mlflow"))
+    except (OSError, sqlite3.Error):  # no usable cache: MLflow makes and migrates the store itself
+        return
     copy = db.with_name(f".{db.name}.{os.getpid()}")
     try:
-        shutil.copyfile(_template(metadata.version("mlflow")), copy)
+        shutil.copyfile(template, copy)
         with closing(sqlite3.connect(copy)) as conn, conn:  # closed, and committed
             conn.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
                          (f"{artifact_root(spec)}/0",))

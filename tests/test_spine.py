@@ -105,3 +105,7 @@ def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_sto
     second = make_job(assets, tmp_path / "b", name="second")
     assert tracking.start_run(second) != run_id and template.stat().st_mtime_ns == made  # made once
     assert tracking.start_run(first) == run_id  # the unfinished run continues: its store was kept
+    # A cache that cannot be written (here a file where the folder should be) costs the migrations, not the job.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(template))
+    third = make_job(assets, tmp_path / "c", name="third")
+    assert tracking.start_run(third) and query(tmp_path / "c" / "mlflow.db", "SELECT version_num FROM alembic_version")
