@@ -371,6 +371,8 @@ class TrackingSpec(Section):
     """MLflow experiment name."""
     log_every_n_steps: int = Field(1, gt=0)
     """Metric logging interval."""
+    log_model: bool = False
+    """Also upload the final model into the MLflow run's artifacts. Off: the run gets the tag `raytrain.final_model` with the export's URI (`<run_dir>/final_model`), and a large model is not stored twice."""
 
 
 class JobSpec(Section):

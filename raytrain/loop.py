@@ -13,13 +13,14 @@ import math
 import sys
 import time
 
+from dataclasses import dataclass
+
 import torch
 
 from . import checkpoint, objectives, telemetry
 from .checkpoint import TrainState
 from .config import JobSpec
 from .data.batches import GlobalBatches
-from .objectives import all_reduce
 from .preemption import DRIVER_STOP, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 
 
@@ -39,6 +40,45 @@ def lr_at(step: int, spec: JobSpec) -> float:
 def seed_step(seed: int, step: int, rank: int) -> None:
     """Dropout and every other torch RNG: a function of (seed, step, rank), nothing to checkpoint."""
     torch.manual_seed(hash((seed, step, rank)) % (2**63))
+
+
+@dataclass
+class StepResult:
+    loss: float  # the mean over the global batch's units (objectives.py)
+    grad_norm: float
+    means: list[float]  # the objective's metrics, means over the global batch
+    flags: list[float]  # the stop flags, summed over ranks
+
+
+def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops: StopSignals) -> StepResult:
+    """One optimizer step over this rank's micro-batches of a global batch.
+
+    The host waits for the device once a step, at the end (`host_values`): the loss, the
+    metrics and the grad norm accumulate on the device and ride one all-reduce with the stop
+    flags. The global batch's units are summed over ranks first, on the device, and scale the
+    loss there: nothing in between stalls the host while kernels run (FSDP2's prefetch keeps
+    overlapping)."""
+    device, world = strategy.device, strategy.world_size
+    units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
+    torch.distributed.all_reduce(units)  # the global batch's units
+    units = units.clamp(min=1)
+    scale = world / units  # data-parallel reduction averages over ranks: this makes it a sum / units
+    sums = torch.zeros(1 + len(objective.metrics), dtype=torch.float64, device=device)
+    for i, mb in enumerate(micro_batches):
+        loss, stats = objective(strategy, mb)
+        strategy.backward(loss * scale.to(loss.dtype), sync=i == len(micro_batches) - 1)
+        sums += torch.stack([t.detach().double() for t in (loss, *stats)])
+    grad_norm = strategy.optimizer_step(lr)
+    reduced = torch.cat([sums, objectives.to_device(stops.local(), device)])
+    torch.distributed.all_reduce(reduced)  # the stop flags ride along
+    means = reduced[:len(sums)] / units
+    loss, *rest = host_values(torch.cat([means, grad_norm.detach().double().view(1).to(device), reduced[len(sums):]]))
+    return StepResult(loss, rest[len(means) - 1], rest[:len(means) - 1], rest[len(means):])
+
+
+def host_values(t: torch.Tensor) -> list[float]:
+    """The step's one host sync: a device vector's values on the host."""
+    return t.tolist()  # host: the step's one sync
 
 
 def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> None:
@@ -66,18 +106,9 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         lr = lr_at(state.step, spec)
         batch = next(batches)
         data_wait = time.perf_counter() - step_start
-        global_units = max(1.0, all_reduce([sum(map(objective.units, batch.micro_batches))], device)[0])
-        sums, compute_start = [0.0] * (1 + len(objective.metrics)), time.perf_counter()
-        for i, mb in enumerate(batch.micro_batches):
-            loss, stats = objective(strategy, mb)
-            strategy.backward(loss * (world / global_units), sync=i == len(batch.micro_batches) - 1)
-            sums = [a + float(b.detach()) for a, b in zip(sums, [loss, *stats])]
-        optimizer_start = time.perf_counter()
-        grad_norm = strategy.optimizer_step(lr)
-        optimizer_s = time.perf_counter() - optimizer_start
-        summed = all_reduce([*sums, *stops.local()], device)  # the stop flags ride along
-        loss, *means = (v / global_units for v in summed[:len(sums)])
-        flags = stops.agree(summed[len(sums):])
+        compute_start = time.perf_counter()
+        result = train_step(strategy, objective, batch.micro_batches, lr, stops)
+        loss, grad_norm, means, flags = result.loss, result.grad_norm, result.means, stops.agree(result.flags)
         state.step += 1
         state.data = batches.position
         step_tokens = t.global_batch_size * spec.sequences_per_row * spec.data.seq_len
@@ -85,8 +116,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         step_time = time.perf_counter() - step_start
         tokens_per_s = step_tokens / step_time
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
-                   "data_wait_s": data_wait, "forward_backward_s": optimizer_start - compute_start,
-                   "optimizer_s": optimizer_s, "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
+                   "data_wait_s": data_wait, "compute_s": time.perf_counter() - compute_start,
+                   "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
                    "peak_memory_gb": telemetry.peak_memory_gb(device), "tokens_seen": state.tokens_seen,
                    "bad_rows": state.bad_rows, "world_size": world, **flops.metrics(tokens_per_s, world),
                    **dict(zip(objective.metrics, means))}

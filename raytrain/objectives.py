@@ -171,22 +171,25 @@ def build(spec: JobSpec) -> SFT | Preference:
 
 def evaluate(strategy, objective, micro_batches: list[dict]) -> dict[str, float]:
     """`eval_loss` (and `eval_<metric>`) over every rank's evaluation rows: a collective, every
-    rank runs the same number of forward passes."""
-    device, sums, units = strategy.device, [0.0] * (1 + len(objective.metrics)), 0
+    rank runs the same number of forward passes. The sums stay on the device until the end."""
+    device = strategy.device
+    sums = torch.zeros(2 + len(objective.metrics), dtype=torch.float64, device=device)
     strategy.model.eval()
     with torch.no_grad():
         for mb in micro_batches:
             loss, stats = objective(strategy, mb)
-            sums = [a + float(b) for a, b in zip(sums, [loss, *stats])]
-            units += objective.units(mb)
+            sums[:-1] += torch.stack([t.double() for t in (loss, *stats)])
+            sums[-1] += objective.units(mb)
     strategy.model.train()
-    totals = all_reduce([*sums, units], device)
-    count = max(1.0, totals[-1])
-    return {f"eval_{name}": value / count for name, value in zip(("loss", *objective.metrics), totals[:-1])}
+    torch.distributed.all_reduce(sums)
+    totals = (sums[:-1] / sums[-1].clamp(min=1)).tolist()  # host: once per evaluation
+    return {f"eval_{name}": value for name, value in zip(("loss", *objective.metrics), totals)}
 
 
-def all_reduce(values: list[float], device) -> list[float]:
-    """SUM across ranks, in one collective."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return t.tolist()
+def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host values as a float64 vector on `device`, without waiting for the device's queue (a copy
+    from pageable memory would: it goes through pinned memory on a GPU)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -35,7 +35,7 @@ def install_sigterm_handler() -> None:
     import ray._private.utils as ray_utils
 
     original = ray_utils.set_sigterm_handler
-    grace = float(os.environ.get(GRACE_ENV, "120"))
+    grace = float(os.environ.get(GRACE_ENV, "120"))  # host: an environment value
 
     def set_graceful(ray_handler):
         def on_sigterm(signum, frame):
@@ -108,7 +108,7 @@ class StopSignals:
         self._notice = self.notices() if self.check_ray_notice else None
         if self._notice is not None and self._notice != self._acted_on:
             flags |= RAY_NOTICE
-        return [float((flags >> i) & 1) for i in range(self.N_FLAGS)]
+        return [float((flags >> i) & 1) for i in range(self.N_FLAGS)]  # host: Python ints
 
     def agree(self, summed: list[float]) -> int:
         """The flags every rank acts on (0: keep training), from the all-reduced `local()`s."""

@@ -33,13 +33,13 @@ def flops_per_token(config, n_params: int, n_trainable: int, seq_len: int, lora:
     if reference_forward:
         extra = 2 * n_params + attention / 3
         full, actual = full + extra, actual + extra
-    return {"flops_per_token": float(actual), "flops_per_token_full_ft": float(full)}
+    return {"flops_per_token": float(actual), "flops_per_token_full_ft": float(full)}  # host: Python numbers
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
+    if device.type == "cpu":
         return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.get_device_module(device).get_device_name(device)
     for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if key in name:
             return PEAK_BF16_FLOPS[key]
@@ -47,9 +47,10 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory allocated by this rank; on CPU the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+    """Peak accelerator memory allocated by this rank (no host sync: the allocator's count); on
+    CPU the process's peak RSS."""
+    if device.type != "cpu":
+        return torch.get_device_module(device).max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 

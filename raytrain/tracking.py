@@ -149,11 +149,11 @@ def log_goodput(spec: JobSpec, run_id: str, goodput: dict) -> None:
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    metrics = [Metric(f"goodput_{k}", float(goodput[k]), now, 0) for k in ("wall_s", "productive_s", "wasted_s")]
-    metrics.append(Metric("failures", float(len(goodput["failures"])), now, 0))
+    metrics = [Metric(f"goodput_{k}", float(goodput[k]), now, 0) for k in ("wall_s", "productive_s", "wasted_s")]  # host: Python numbers
+    metrics.append(Metric("failures", float(len(goodput["failures"])), now, 0))  # host: Python numbers
     for i, failure in enumerate(goodput["failures"]):
-        metrics += [Metric("failure_steps_lost", float(failure["steps_lost"]), now, i + 1),
-                    Metric("failure_recovery_s", float(failure["recovery_s"]), now, i + 1)]
+        metrics += [Metric("failure_steps_lost", float(failure["steps_lost"]), now, i + 1),  # host: Python numbers
+                    Metric("failure_recovery_s", float(failure["recovery_s"]), now, i + 1)]  # host: Python numbers
     client = _client(spec)
     client.log_batch(run_id, metrics=metrics)
     client.set_tag(run_id, "raytrain.goodput", json.dumps(goodput)[:5000])
@@ -189,7 +189,7 @@ class StepLogger:
                 items.append(self._live.get())
             now = int(time.time() * 1000)
             try:
-                self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for step, m in items
+                self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for step, m in items  # host: metric values, read once a step
                                                             for k, v in m.items()][:1000])
             except Exception as exc:  # live values are a convenience: training never stops for them
                 if not warned:
@@ -201,13 +201,13 @@ class StepLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])  # host: metric values, read once a step
 
     def log_many(self, steps: list[tuple[int, dict[str, float]]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for step, metrics in steps for k, v in metrics.items()]
+        batch = [Metric(k, float(v), now, step) for step, metrics in steps for k, v in metrics.items()]  # host: metric values, read once a step
         for i in range(0, len(batch), 1000):  # MLflow's log_batch limit
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 

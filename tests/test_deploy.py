@@ -190,7 +190,7 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
         job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="on-s3",
                         data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": max_steps},
                         checkpoint={"every_n_steps": 5}, failure={"max_failures": 1},
-                        tracking={"uri": mlflow_server[0], "experiment": "deploy-s3"})
+                        tracking={"uri": mlflow_server[0], "experiment": "deploy-s3", "log_model": True})
         job_id = submission_id("on-s3")
         return job_id, cluster.ray("job", "submit", *flags, "--submission-id", job_id, "--working-dir", ".", "--",
                                    "python", "-m", "raytrain", "run", str(job), timeout=600)
@@ -251,4 +251,5 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     assert run.data.params["training.strategy"] == "fsdp2" and run.data.tags["raytrain.run_dir"] == f"s3://{BUCKET}/runs/on-s3"
     for key, value in s3_env.items():  # the run's artifacts are on S3 too: read with the nodes' S3 settings
         monkeypatch.setenv(key, value)
-    assert "final_model" in {a.path for a in mlflow.list_artifacts(run.info.run_id)}
+    assert run.data.tags["raytrain.final_model"] == f"s3://{BUCKET}/runs/on-s3/final_model"
+    assert "final_model" in {a.path for a in mlflow.list_artifacts(run.info.run_id)}  # tracking.log_model: true

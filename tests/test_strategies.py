@@ -65,8 +65,8 @@ def trained(ray_address, assets, tmp_path_factory) -> dict[tuple[str, str], Run]
         spec = job(assets, tmp_path_factory.mktemp(f"{strategy}-{finetune}"), strategy, finetune, f"{strategy}-{finetune}")
         result = launcher.run(spec)
         history = {key: metric_history(spec, result.run_id, key)
-                   for key in ("loss", "grad_norm", "step_time_s", "forward_backward_s", "optimizer_s")}
-        compute = {k: history["forward_backward_s"][k] + history["optimizer_s"][k] for k in history["optimizer_s"]}
+                   for key in ("loss", "grad_norm", "step_time_s", "compute_s")}
+        compute = history["compute_s"]
         runs[strategy, finetune] = Run(spec, Path(spec.run_dir), history["loss"], history["grad_norm"],
                                        statistics.median(history["step_time_s"][k] for k in range(2, STEPS + 1)),
                                        statistics.median(compute[k] for k in range(2, STEPS + 1)))

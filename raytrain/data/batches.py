@@ -76,8 +76,8 @@ class GlobalBatches:
 
     def _read(self, consumed: int):
         sources, epochs, rows = self.stream.at(np.arange(consumed + self.start, consumed + self.stop))
-        micro = micro_batches(self.stores, list(zip(sources.tolist(), rows.tolist())), self.micro)
-        return micro, list(zip(sources.tolist(), epochs.tolist(), rows.tolist()))
+        micro = micro_batches(self.stores, list(zip(sources.tolist(), rows.tolist())), self.micro)  # host: numpy arrays
+        return micro, list(zip(sources.tolist(), epochs.tolist(), rows.tolist()))  # host: numpy arrays
 
     def __iter__(self):
         return self

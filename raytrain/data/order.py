@@ -64,7 +64,7 @@ class GlobalOrder:
         if not self.shuffle:
             return epochs, within
         rows = np.empty_like(within)
-        for i, (epoch, q) in enumerate(zip(epochs.tolist(), within.tolist())):
+        for i, (epoch, q) in enumerate(zip(epochs.tolist(), within.tolist())):  # host: numpy arrays
             rows[i] = self._row(epoch, q)
         return epochs, rows
 

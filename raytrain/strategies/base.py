@@ -28,11 +28,13 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
+from torch.distributed.tensor import DTensor
 
 from .. import modeling
 from ..config import JobSpec
 from ..errors import JobError
 from ..signing import SignedCheckpoint
+from . import hf_files
 
 
 def read_checkpoint(state: dict, checkpoint: SignedCheckpoint) -> None:
@@ -107,7 +109,7 @@ class Strategy(ABC):
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.compute_bf16 = spec.training.precision == "bf16" or (spec.training.precision == "auto" and device.type == "cuda")
+        self.compute_bf16 = spec.training.precision == "bf16" or (spec.training.precision == "auto" and device.type != "cpu")
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives.py); 0: the whole logits
 
@@ -135,8 +137,9 @@ class Strategy(ABC):
         """Accumulate gradients; `sync` is True on the last micro-batch of a step."""
 
     @abstractmethod
-    def optimizer_step(self, lr: float) -> float:
-        """Clip, step and zero the gradients at learning rate `lr`; returns the global grad norm."""
+    def optimizer_step(self, lr: float) -> torch.Tensor:
+        """Clip, step and zero the gradients at learning rate `lr`; returns the global grad norm,
+        a 0-dim tensor the loop reads with the step's other values (no host sync here)."""
 
     @abstractmethod
     def save(self, directory: str) -> None:
@@ -187,7 +190,7 @@ class TorchStrategy(Strategy):
         """A frozen copy of the starting model; here whole on every rank, as DDP holds its model."""
         return modeling.load_model(self.spec).requires_grad_(False).eval().to(self.device)
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float) -> torch.Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         max_norm = self.spec.training.grad_clip or math.inf
@@ -195,7 +198,7 @@ class TorchStrategy(Strategy):
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     # --- checkpoints: DCP, each rank writes its shards; resharding on load is DCP's ---
     def _state(self) -> dict:
@@ -225,11 +228,16 @@ class TorchStrategy(Strategy):
                                   self.spec.training.finetune, checkpoint.where)
 
     def export(self, directory: str, tokenizer) -> None:
-        # LoRA: only the adapter is gathered; the frozen base is identified by its files' hashes.
-        full = get_model_state_dict(self.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.spec.training.finetune == "lora"))
-        if self.rank == 0:
-            write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
+        if self.spec.training.finetune == "lora":  # only the adapter is gathered, on rank 0
+            adapter = get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+            if self.rank == 0:
+                write_hf_export(self.spec, self.hf_model, adapter, directory, tokenizer)
+        else:  # every rank writes its file, gathering one tensor at a time (hf_files.py)
+            tensors = hf_files.export_tensors(self.hf_model)
+            whole = ((k, t.full_tensor() if isinstance(t, DTensor) else t) for k, t in tensors.items())
+            write_full_export(self.spec, self.hf_model, whole, export_entries(self.spec, tensors), directory,
+                              tokenizer, self.rank, self.world_size)
         dist.barrier()
 
 
@@ -269,33 +277,49 @@ def compile_blocks(spec: JobSpec, hf_model: torch.nn.Module, device: torch.devic
     return hf_model
 
 
+def export_entries(spec: JobSpec, tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple, torch.dtype]]:
+    """(name, global shape, exported dtype) of each tensor: floating weights in `model.dtype` (the
+    fp32 masters rounded as `from_pretrained` in that dtype would hold them), the rest as they are."""
+    dtype = modeling.DTYPES[spec.model.dtype]
+    return [(k, tuple(getattr(t, "ds_shape", None) or t.shape), dtype if t.is_floating_point() else t.dtype)
+            for k, t in tensors.items()]
+
+
+def write_full_export(spec: JobSpec, hf_model: torch.nn.Module, tensors, entries: list, directory: str, tokenizer,
+                      rank: int, world_size: int) -> None:
+    """A full fine-tune as a plain HF model folder: every rank writes its own weights file from
+    the whole tensors `tensors` yields one at a time (hf_files.py); rank 0 the rest."""
+    hf_files.write_model(directory, tensors, entries, rank, world_size)
+    if rank == 0:
+        hf_files.write_config(directory, hf_model, modeling.DTYPES[spec.model.dtype])
+        write_export_files(spec, directory, tokenizer)
+
+
 def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, directory: str, tokenizer) -> None:
-    """Save what plain transformers/peft load: an adapter folder for LoRA (`full_state` may hold
-    the adapter only), a model folder for full."""
+    """In one process, save what plain transformers/peft load: an adapter folder for LoRA
+    (`full_state` may hold the adapter only), a model folder for full."""
     from safetensors.torch import save_file
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    full_state = {k: v.detach().to("cpu").contiguous() for k, v in full_state.items()}
     if spec.training.finetune == "lora":
         from peft import get_peft_model_state_dict
 
+        full_state = {k: v.detach().to("cpu").contiguous() for k, v in full_state.items()}
         adapter = get_peft_model_state_dict(hf_model, state_dict=full_state)
         save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         hf_model.peft_config["default"].save_pretrained(str(out))
+        write_export_files(spec, directory, tokenizer)
     else:
-        from transformers import AutoModelForCausalLM
+        tensors = {k: full_state[k] for k in hf_files.export_tensors(hf_model)}
+        write_full_export(spec, hf_model, tensors.items(), export_entries(spec, tensors), directory, tokenizer, 0, 1)
 
-        # A fresh unsharded copy: save_pretrained on a sharded module would see DTensors.
-        with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(hf_model.config, dtype=modeling.DTYPES[spec.model.dtype],
-                                                     trust_remote_code=spec.model.trust_remote_code)
-        dtype = modeling.DTYPES[spec.model.dtype]  # the fp32 master weights, exported in the model's dtype
-        plain.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in full_state.items()},
-                              strict=True, assign=True)
-        plain.tie_weights()
-        plain.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+
+def write_export_files(spec: JobSpec, directory: str, tokenizer) -> None:
+    """The tokenizer and raytrain.json (what was trained, and for an adapter on which base files)."""
+    out = Path(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
     meta = {"job": spec.name, "finetune": spec.training.finetune, "base_model": spec.model.path}
     if spec.training.finetune == "lora":
         meta["base_files"] = modeling.base_files(spec)  # the base this adapter was trained on, file by file

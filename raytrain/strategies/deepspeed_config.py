@@ -79,7 +79,7 @@ def generate(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
         "train_batch_size": t.micro_batch_size * spec.accumulation_steps(world_size) * world_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": spec.accumulation_steps(world_size),
-        "gradient_clipping": float(t.grad_clip) if t.grad_clip else 0.0,  # 0 disables clipping in DeepSpeed
+        "gradient_clipping": float(t.grad_clip) if t.grad_clip else 0.0,  # host: a config value; 0 disables clipping
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
         "zero_optimization": zero,

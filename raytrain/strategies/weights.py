@@ -32,10 +32,18 @@ def safetensors_folder(spec: JobSpec) -> Path | None:
     return folder if folder and any(folder.glob("*.safetensors")) else None
 
 
+READ_BUFFER_BYTES = 64 * 2**20  # the host buffer a weight bound for an accelerator is read through
+
+
 class WeightFiles:
     """A model's safetensors files by weight name, read with plain file reads: a memory map would
     add every page a rank touches to its resident memory, on top of the tensor it fills (2x the
-    shard while loading, measured in benchmarks/ M1)."""
+    shard while loading, measured in benchmarks/ M1).
+
+    A host tensor of the file's dtype is read into directly. Anything else (an accelerator's
+    shard, another dtype) is read through one reused host buffer of at most `READ_BUFFER_BYTES`
+    (pinned when the target is on a GPU) and copied in, a chunk of rows at a time: never a
+    whole-tensor host copy, never a host view of device memory."""
 
     def __init__(self, folder: Path):
         self.entries: dict[str, tuple[Path, dict, int]] = {}  # name -> (file, header entry, data start)
@@ -44,6 +52,7 @@ class WeightFiles:
                 size = int.from_bytes(f.read(8), "little")
                 header = json.loads(f.read(size))
             self.entries.update({k: (file, v, 8 + size) for k, v in header.items() if k != "__metadata__"})
+        self.buffer: torch.Tensor | None = None
 
     def whole_rows(self, key: str, offsets, lengths) -> bool:
         """Whether a slice is rows of dim 0 in full, so its bytes are one run in the file."""
@@ -55,15 +64,30 @@ class WeightFiles:
     def read_rows(self, key: str, first: int, count: int, into: torch.Tensor) -> None:
         """Rows [first, first + count) of weight `key` into `into` (cast to its dtype)."""
         file, entry, start = self.entries[key]
-        dtype = FILE_DTYPES[entry["dtype"]]
-        row = math.prod(entry["shape"][1:]) * dtype.itemsize
-        buffer = into if into.dtype == dtype and into.is_contiguous() else torch.empty(into.shape, dtype=dtype)
+        dtype, shape = FILE_DTYPES[entry["dtype"]], entry["shape"]
+        row = math.prod(shape[1:]) * dtype.itemsize
         with open(file, "rb") as f:
             f.seek(start + entry["data_offsets"][0] + first * row)
-            if buffer.numel() and f.readinto(buffer.view(-1).view(torch.uint8).numpy()) != count * row:
-                raise OSError(f"{file}: short read of {key}")
-        if buffer is not into:
-            into.copy_(buffer)
+            if into.device.type == "cpu" and into.dtype == dtype and into.is_contiguous():
+                self._read(f, into.view(-1).view(torch.uint8), key)  # host memory: no staging
+                return
+            step = max(1, min(count, READ_BUFFER_BYTES // max(1, row)))
+            buffer = self._host_buffer(step * row, pinned=into.device.type == "cuda")
+            for done in range(0, count, step):
+                n = min(step, count - done)
+                chunk = buffer[:n * row]
+                self._read(f, chunk, key)
+                into.narrow(0, done, n).copy_(chunk.view(dtype).view(n, *shape[1:]))
+
+    def _host_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < nbytes or (pinned and not self.buffer.is_pinned()):
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
+        return self.buffer
+
+    @staticmethod
+    def _read(f, into: torch.Tensor, key: str) -> None:
+        if into.numel() and f.readinto(into.numpy()) != into.numel():  # host: a host buffer or host tensor
+            raise OSError(f"{f.name}: short read of {key}")
 
 
 def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor]) -> str:

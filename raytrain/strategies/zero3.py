@@ -34,9 +34,10 @@ import torch.distributed as dist
 
 from .. import modeling
 from ..errors import JobError
-from . import deepspeed_config, weights
+from . import deepspeed_config, hf_files, weights
 from ..signing import SignedCheckpoint
-from .base import Strategy, enable_activation_checkpointing, fetch_on_every_rank, write_hf_export
+from .base import (Strategy, enable_activation_checkpointing, export_entries, fetch_on_every_rank, write_full_export,
+                   write_hf_export)
 
 TAG = "ds"  # the checkpoint's subfolder; fixed, so every committed step_* folder has the same layout
 SHM_OP = "deepspeed_shm_comm"
@@ -95,12 +96,12 @@ class Zero3Strategy(Strategy):
         self.engine.set_gradient_accumulation_boundary(sync)
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop's loss is already normalized
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float) -> torch.Tensor:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         self.engine.step()  # clips to gradient_clipping with the global norm, then steps
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        norm = self.engine.get_global_grad_norm()  # a tensor or a float, by DeepSpeed's version and path
+        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64).to(self.device)
 
     # --- checkpoints: DeepSpeed's own layout, each rank writes its partition ---
     def save(self, directory: str) -> None:
@@ -145,11 +146,31 @@ class Zero3Strategy(Strategy):
             shutil.rmtree(root, ignore_errors=True)
 
     def export(self, directory: str, tokenizer) -> None:
-        full = gathered_state_dict(self.hf_model, self.rank, fp32_master=self.bf16,
-                                   dtype=modeling.DTYPES[self.spec.model.dtype], trainable_only=self.lora)
-        if self.rank == 0:
-            write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
+        if self.lora:  # the adapter only, gathered on rank 0
+            full = gathered_state_dict(self.hf_model, self.rank, fp32_master=self.bf16,
+                                       dtype=modeling.DTYPES[self.spec.model.dtype], trainable_only=True)
+            if self.rank == 0:
+                write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
+        else:  # every rank writes its file, one gathered tensor at a time (hf_files.py)
+            tensors = hf_files.export_tensors(self.hf_model)
+            write_full_export(self.spec, self.hf_model, self._whole(tensors), export_entries(self.spec, tensors),
+                              directory, tokenizer, self.rank, self.world_size)
         dist.barrier()
+
+    def _whole(self, tensors: dict[str, torch.Tensor]):
+        """Each tensor whole on every rank, one at a time (collectives): a trained weight from its
+        fp32 master partitions when training in bf16, so the export loses nothing to compute."""
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for key, t in tensors.items():
+            if not hasattr(t, "ds_id"):
+                yield key, t
+            elif self.bf16 and t.requires_grad:
+                yield key, safe_get_full_fp32_param(t)
+            else:
+                with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                    yield key, t
 
 
 def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dtype: torch.dtype,

@@ -1,0 +1,140 @@
+"""A full model exported as Hugging Face safetensors files, one tensor at a time, by every rank.
+
+`from_pretrained` reads a folder of `model-0000i-of-0000N.safetensors` files and the
+`model.safetensors.index.json` that maps each weight to its file. Here each rank owns one of
+those files: every file's header (names, shapes, byte offsets) is laid out in advance from the
+shapes alone, identically on every rank, and the model's tensors are then gathered one at a time
+(a collective per tensor under FSDP2 / ZeRO-3) and written by the rank that owns them at their
+offset. No process ever holds more than its shards plus one gathered tensor (the largest: the
+embedding), where rank 0 used to gather the whole model and then cast a second copy of it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+                      torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def export_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What `save_pretrained` writes, by name and in its order: the parameters and persistent
+    buffers, a tied weight once (under its first name)."""
+    seen: set[int] = set()
+    out = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[key] = t
+    return out
+
+
+class ShardedFiles:
+    """The layout of an export over `files` safetensors files and this rank's writer of its own.
+
+    `entries` is every tensor's (name, shape, dtype) in one order all ranks share. Tensors are
+    spread over the files in that order, about equal bytes each; rank r writes file r."""
+
+    def __init__(self, directory: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]], rank: int,
+                 files: int):
+        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in entries]
+        total, files = sum(sizes), max(1, min(files, len(entries)))
+        self.file_of: dict[str, int] = {}
+        done = 0
+        for (name, _, _), size in zip(entries, sizes):  # file i takes the tensors whose bytes start in its share
+            self.file_of[name] = min(files - 1, done * files // max(1, total))
+            done += size
+        self.names = [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)]
+        self.rank, self.directory = rank, Path(directory)
+        self.offsets: dict[str, int] = {}
+        self.handle = None
+        if rank < files:
+            header, data_start = self._header([e for e in entries if self.file_of[e[0]] == rank])
+            self.path = self.directory / self.names[rank]
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.handle = open(self.path, "wb")
+            self.handle.write(len(header).to_bytes(8, "little") + header)
+            self.data_start = data_start
+        self.entries = {name: (shape, dtype) for name, shape, dtype in entries}
+        self.written: set[str] = set()
+
+    def _header(self, mine) -> tuple[bytes, int]:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, dtype in mine:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.offsets[name] = offset
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
+        return raw, 8 + len(raw)
+
+    def owns(self, name: str) -> bool:
+        return self.file_of[name] == self.rank
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Write `tensor` (whole, on any device) as `name` if this rank owns it; otherwise nothing."""
+        if not self.owns(name):
+            return
+        shape, dtype = self.entries[name]
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"export: {name} has shape {tuple(tensor.shape)}, its layout says {tuple(shape)}")
+        host = tensor.detach().to("cpu", dtype=dtype).contiguous()  # one tensor in host memory at a time
+        self.handle.seek(self.data_start + self.offsets[name])
+        if host.numel():
+            self.handle.write(memoryview(host.view(-1).view(torch.uint8).numpy()))  # host: a CPU copy
+        self.written.add(name)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            missing = [n for n in self.entries if self.owns(n) and n not in self.written]
+            self.handle.close()
+            if missing:
+                os.unlink(self.path)
+                raise ValueError(f"export: no value was written for {missing[:3]}")
+
+    def write_index(self) -> None:
+        """The index `from_pretrained` reads (any one rank writes it)."""
+        total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.entries.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: self.names[self.file_of[name]] for name in self.entries}}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def write_model(directory: str, tensors: Iterable[tuple[str, torch.Tensor]],
+                entries: list[tuple[str, tuple[int, ...], torch.dtype]], rank: int, files: int) -> None:
+    """Every rank: lay out `files` files, write the tensors this rank owns as `tensors` yields them
+    (every rank iterates all of them: the gathers are collectives), and on rank 0 the index."""
+    out = ShardedFiles(directory, entries, rank, files)
+    try:
+        for name, tensor in tensors:
+            out.put(name, tensor)
+    finally:
+        out.close()
+    if rank == 0:
+        out.write_index()
+
+
+def write_config(directory: str, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """What `save_pretrained` writes beside the weights: config.json (saying the dtype the weights
+    are in), generation_config.json, and a remote-code model's own modules."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    if getattr(model, "_auto_class", None) is not None:
+        custom_object_save(model, directory, config=config)
+    config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(directory)

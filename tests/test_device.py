@@ -1,0 +1,264 @@
+"""The device paths on tensors that are not CPU tensors (tests/accelerator.py's stand-in device,
+`accel:0`, real values underneath): what fails on a GPU fails here, and every host sync is
+counted. One process, a world-1 gloo group; the multi-rank versions of these paths run on CPU
+tensors in test_loading / test_strategies, and on a real GPU in tests/gpu."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from accelerator import DEVICE, FakeAccelerator
+from conftest import REPO, free_port, make_job
+
+from raytrain import modeling
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A world-1 gloo process group in this process (the strategies' collectives run for real)."""
+    if not dist.is_initialized():
+        # gloo for the stand-in device too (it reduces the host copies): NCCL's place on a GPU
+        dist.init_process_group(f"cpu:gloo,{DEVICE.type}:gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def bf16_model(assets, tmp_path_factory) -> Path:
+    """The demo model stored in bf16 over several safetensors files, as hub models are."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("bf16") / "model"
+    AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.bfloat16).save_pretrained(
+        str(folder), max_shard_size="40KB")
+    for f in assets.joinpath("model").glob("tokenizer*"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    return folder
+
+
+def files_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weights_are_read_into_device_shards_through_a_bounded_host_buffer(bf16_model, monkeypatch, dtype):
+    # The first GPU job crashed here: the file's dtype equalled the target's, so the read went
+    # straight into the device shard through `.numpy()`. Now: a reused host buffer, a chunk of
+    # rows at a time (32 bytes here: every weight takes several chunks).
+    from raytrain.strategies import weights
+
+    monkeypatch.setattr(weights, "READ_BUFFER_BYTES", 32)
+    expected = files_state(bf16_model)
+    files = weights.WeightFiles(bf16_model)
+    with FakeAccelerator() as accel:
+        for key, value in expected.items():
+            target = torch.empty(value.shape, dtype=dtype, device=DEVICE)
+            files.read_rows(key, 0, value.shape[0], target)
+            assert target.device == DEVICE and torch.equal(target.cpu(), value.to(dtype)), key
+            half = value.shape[0] // 2
+            if half:  # rows [half, end) into a narrowed view, as a shard's slice is filled
+                part = torch.zeros(value.shape, dtype=dtype, device=DEVICE)
+                files.read_rows(key, half, value.shape[0] - half, part.narrow(0, half, value.shape[0] - half))
+                assert torch.equal(part.cpu()[half:], value[half:].to(dtype)) and not part.cpu()[:half].any(), key
+    assert files.buffer.numel() <= 32 or files.buffer.numel() == max(v[0].numel() * v.dtype.itemsize for v in
+                                                                      expected.values() if v.dim())
+    assert all(s.kind == "copy" for s in accel.syncs)  # only the test's own .cpu() reads
+
+
+def test_fsdp2_sharded_read_fills_device_targets_as_from_pretrained(assets, bf16_model):
+    # DCP's planning over the safetensors files, the slice reader and the bf16 -> fp32 master
+    # staging, all into device tensors (world 1: each target is the whole weight).
+    from raytrain.strategies import weights
+
+    spec = make_job(assets, assets, model={"path": str(bf16_model), "dtype": "bfloat16"}, training={"finetune": "full"})
+    reference = modeling.load_model(spec).state_dict()
+    with FakeAccelerator():
+        targets = {k: torch.empty(v.shape, dtype=torch.float32, device=DEVICE) for k, v in reference.items()}
+        weights.read_slices(bf16_model, {k: targets[k] for k in files_state(bf16_model)}, torch.bfloat16)
+        got = {k: t.cpu() for k, t in targets.items()}
+    differ = [k for k in files_state(bf16_model) if not torch.equal(got[k], reference[k].float())]
+    assert not differ, differ[:3]
+
+
+def test_rank0_fallback_and_restore_fill_device_models(group, assets, bf16_model, tmp_path):
+    # A model whose files do not fit the sharded read is broadcast from rank 0's load; a restore
+    # reads a signed checkpoint into the device state. Both into device tensors.
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain import signing
+    from raytrain.strategies import weights
+    from raytrain.strategies.base import read_checkpoint
+
+    spec = make_job(assets, tmp_path, model={"path": str(bf16_model), "dtype": "bfloat16"}, training={"finetune": "full"})
+    reference = modeling.load_model(spec).state_dict()
+    step = tmp_path / "step_00000004"
+    trained = {k: v + 1 for k, v in reference.items()}
+    dcp.save({"model": trained}, checkpoint_id=str(step), no_dist=True)
+    signing.sign_checkpoint(str(step), spec.name, step.name, rank=0, world_size=1)
+    with FakeAccelerator():
+        model = modeling.load_model(spec, on_meta=True).to_empty(device=DEVICE)
+        modeling.init_buffers(model)
+        weights.broadcast_from_rank0(spec, model)
+        loaded = {k: v.cpu() for k, v in model.state_dict().items()}
+        state = {"model": {k: torch.empty_like(v, device=DEVICE) for k, v in reference.items()}}
+        with signing.SignedCheckpoint(str(step), spec.name, step.name) as checkpoint:
+            read_checkpoint(state, checkpoint)
+        restored = {k: v.cpu() for k, v in state["model"].items()}
+    assert all(torch.equal(loaded[k], reference[k]) for k in reference)
+    assert all(torch.equal(restored[k], trained[k]) for k in reference)
+
+
+class DeviceStrategy:
+    """The product's TorchStrategy with the model on the device and no wrapper (world 1 needs no
+    gradient reduction): the loop, the objectives, AdamW and clipping run as in every strategy."""
+
+    @staticmethod
+    def build(spec, device):
+        from raytrain.strategies.base import TorchStrategy, to_fp32_master
+
+        class Plain(TorchStrategy):
+            def wrap(self, model):
+                to_fp32_master(model)
+                return model.to(self.device)
+
+            def backward(self, loss, sync):
+                loss.backward()
+
+        strategy = Plain(spec, device)
+        strategy.setup()
+        return strategy
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_a_step_syncs_the_host_once_and_matches_the_cpu_step(group, assets, tmp_path, objective):
+    # Each micro-batch used to read its loss and metrics with float(): a host sync per micro-batch
+    # (and one for the batch's units, one for the grad norm). Now one per optimizer step, and the
+    # values are the CPU run's.
+    from raytrain import objectives
+    from raytrain.loop import train_step
+    from raytrain.preemption import StopSignals
+
+    data = {"path": str(assets / "pairs.jsonl")} if objective == "dpo" else {}
+    spec = make_job(assets, tmp_path, data=data, training={"finetune": "full", "objective": objective,
+                                                           "precision": "fp32", "micro_batch_size": 2})
+    batch = micro_batches(spec, 4)
+    results, syncs = {}, {}
+    for where in ("cpu", "device"):
+        torch.manual_seed(0)
+        with FakeAccelerator() if where == "device" else _nothing() as accel:
+            strategy = DeviceStrategy.build(spec, DEVICE if where == "device" else torch.device("cpu"))
+            objective_fn, stops = objectives.build(spec), StopSignals(None, check_ray_notice=False)
+            before = len(accel.syncs) if accel else 0
+            results[where] = [train_step(strategy, objective_fn, batch, 1e-3, stops) for _ in range(3)]
+            syncs[where] = accel.syncs[before:] if accel else []
+    # raytrain's own: one a step. transformers asks the device once per forward whether the
+    # position ids pack documents (masking_utils.find_packed_sequence_indices), inside the model.
+    forwards = len(batch) * (2 if objective == "dpo" else 1)
+    assert [s.where for s in syncs["device"] if s.origin == "raytrain"] == ["loop.py:host_values"] * 3, syncs["device"]
+    assert [s.origin for s in syncs["device"] if s.origin != "raytrain"] == ["transformers"] * forwards * 3
+    # The same kernels on the host copies; clipping's norm groups tensors by device (a foreach
+    # kernel on CPU, per tensor elsewhere), so fp32 rounding may differ in the last bits.
+    for cpu, device in zip(results["cpu"], results["device"]):
+        assert cpu.loss == device.loss or math.isclose(cpu.loss, device.loss, rel_tol=1e-5)
+        assert math.isclose(cpu.grad_norm, device.grad_norm, rel_tol=1e-5)
+        assert all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(cpu.means, device.means))
+    assert results["cpu"][0].loss == results["device"][0].loss  # before any update: bit for bit
+    assert results["cpu"][2].loss < results["cpu"][0].loss
+
+
+def test_evaluation_syncs_once(group, assets, tmp_path):
+    from raytrain import objectives
+
+    spec = make_job(assets, tmp_path, training={"finetune": "full", "precision": "fp32"})
+    batch = micro_batches(spec, 3)
+    with FakeAccelerator() as accel:
+        strategy = DeviceStrategy.build(spec, DEVICE)
+        before = len(accel.syncs)
+        metrics = objectives.evaluate(strategy, objectives.build(spec), batch)
+        assert [s.where for s in accel.syncs[before:] if s.origin == "raytrain"] == ["objectives.py:evaluate"]
+    assert 0 < metrics["eval_loss"] < 20
+
+
+def test_telemetry_reads_the_accelerator_without_a_sync(group, assets, tmp_path):
+    from raytrain import telemetry
+
+    spec = make_job(assets, tmp_path, training={"finetune": "full"})
+    with FakeAccelerator() as accel:
+        strategy = DeviceStrategy.build(spec, DEVICE)
+        before = len(accel.syncs)
+        peak = telemetry.peak_memory_gb(DEVICE)
+        flops = telemetry.StepFlops(strategy.model, spec, DEVICE).metrics(1000.0, 1)
+        assert len(accel.syncs) == before
+        weights_bytes = sum(p.numel() * p.element_size() for p in strategy.model.parameters())
+    assert peak * 2**30 >= weights_bytes  # the model's weights are on the device
+    assert 0 < flops["mfu"] < 1e-6  # an H100's peak, 1000 tokens/s
+
+
+def test_full_export_from_device_weights_loads_with_from_pretrained(group, assets, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    spec = make_job(assets, tmp_path, training={"finetune": "full"}, model={"dtype": "bfloat16"})
+    with FakeAccelerator():
+        strategy = DeviceStrategy.build(spec, DEVICE)
+        with torch.no_grad():
+            for p in strategy.model.parameters():
+                p.add_(0.01)  # "trained": fp32 masters that bf16 must round
+        expected = {k: v.cpu() for k, v in strategy.hf_model.state_dict().items()}
+        strategy.export(str(tmp_path / "out"), modeling.load_tokenizer(spec))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert exported.dtype == torch.bfloat16 and exported.config.tie_word_embeddings == strategy.hf_model.config.tie_word_embeddings
+    got = exported.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in expected.items())
+
+
+# --- the rule: no host read of a device tensor outside the places named for it ---
+HOST_READS = re.compile(r"(?<![.\w])float\((?![\"'])|\.(numpy|tolist|item)\(\)")
+
+
+def test_every_host_read_in_the_product_is_named():
+    """`.numpy()`, `.tolist()`, `.item()` and `float(...)` of a tensor sync the host with the device
+    (or, `.numpy()`, fail on one). Each in raytrain/ says in its line's comment why it may:
+    `host: ...` (a CPU tensor, a config value, once per evaluation, the step's one sync). A new
+    one without a reason fails here; test_a_step_syncs_the_host_once checks the count."""
+    unnamed = []
+    for path in sorted((REPO / "raytrain").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code, _, comment = line.partition("#")
+            if HOST_READS.search(code) and "host:" not in comment:
+                unnamed.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not unnamed, "host reads without a `# host:` reason:\n" + "\n".join(unnamed)
+
+
+def micro_batches(spec, count: int) -> list[dict]:
+    """`count` micro-batches shaped as data/batches.py makes them (a preference micro-batch: its
+    chosen sequences, then its rejected ones), of random tokens with an unlabelled prompt."""
+    from raytrain.data import IGNORE
+
+    g = torch.Generator().manual_seed(1)
+    rows = spec.training.micro_batch_size * spec.sequences_per_row
+    n, vocab = spec.data.seq_len, modeling.load_tokenizer(spec).vocab_size
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (rows, n), generator=g)
+        labels = ids.clone()
+        labels[:, : n // 4] = IGNORE
+        out.append({"input_ids": ids, "labels": labels, "position_ids": torch.arange(n)[None].repeat(rows, 1)})
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
