@@ -16,6 +16,12 @@ M2  peak of a full-fine-tuning step with 4 micro-batches / with 1 (same micro-ba
     gradient_sync auto (reduce-scatter every micro-batch) and last_micro_batch   goal <= 1.1
 M3  peak of a training step above the process before loading (its imports) / `raytrain validate`'s
     estimate, fsdp2 and zero3 x LoRA and full                                goal 0.8 to 1.2
+M1u M1 as users run it: the product's own settings (no allocator variable), LoRA and full, fsdp2,
+    on a SmolLM2-135M-shaped Llama (hidden 576, 30 layers, vocab 49152, tied embeddings, fp32
+    files) and the ~400M Llama; the load phase alone, as M1                    goal <= 1.3
+M5  host memory the busiest rank adds while it exports a full fine-tune / (model / N), fsdp2
+    (every rank writes its file, one gathered tensor at a time); and `raytrain export` of a full
+    checkpoint: its peak above the bare process / the model's bytes             goals <= 1.3, <= 0.5
 M4  bytes the busiest rank reads from the checkpoint's storage on restore / (checkpoint bytes / N),
     fsdp2 and zero3 full: the product (`SignedCheckpoint`: this rank's files, verified as fetched)
     and as before (every file of the folder hashed on every rank, then the strategy read its part
@@ -86,6 +92,131 @@ def measure(config: dict) -> None:
             out[f"step_peak_{n}"] = _status("VmHWM")
             out[f"step_rise_{n}"] = out[f"step_peak_{n}"] - before
     Path(config["out"], f"rank{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(out))
+
+
+def export_peak(config: dict) -> None:
+    """In each worker: build the strategy, then export the (untrained) full model; the export's
+    own rise of the resident peak."""
+    import json
+    import tempfile
+
+    import ray.train
+    import torch
+
+    from raytrain.config import JobSpec
+    from raytrain.strategies import build_strategy
+
+    torch.set_num_threads(1)
+    spec = JobSpec.model_validate(config["job"])
+    strategy = build_strategy(spec, torch.device("cpu"))
+    with tempfile.TemporaryDirectory() as tmp:
+        before = _reset_peak()
+        strategy.export(tmp, None)
+        out = {"export_rise": _status("VmHWM") - before, "resident_before": before}
+    Path(config["out"], f"rank{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(out))
+
+
+def smollm2_shape(s: h.Setting) -> Path:
+    """A Llama of SmolLM2-135M's published shape (tied embeddings), random weights in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    out = h.CACHE / "smollm2-135m-shape"
+    if not (out / "config.json").exists():
+        base, _ = h.assets(s)
+        config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                             tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+        AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out))
+    return out
+
+
+def export_cli_peak(run_dir: str, out: str) -> dict:
+    """`raytrain export` in a process of its own: its resident peak above the process after imports."""
+    import json
+    import subprocess
+
+    code = ("import json, sys\n"
+            "from raytrain import export, modeling\n"
+            "import transformers, torch, torch.distributed.checkpoint\n"
+            "def status(f):\n"
+            "    return int(next(l for l in open('/proc/self/status') if l.startswith(f + ':')).split()[1]) * 1024\n"
+            "base = status('VmRSS')\n"
+            f"export.export_checkpoint({run_dir!r}, {out!r})\n"
+            "print(json.dumps({'base': base, 'peak': status('VmHWM')}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def full_checkpoint(spec, model: Path, folder: Path) -> str:
+    """A committed, signed single-process DCP checkpoint of `model`'s weights in fp32, in a run
+    directory with its job file, as a full fine-tune leaves one."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from raytrain import signing
+    from raytrain.checkpoint import COMMITTED_FILE, STATE_FILE
+    from raytrain.export import write_job_file
+
+    write_job_file(spec)
+    step = Path(spec.run_dir) / "step_00000001"
+    state = AutoModelForCausalLM.from_pretrained(str(model)).state_dict()
+    dcp.save({"model": state}, checkpoint_id=str(step), no_dist=True)
+    del state
+    (step / STATE_FILE).write_text("{}")
+    (step / COMMITTED_FILE).write_text("1")
+    signing.sign_checkpoint(str(step), spec.name, step.name, rank=0, world_size=1)
+    return spec.run_dir
+
+
+def m1u_m5(s: h.Setting) -> dict:
+    """M1 as users run it, and M5 (the export), each arm a plain TorchTrainer run with the
+    product's settings (no allocator variable)."""
+    import ray
+
+    h.header("M1u / M5: load and export memory with the product's own settings", s)
+    hidden, layers = SIZES[s.name]
+    llama, data = h.assets(s, hidden=hidden, layers=layers)
+    models = {"smollm2-shape": smollm2_shape(s) if s.name != "smoke" else llama, f"llama-h{hidden}-l{layers}": llama}
+    folder = h.scratch("m5")
+    gib, result = 1 << 30, {}
+    try:
+        ray.init(address="local", num_cpus=s.workers + 1, include_dashboard=False, log_to_driver=False)
+        from raytrain import signing
+        from raytrain.config import JobSpec
+
+        signing.ensure_key()
+        for name, model in models.items():
+            model_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))  # fp32 files
+            share = model_bytes / s.workers
+            for finetune in ("lora", "full"):
+                job = h.job(s, f"m1u-{finetune}", folder / "runs", model, data,
+                            training={"strategy": "fsdp2", "finetune": finetune, "gradient_sync": "auto"})
+                ranks = _run(s, folder, f"m1u-{name}-{finetune}", job)
+                busiest = max(r["load_peak"] for r in ranks)
+                result[f"ratio_m1u_{name}_{finetune}"] = busiest / share
+                peaks = ", ".join(f"{r['load_peak'] / gib:.3f}" for r in ranks)
+                print(f"M1u {name} {finetune:4s} ({ranks[0]['how']}): load peak per rank {peaks} GiB; "
+                      f"busiest / (model {model_bytes / gib:.2f} GiB / N) = {busiest / share:.2f}")
+            job = h.job(s, "m5", folder / "runs", model, data, training={"strategy": "fsdp2", "finetune": "full"})
+            ranks = _run(s, folder, f"m5-{name}", job, fn=export_peak)
+            busiest = max(r["export_rise"] for r in ranks)
+            result[f"ratio_m5_{name}"] = busiest / share
+            rises = ", ".join(f"{r['export_rise'] / gib:.3f}" for r in ranks)
+            print(f"M5 {name}: the export adds {rises} GiB per rank; busiest / (model / N) = {busiest / share:.2f}")
+            spec = JobSpec.model_validate(h.job(s, f"m5cli-{name}", folder / "runs", model, data,
+                                                training={"strategy": "fsdp2", "finetune": "full"}))
+            run_dir = full_checkpoint(spec, model, folder)
+            cli = export_cli_peak(run_dir, str(folder / f"export-{name}"))
+            result[f"ratio_m5_cli_{name}"] = (cli["peak"] - cli["base"]) / model_bytes
+            print(f"M5 raytrain export {name}: peak above the bare process {(cli['peak'] - cli['base']) / gib:.3f} GiB "
+                  f"/ model {model_bytes / gib:.2f} GiB = {result[f'ratio_m5_cli_{name}']:.2f}")
+        return result
+    finally:
+        ray.shutdown()
+        h.cleanup(folder)
 
 
 def _rchar() -> int:

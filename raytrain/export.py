@@ -1,5 +1,6 @@
-"""`raytrain export RUN_DIR`: turn a committed FSDP2/DDP checkpoint into a plain Hugging
-Face model (or peft adapter) in one process, without Ray or a process group. An adapter
+"""`raytrain export RUN_DIR`: turn a committed checkpoint into a plain Hugging Face model (or
+peft adapter) in one process, without Ray or a process group. A full FSDP2/DDP checkpoint is
+converted one tensor at a time (its peak is the largest tensor, not the model); an adapter
 names the exact base it was trained on by the sha256 of each of the base's weight files."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 from . import modeling, signing, storage
 from .checkpoint import COMMITTED_FILE, STATE_FILE
 from .config import JobSpec
-from .strategies import zero3
-from .strategies.base import read_checkpoint, write_hf_export
+from .strategies import hf_files, zero3
+from .strategies.base import SignedReader, export_entries, read_checkpoint, write_full_export, write_hf_export
 
 JOB_FILE = "job.json"
 def latest_checkpoint(run_dir: str) -> str:
@@ -45,6 +46,25 @@ def load_checkpoint_model(spec: JobSpec, checkpoint: signing.SignedCheckpoint) -
     return model
 
 
+def write_full_from_checkpoint(spec: JobSpec, checkpoint: signing.SignedCheckpoint, directory: str) -> None:
+    """A full DCP checkpoint as a HF model folder, read and written one tensor at a time: the
+    model is built on meta (names and shapes, no weights), each weight read from the checkpoint
+    (DCP resharding whatever world size wrote it) straight into the file it goes to."""
+    model = modeling.load_model(spec, on_meta=True)
+    tensors = hf_files.export_tensors(model)
+    saved = SignedReader(checkpoint).read_metadata().state_dict_metadata
+
+    def one_at_a_time():
+        for key in tensors:
+            info = saved.get(f"model.{key}")
+            value = torch.empty(info.size, dtype=info.properties.dtype) if info is not None else torch.empty(0)
+            read_checkpoint({"model": {key: value}}, checkpoint)  # names a missing key
+            yield key, value
+
+    write_full_export(spec, model, one_at_a_time(), export_entries(spec, tensors), directory,
+                      modeling.load_tokenizer(spec), rank=0, world_size=1)
+
+
 def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None) -> str:
     """A run directory's latest (or the given) committed checkpoint as a plain HF folder at
     `out`; either may be local or remote."""
@@ -53,8 +73,11 @@ def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None)
     name = checkpoint_dir.rstrip("/").rsplit("/", 1)[-1]
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp, \
             signing.SignedCheckpoint(checkpoint_dir, spec.name, name) as checkpoint:
-        model = load_checkpoint_model(spec, checkpoint)
-        write_hf_export(spec, model, model.state_dict(), str(Path(tmp, "model")), modeling.load_tokenizer(spec))
+        if spec.training.finetune == "full" and not zero3.is_zero3_checkpoint(checkpoint.names):
+            write_full_from_checkpoint(spec, checkpoint, str(Path(tmp, "model")))
+        else:  # an adapter (small), or ZeRO-3's own layout (consolidated whole by DeepSpeed)
+            model = load_checkpoint_model(spec, checkpoint)
+            write_hf_export(spec, model, model.state_dict(), str(Path(tmp, "model")), modeling.load_tokenizer(spec))
         storage.upload_dir(str(Path(tmp, "model")), out)
     return checkpoint_dir
 

@@ -7,11 +7,12 @@ share its NVLink and one pod's memory, so an 8-GPU node runs one pod, not eight.
   CPUs        workers_per_node x cpus_per_worker + 2 for Ray Data's tasks
   memory      per rank: the process (torch, CUDA, the Ray worker) + what the job offloads to
               host memory + an async checkpoint's staged copy; plus the full copies held while
-              loading (every rank under ddp and zero3, rank 0 under fsdp2), Ray Data, and
+              loading (every rank under ddp; none under fsdp2 and zero3, which read their shards
+              or one module at a time, and export one gathered tensor at a time), Ray Data, and
               /dev/shm (a memory-backed volume counts against the pod's memory); x 1.2
   disk        (ephemeral storage, /tmp) the model's download, one whole checkpoint (a restart
-              downloads it to every node), this pod's staged checkpoint parts, the final
-              export, Ray's logs; x 1.2
+              downloads it to every node), this pod's staged checkpoint parts, this pod's files
+              of the final export (a full model's are spread over the ranks), Ray's logs; x 1.2
 Without the model's dimensions (a hub id whose config.json is not in the local cache) the
 template's sizes stand and `raytrain k8s` says how to get them.
 """
@@ -60,11 +61,11 @@ def size_pods(spec: JobSpec, facts: memory.ModelFacts | None) -> PodSize:
     ckpt_rank = whole_ckpt / lo  # sharded; under ddp DCP writes each replicated tensor once, spread over ranks
     host_offload = sum(t.bytes for t in est.host)
     staging = ckpt_rank if spec.checkpoint.async_save else 0
-    copies = 1 if spec.training.strategy == "fsdp2" else per
+    copies = per if spec.training.strategy == "ddp" else 0
     mem = {"processes": per * PROCESS_GIB[s.use_gpu] * GiB, "offloaded state": per * host_offload,
            "async checkpoint staging": per * staging, f"loading ({copies} full cop{'y' if copies == 1 else 'ies'})": copies * model,
            "Ray Data": DATA_GIB * GiB, "/dev/shm": size.shm_gib * GiB}
-    export = model if spec.training.finetune == "full" else whole_ckpt
+    export = model * per / lo if spec.training.finetune == "full" else whole_ckpt
     disk = {"model download": model, "restored checkpoint": whole_ckpt, "staged checkpoint parts": per * ckpt_rank,
             "final export": export, "Ray logs": RAY_DISK_GIB * GiB}
     size.memory_gib = math.ceil(MARGIN * sum(mem.values()) / GiB)

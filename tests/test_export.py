@@ -120,3 +120,23 @@ def test_export_reads_a_run_directory_on_s3(assets, tmp_path, s3_server, monkeyp
     saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert len(saved) == len(trained) and all(torch.equal(saved[k], trained[k2].to(saved[k].dtype))
                                               for k, k2 in zip(sorted(saved), sorted(trained)))
+
+
+def test_raytrain_export_of_a_full_checkpoint_loads_with_from_pretrained(assets, tmp_path):
+    # Converted one tensor at a time from the DCP checkpoint (the model is built on meta): the
+    # folder from_pretrained reads holds the checkpoint's weights, rounded to model.dtype.
+    from transformers import AutoModelForCausalLM
+
+    from raytrain import modeling
+    from raytrain.export import export_checkpoint
+
+    spec = make_job(assets, tmp_path / "runs", name="full", training={"finetune": "full"}, model={"dtype": "bfloat16"})
+    with torch.no_grad():
+        trained = {k: v.float() + 0.01 for k, v in modeling.load_model(spec).state_dict().items()}
+    _committed_checkpoint(spec, trained, tmp_path)
+    export_checkpoint(spec.run_dir, str(tmp_path / "out"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert exported.dtype == torch.bfloat16
+    got = exported.state_dict()
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in trained.items())
+    assert json.loads((tmp_path / "out" / "raytrain.json").read_text())["finetune"] == "full"

@@ -63,11 +63,43 @@ def test_job_file_validates_and_says_what_it_could_not_check(job, workdir):
 
 @pytest.mark.parametrize("job", [p for p in JOBS if yaml.safe_load(p.read_text())["model"]["path"] in KNOWN_CONFIGS],
                          ids=lambda p: p.name)
-def test_hub_model_job_fits_its_declared_memory(job, workdir):
+def test_hub_model_job_fits_its_declared_memory_and_less_is_refused(job, workdir):
+    """The declared accelerator memory holds what every rank must keep whatever the estimator
+    says (counted here from the model's config: the trained weights' fp32 masters, gradients and
+    AdamW moments, or a LoRA job's frozen base, over the shard group), and validate refuses the
+    same job with less than that, naming the field: a job that cannot fit is rejected in seconds."""
+    from raytrain.config import JobSpec
+
     raw = yaml.safe_load(job.read_text())
     hub_id = raw["model"]["path"]
-    code, out, err = cli("validate", str(job), "--json", cwd=workdir, env=hub_cache(workdir / "hf-cache", hub_id))
+    env = hub_cache(workdir / "hf-cache", hub_id)
+    spec = JobSpec.model_validate(raw)
+    floor_gib = held_per_rank(KNOWN_CONFIGS[hub_id], spec) / 2**30
+    assert raw["scaling"]["accelerator_memory_gb"] >= floor_gib, (job.name, floor_gib)
+    code, out, err = cli("validate", str(job), "--json", cwd=workdir, env=env)
     report = json.loads(out)
     assert code == 0, report["problems"] or err
     [memory] = [n for n in report["notes"] if n["field"] == "scaling.accelerator_memory_gb"]
     assert memory["message"].startswith("fits: ") and memory["value"] == f"{raw['scaling']['accelerator_memory_gb']:g}"
+
+    raw["scaling"]["accelerator_memory_gb"] = max(1, int(floor_gib) - 1)
+    smaller = workdir / job.name
+    smaller.write_text(yaml.safe_dump(raw))
+    code, out, err = cli("validate", str(smaller), "--json", cwd=workdir, env=env)
+    report = json.loads(out)
+    assert code != 0 and "scaling.accelerator_memory_gb" in {p["field"] for p in report["problems"]}, report
+
+
+def held_per_rank(config: dict, spec) -> float:
+    """Bytes a rank keeps for the whole run, from the config alone (no activations, no buffers)."""
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    head_dim = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    bias = h + 2 * kv if config["model_type"] == "qwen2" else 0  # Qwen2's q/k/v biases
+    per_layer = 2 * h * h + 2 * h * kv + bias + 3 * h * config["intermediate_size"] + 2 * h
+    params = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + layers * per_layer + h
+    shards = spec.shard_degree(spec.scaling.worker_range[0]) if spec.training.strategy != "ddp" else 1
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[spec.model.dtype]
+    if spec.training.finetune == "full":  # fp32 master or its 16-bit copy + fp32 moments + a gradient: >= 14 B
+        return 14 * params / shards
+    return dtype_bytes * params / shards

@@ -286,15 +286,16 @@ def test_worker_pods_are_whole_nodes_sized_from_the_job(job, assets):
         memory.ModelFacts(KNOWN_CONFIGS[spec.model.path], memory.layout_from_config(KNOWN_CONFIGS[spec.model.path]),
                           "config", False)
     # What must fit, counted here independently of pod_sizing: the full copies a load holds
-    # (one under fsdp2, one per rank otherwise), a process per rank, /dev/shm (memory-backed);
+    # (one per rank under ddp; fsdp2 and zero3 read shards / one module at a time), a process per
+    # rank, /dev/shm (memory-backed);
     # on disk the model's download and one whole checkpoint (a restart downloads it).
     model = facts.n_params * memory.DTYPE_BYTES[spec.model.dtype] / memory.GiB
-    copies = 1 if spec.training.strategy == "fsdp2" else per
+    copies = per if spec.training.strategy == "ddp" else 0
     assert gib(res["memory"]) >= copies * model + per * 3 + shm
     assert gib(res["ephemeral-storage"]) >= model + memory.checkpoint_bytes(spec, facts) / memory.GiB
     assert "memory" in group["template"]["metadata"]["annotations"]["raytrain.io/sizing"]
     if spec.scaling.use_gpu:
-        assert 100 < gib(res["memory"]) < 1000, res  # an 8-GPU node's share is 1-2 TB: it must be schedulable
+        assert gib(res["memory"]) < 1000, res  # an 8-GPU node's share is 1-2 TB: it must be schedulable
 
 
 def test_a_model_not_readable_here_keeps_the_template_sizes_and_says_how_to_size(tmp_path):
@@ -319,8 +320,10 @@ def test_sizing_counts_each_workers_share_per_node():
     one = pod_sizing.size_pods(base.model_copy(update={"scaling": base.scaling.model_copy(update={"workers_per_node": 1})}), facts)
     eight = pod_sizing.size_pods(base, facts)
     assert (one.pods, one.gpus, eight.pods, eight.gpus) == ((8, 8), 1, (1, 1), 8)
-    # ZeRO-3 loads a full copy per rank: eight ranks in a pod need more than seven pods' worth more.
-    assert eight.memory_gib > 7 * one.memory_gib
+    # Each rank's process and /dev/shm share count once per rank in the pod (ZeRO-3 fills its
+    # partitions one module at a time and exports one gathered tensor at a time: no full copy).
+    per_rank = pod_sizing.PROCESS_GIB[True] + pod_sizing.SHM_GIB_PER_GPU_WORKER
+    assert eight.memory_gib - one.memory_gib >= pod_sizing.MARGIN * 7 * per_rank - 1
     assert eight.disk_gib > one.disk_gib  # all eight ranks stage their checkpoint parts on this pod's disk
 
 

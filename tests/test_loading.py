@@ -48,6 +48,8 @@ def load_and_gather(config: dict) -> None:
             state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         buffers = {n: b.detach().clone() for n, b in strategy.hf_model.named_buffers()}
         out[key] = {"state": state, "buffers": buffers, "how": getattr(strategy, "loaded_by", None)}
+        if spec.training.finetune == "full":  # every rank writes its file of the export
+            strategy.export(f"{config['exports']}/{key}", tokenizer=None)
         dist.barrier()
     if ray.train.get_context().get_world_rank() == 0:
         torch.save(out, config["out"])
@@ -89,7 +91,7 @@ def test_sharded_loading_equals_from_pretrained(ray_address, assets, split_model
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     out = tmp_path / "loaded.pt"
     TorchTrainer(load_and_gather, train_loop_config={"specs": {k: s.model_dump_json() for k, s in specs.items()},
-                                                     "out": str(out)},
+                                                     "out": str(out), "exports": str(tmp_path / "exports")},
                  scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
                  run_config=RunConfig(name=f"load-{workers}", storage_path=str(tmp_path / "ray"))).fit()
     loaded = torch.load(out)
@@ -103,3 +105,20 @@ def test_sharded_loading_equals_from_pretrained(ray_address, assets, split_model
         dtypes = {k: (got["state"][k].dtype, state[k].dtype) for k in state if got["state"][k].dtype != state[k].dtype}
         assert not dtypes, f"{key}: {dtypes}"
         assert all(torch.equal(got["buffers"][n], b) for n, b in buffers.items()), key  # rotary frequencies
+        if spec.training.finetune == "full":
+            check_export(tmp_path / "exports" / key, got["state"], spec, workers)
+
+
+def check_export(folder: Path, state: dict, spec, workers: int) -> None:
+    """The export of a full model, written by every rank (one weights file each), loads with plain
+    `from_pretrained` equal to the weights the workers held, bit for bit in model.dtype."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = modeling.DTYPES[spec.model.dtype]
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert files == [f"model-{i:05d}-of-{workers:05d}.safetensors" for i in range(1, workers + 1)], files
+    exported = AutoModelForCausalLM.from_pretrained(str(folder))
+    assert exported.dtype == dtype
+    got = exported.state_dict()
+    differ = [k for k, v in state.items() if not torch.equal(got[k], v.to(dtype))]
+    assert not differ, f"{folder.name}: {differ[:3]}"

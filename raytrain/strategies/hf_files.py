@@ -95,12 +95,19 @@ class ShardedFiles:
         self.written.add(name)
 
     def close(self) -> None:
+        missing = [n for n in self.entries if self.owns(n) and n not in self.written]
+        if missing:
+            self.abandon()
+            raise ValueError(f"export: no value was written for {missing[:3]}")
         if self.handle is not None:
-            missing = [n for n in self.entries if self.owns(n) and n not in self.written]
             self.handle.close()
-            if missing:
-                os.unlink(self.path)
-                raise ValueError(f"export: no value was written for {missing[:3]}")
+
+    def abandon(self) -> None:
+        """No half-written file is left behind."""
+        if self.handle is not None:
+            self.handle.close()
+            os.unlink(self.path)
+            self.handle = None
 
     def write_index(self) -> None:
         """The index `from_pretrained` reads (any one rank writes it)."""
@@ -119,8 +126,10 @@ def write_model(directory: str, tensors: Iterable[tuple[str, torch.Tensor]],
     try:
         for name, tensor in tensors:
             out.put(name, tensor)
-    finally:
-        out.close()
+    except BaseException:
+        out.abandon()
+        raise
+    out.close()
     if rank == 0:
         out.write_index()
 
