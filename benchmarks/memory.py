@@ -103,15 +103,17 @@ def export_peak(config: dict) -> None:
     import ray.train
     import torch
 
+    from raytrain import modeling
     from raytrain.config import JobSpec
     from raytrain.strategies import build_strategy
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate(config["job"])
     strategy = build_strategy(spec, torch.device("cpu"))
+    tokenizer = modeling.load_tokenizer(spec) if strategy.rank == 0 else None  # as worker.export: rank 0's
     with tempfile.TemporaryDirectory() as tmp:
         before = _reset_peak()
-        strategy.export(tmp, None)
+        strategy.export(tmp, tokenizer)
         out = {"export_rise": _status("VmHWM") - before, "resident_before": before}
     Path(config["out"], f"rank{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(out))
 

@@ -15,7 +15,7 @@ from . import modeling, signing, storage
 from .checkpoint import COMMITTED_FILE, STATE_FILE
 from .config import JobSpec
 from .strategies import hf_files, zero3
-from .strategies.base import SignedReader, export_entries, read_checkpoint, write_full_export, write_hf_export
+from .strategies.base import export_entries, read_checkpoint, write_full_export, write_hf_export
 
 JOB_FILE = "job.json"
 def latest_checkpoint(run_dir: str) -> str:
@@ -52,17 +52,16 @@ def write_full_from_checkpoint(spec: JobSpec, checkpoint: signing.SignedCheckpoi
     (DCP resharding whatever world size wrote it) straight into the file it goes to."""
     model = modeling.load_model(spec, on_meta=True)
     tensors = hf_files.export_tensors(model)
-    saved = SignedReader(checkpoint).read_metadata().state_dict_metadata
+    entries = export_entries(spec, tensors)
 
     def one_at_a_time():
-        for key in tensors:
-            info = saved.get(f"model.{key}")
-            value = torch.empty(info.size, dtype=info.properties.dtype) if info is not None else torch.empty(0)
+        for key, shape, dtype in entries:  # read straight into the exported dtype: DCP's copy rounds
+            value = torch.empty(shape, dtype=dtype)
             read_checkpoint({"model": {key: value}}, checkpoint)  # names a missing key
             yield key, value
 
-    write_full_export(spec, model, one_at_a_time(), export_entries(spec, tensors), directory,
-                      modeling.load_tokenizer(spec), rank=0, world_size=1)
+    write_full_export(spec, model, one_at_a_time(), entries, directory, modeling.load_tokenizer(spec), rank=0,
+                      world_size=1)
 
 
 def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None) -> str:

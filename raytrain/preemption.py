@@ -94,10 +94,10 @@ class StopSignals:
 
     def local(self) -> list[float]:
         """This rank's flags, one float per bit, to append to the loss all-reduce."""
-        import ray
-
         flags = SIGTERM if _sigterm.is_set() else 0
-        if self._answers:
+        if self._answers:  # only with a control actor: a process without Ray (tests/gpu) never imports it
+            import ray
+
             ready, self._answers = ray.wait(self._answers, num_returns=len(self._answers), timeout=0)
             try:
                 self.driver_stop |= any(ray.get(ready))

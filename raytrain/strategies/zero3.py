@@ -146,9 +146,9 @@ class Zero3Strategy(Strategy):
             shutil.rmtree(root, ignore_errors=True)
 
     def export(self, directory: str, tokenizer) -> None:
-        if self.lora:  # the adapter only, gathered on rank 0
-            full = gathered_state_dict(self.hf_model, self.rank, fp32_master=self.bf16,
-                                       dtype=modeling.DTYPES[self.spec.model.dtype], trainable_only=True)
+        if self.lora:  # the adapter only, gathered on rank 0, in fp32 as it trained (as fsdp2 and ddp export it)
+            full = gathered_state_dict(self.hf_model, self.rank, fp32_master=self.bf16, dtype=torch.float32,
+                                       trainable_only=True)
             if self.rank == 0:
                 write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
         else:  # every rank writes its file, one gathered tensor at a time (hf_files.py)
