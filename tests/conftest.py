@@ -64,6 +64,21 @@ def assets(tmp_path_factory) -> Path:
     return make_all(tmp_path_factory.mktemp("assets"))
 
 
+@pytest.fixture(scope="session")
+def split_model(assets, tmp_path_factory) -> Path:
+    """The demo model stored in bf16 over several safetensors files (with an index), as hub models are."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("split") / "model"
+    AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.bfloat16).save_pretrained(
+        str(folder), max_shard_size="40KB")
+    for f in assets.joinpath("model").glob("tokenizer*"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    assert len(list(folder.glob("*.safetensors"))) >= 3 and (folder / "model.safetensors.index.json").exists()
+    return folder
+
+
 INJECT = Path(__file__).resolve().parent / "inject"  # the fault injector (inject/sitecustomize.py)
 
 

@@ -30,19 +30,6 @@ def group():
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def bf16_model(assets, tmp_path_factory) -> Path:
-    """The demo model stored in bf16 over several safetensors files, as hub models are."""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("bf16") / "model"
-    AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.bfloat16).save_pretrained(
-        str(folder), max_shard_size="40KB")
-    for f in assets.joinpath("model").glob("tokenizer*"):
-        (folder / f.name).write_bytes(f.read_bytes())
-    return folder
-
-
 def files_state(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -50,15 +37,15 @@ def files_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_weights_are_read_into_device_shards_through_a_bounded_host_buffer(bf16_model, monkeypatch, dtype):
+def test_weights_are_read_into_device_shards_through_a_bounded_host_buffer(split_model, monkeypatch, dtype):
     # The first GPU job crashed here: the file's dtype equalled the target's, so the read went
     # straight into the device shard through `.numpy()`. Now: a reused host buffer, a chunk of
     # rows at a time (32 bytes here: every weight takes several chunks).
     from raytrain.strategies import weights
 
     monkeypatch.setattr(weights, "READ_BUFFER_BYTES", 32)
-    expected = files_state(bf16_model)
-    files = weights.WeightFiles(bf16_model)
+    expected = files_state(split_model)
+    files = weights.WeightFiles(split_model)
     with FakeAccelerator() as accel:
         for key, value in expected.items():
             target = torch.empty(value.shape, dtype=dtype, device=DEVICE)
@@ -74,22 +61,22 @@ def test_weights_are_read_into_device_shards_through_a_bounded_host_buffer(bf16_
     assert all(s.kind == "copy" for s in accel.syncs)  # only the test's own .cpu() reads
 
 
-def test_fsdp2_sharded_read_fills_device_targets_as_from_pretrained(assets, bf16_model):
+def test_fsdp2_sharded_read_fills_device_targets_as_from_pretrained(assets, split_model, tmp_path):
     # DCP's planning over the safetensors files, the slice reader and the bf16 -> fp32 master
     # staging, all into device tensors (world 1: each target is the whole weight).
     from raytrain.strategies import weights
 
-    spec = make_job(assets, assets, model={"path": str(bf16_model), "dtype": "bfloat16"}, training={"finetune": "full"})
+    spec = make_job(assets, tmp_path, model={"path": str(split_model), "dtype": "bfloat16"}, training={"finetune": "full"})
     reference = modeling.load_model(spec).state_dict()
     with FakeAccelerator():
         targets = {k: torch.empty(v.shape, dtype=torch.float32, device=DEVICE) for k, v in reference.items()}
-        weights.read_slices(bf16_model, {k: targets[k] for k in files_state(bf16_model)}, torch.bfloat16)
+        weights.read_slices(split_model, {k: targets[k] for k in files_state(split_model)}, torch.bfloat16)
         got = {k: t.cpu() for k, t in targets.items()}
-    differ = [k for k in files_state(bf16_model) if not torch.equal(got[k], reference[k].float())]
+    differ = [k for k in files_state(split_model) if not torch.equal(got[k], reference[k].float())]
     assert not differ, differ[:3]
 
 
-def test_rank0_fallback_and_restore_fill_device_models(group, assets, bf16_model, tmp_path):
+def test_rank0_fallback_and_restore_fill_device_models(group, assets, split_model, tmp_path):
     # A model whose files do not fit the sharded read is broadcast from rank 0's load; a restore
     # reads a signed checkpoint into the device state. Both into device tensors.
     import torch.distributed.checkpoint as dcp
@@ -98,7 +85,7 @@ def test_rank0_fallback_and_restore_fill_device_models(group, assets, bf16_model
     from raytrain.strategies import weights
     from raytrain.strategies.base import read_checkpoint
 
-    spec = make_job(assets, tmp_path, model={"path": str(bf16_model), "dtype": "bfloat16"}, training={"finetune": "full"})
+    spec = make_job(assets, tmp_path, model={"path": str(split_model), "dtype": "bfloat16"}, training={"finetune": "full"})
     reference = modeling.load_model(spec).state_dict()
     step = tmp_path / "step_00000004"
     trained = {k: v + 1 for k, v in reference.items()}

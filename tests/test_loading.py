@@ -55,20 +55,6 @@ def load_and_gather(config: dict) -> None:
         torch.save(out, config["out"])
 
 
-@pytest.fixture(scope="module")
-def split_model(assets, tmp_path_factory) -> Path:
-    """The demo model stored in bf16 over several safetensors files (with an index), as hub models are."""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("split") / "model"
-    AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.bfloat16).save_pretrained(
-        str(folder), max_shard_size="40KB")
-    for f in assets.joinpath("model").glob("tokenizer*"):
-        (folder / f.name).write_bytes(f.read_bytes())
-    assert len(list(folder.glob("*.safetensors"))) >= 3 and (folder / "model.safetensors.index.json").exists()
-    return folder
-
-
 def expected(spec) -> tuple[dict, dict]:
     """What a plain load gives: from_pretrained in model.dtype (+ peft), trained weights in fp32
     under fsdp2 (zero3 keeps its fp32 masters in the optimizer, not the module)."""

@@ -13,7 +13,7 @@ replaced here by the same work done locally, nothing else:
   folder of its own, as under Ray Train; here the parts are merged into `<run_dir>/step_N/` (what
   Ray's upload does) and rank 0 marks it COMMITTED. Restoring reads that folder through
   `signing.SignedCheckpoint` and `strategy.load`, as `checkpoint.restore` does;
-- the stop notices (`preemption.StopSignals.local`, which imports ray every step): here a SIGTERM
+- the stop notices (`preemption.StopSignals.local`, which reads Ray's drain notice every step): here a SIGTERM
   flag only (there is no driver and no Ray drain notice to hear).
 
 A machine with Ray installed never imports it through this module. `blocked_imports` makes that
