@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +70,9 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     grad_norm = strategy.optimizer_step(lr)
     reduced = torch.cat([sums, objectives.to_device(stops.local(), device)])
     torch.distributed.all_reduce(reduced)  # the stop flags ride along
-    means = reduced[:len(sums)] / units
-    loss, *rest = host_values(torch.cat([means, grad_norm.detach().double().view(1).to(device), reduced[len(sums):]]))
-    return StepResult(loss, rest[len(means) - 1], rest[:len(means) - 1], rest[len(means):])
+    n = len(sums)
+    values = host_values(torch.cat([reduced[:n] / units, grad_norm.detach().double().view(1).to(device), reduced[n:]]))
+    return StepResult(loss=values[0], means=values[1:n], grad_norm=values[n], flags=values[n + 1:])
 
 
 def host_values(t: torch.Tensor) -> list[float]:
