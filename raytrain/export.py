@@ -15,7 +15,8 @@ from . import modeling, signing, storage
 from .checkpoint import COMMITTED_FILE, STATE_FILE
 from .config import JobSpec
 from .strategies import hf_files, zero3
-from .strategies.base import export_entries, read_checkpoint, write_full_export, write_hf_export
+from .strategies.base import read_checkpoint
+from .strategies.hf_files import export_entries, write_full_export, write_hf_export
 
 JOB_FILE = "job.json"
 def latest_checkpoint(run_dir: str) -> str:

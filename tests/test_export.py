@@ -28,7 +28,7 @@ def test_full_export_of_a_model_with_its_own_code(assets, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from raytrain import modeling
-    from raytrain.strategies.base import write_hf_export
+    from raytrain.strategies.hf_files import write_hf_export
 
     folder = tmp_path / "custom"
     shutil.copytree(assets / "model", folder)

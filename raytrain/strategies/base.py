@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import re
 import shutil
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -35,6 +33,7 @@ from ..config import JobSpec
 from ..errors import JobError
 from ..signing import SignedCheckpoint
 from . import hf_files
+from .hf_files import export_entries, write_full_export, write_hf_export
 
 
 def read_checkpoint(state: dict, checkpoint: SignedCheckpoint) -> None:
@@ -275,52 +274,3 @@ def compile_blocks(spec: JobSpec, hf_model: torch.nn.Module, device: torch.devic
         for block in modeling.decoder_blocks(hf_model):
             block.compile()
     return hf_model
-
-
-def export_entries(spec: JobSpec, tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple, torch.dtype]]:
-    """(name, global shape, exported dtype) of each tensor: floating weights in `model.dtype` (the
-    fp32 masters rounded as `from_pretrained` in that dtype would hold them), the rest as they are."""
-    dtype = modeling.DTYPES[spec.model.dtype]
-    return [(k, tuple(getattr(t, "ds_shape", None) or t.shape), dtype if t.is_floating_point() else t.dtype)
-            for k, t in tensors.items()]
-
-
-def write_full_export(spec: JobSpec, hf_model: torch.nn.Module, tensors, entries: list, directory: str, tokenizer,
-                      rank: int, world_size: int) -> None:
-    """A full fine-tune as a plain HF model folder: every rank writes its own weights file from
-    the whole tensors `tensors` yields one at a time (hf_files.py); rank 0 the rest."""
-    hf_files.write_model(directory, tensors, entries, rank, world_size)
-    if rank == 0:
-        hf_files.write_config(directory, hf_model, modeling.DTYPES[spec.model.dtype])
-        write_export_files(spec, directory, tokenizer)
-
-
-def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, directory: str, tokenizer) -> None:
-    """In one process, save what plain transformers/peft load: an adapter folder for LoRA
-    (`full_state` may hold the adapter only), a model folder for full."""
-    from safetensors.torch import save_file
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    if spec.training.finetune == "lora":
-        from peft import get_peft_model_state_dict
-
-        full_state = {k: v.detach().to("cpu").contiguous() for k, v in full_state.items()}
-        adapter = get_peft_model_state_dict(hf_model, state_dict=full_state)
-        save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        hf_model.peft_config["default"].save_pretrained(str(out))
-        write_export_files(spec, directory, tokenizer)
-    else:
-        tensors = {k: full_state[k] for k in hf_files.export_tensors(hf_model)}
-        write_full_export(spec, hf_model, tensors.items(), export_entries(spec, tensors), directory, tokenizer, 0, 1)
-
-
-def write_export_files(spec: JobSpec, directory: str, tokenizer) -> None:
-    """The tokenizer and raytrain.json (what was trained, and for an adapter on which base files)."""
-    out = Path(directory)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    meta = {"job": spec.name, "finetune": spec.training.finetune, "base_model": spec.model.path}
-    if spec.training.finetune == "lora":
-        meta["base_files"] = modeling.base_files(spec)  # the base this adapter was trained on, file by file
-    (out / "raytrain.json").write_text(json.dumps(meta, indent=2))

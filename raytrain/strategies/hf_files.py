@@ -1,4 +1,5 @@
-"""A full model exported as Hugging Face safetensors files, one tensor at a time, by every rank.
+"""The final model as plain Hugging Face files: a full model's safetensors written one tensor at a
+time by every rank, a LoRA adapter by rank 0, and what goes beside them.
 
 `from_pretrained` reads a folder of `model-0000i-of-0000N.safetensors` files and the
 `model.safetensors.index.json` that maps each weight to its file. Here each rank owns one of
@@ -19,6 +20,9 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+
+from .. import modeling
+from ..config import JobSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
@@ -147,3 +151,52 @@ def write_config(directory: str, model: torch.nn.Module, dtype: torch.dtype) -> 
     config.save_pretrained(directory)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)
+
+
+def export_entries(spec: JobSpec, tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple, torch.dtype]]:
+    """(name, global shape, exported dtype) of each tensor: floating weights in `model.dtype` (the
+    fp32 masters rounded as `from_pretrained` in that dtype would hold them), the rest as they are."""
+    dtype = modeling.DTYPES[spec.model.dtype]
+    return [(k, tuple(getattr(t, "ds_shape", None) or t.shape), dtype if t.is_floating_point() else t.dtype)
+            for k, t in tensors.items()]
+
+
+def write_full_export(spec: JobSpec, hf_model: torch.nn.Module, tensors, entries: list, directory: str, tokenizer,
+                      rank: int, world_size: int) -> None:
+    """A full fine-tune as a plain HF model folder: every rank writes its own weights file from
+    the whole tensors `tensors` yields one at a time (py); rank 0 the rest."""
+    write_model(directory, tensors, entries, rank, world_size)
+    if rank == 0:
+        write_config(directory, hf_model, modeling.DTYPES[spec.model.dtype])
+        write_export_files(spec, directory, tokenizer)
+
+
+def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, directory: str, tokenizer) -> None:
+    """In one process, save what plain transformers/peft load: an adapter folder for LoRA
+    (`full_state` may hold the adapter only), a model folder for full."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.training.finetune == "lora":
+        from peft import get_peft_model_state_dict
+
+        full_state = {k: v.detach().to("cpu").contiguous() for k, v in full_state.items()}
+        adapter = get_peft_model_state_dict(hf_model, state_dict=full_state)
+        save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        hf_model.peft_config["default"].save_pretrained(str(out))
+        write_export_files(spec, directory, tokenizer)
+    else:
+        tensors = {k: full_state[k] for k in export_tensors(hf_model)}
+        write_full_export(spec, hf_model, tensors.items(), export_entries(spec, tensors), directory, tokenizer, 0, 1)
+
+
+def write_export_files(spec: JobSpec, directory: str, tokenizer) -> None:
+    """The tokenizer and raytrain.json (what was trained, and for an adapter on which base files)."""
+    out = Path(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    meta = {"job": spec.name, "finetune": spec.training.finetune, "base_model": spec.model.path}
+    if spec.training.finetune == "lora":
+        meta["base_files"] = modeling.base_files(spec)  # the base this adapter was trained on, file by file
+    (out / "raytrain.json").write_text(json.dumps(meta, indent=2))
