@@ -102,7 +102,8 @@ def check_export(folder: Path, state: dict, spec, workers: int) -> None:
 
     dtype = modeling.DTYPES[spec.model.dtype]
     files = sorted(p.name for p in folder.glob("*.safetensors"))
-    assert files == [f"model-{i:05d}-of-{workers:05d}.safetensors" for i in range(1, workers + 1)], files
+    assert files == ([f"model-{i:05d}-of-{workers:05d}.safetensors" for i in range(1, workers + 1)] if workers > 1
+                     else ["model.safetensors"]), files
     exported = AutoModelForCausalLM.from_pretrained(str(folder))
     assert exported.dtype == dtype
     got = exported.state_dict()

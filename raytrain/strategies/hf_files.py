@@ -56,7 +56,9 @@ class ShardedFiles:
         for (name, _, _), size in zip(entries, sizes):  # file i takes the tensors whose bytes start in its share
             self.file_of[name] = min(files - 1, done * files // max(1, total))
             done += size
-        self.names = [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)]
+        # One file is `model.safetensors` with no index, as `save_pretrained` names a small model's.
+        self.names = [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)] if files > 1 else \
+            ["model.safetensors"]
         self.rank, self.directory = rank, Path(directory)
         self.offsets: dict[str, int] = {}
         self.handle = None
@@ -134,7 +136,7 @@ def write_model(directory: str, tensors: Iterable[tuple[str, torch.Tensor]],
         out.abandon()
         raise
     out.close()
-    if rank == 0:
+    if rank == 0 and len(out.names) > 1:
         out.write_index()
 
 
