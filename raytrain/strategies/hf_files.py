@@ -166,7 +166,7 @@ def export_entries(spec: JobSpec, tensors: dict[str, torch.Tensor]) -> list[tupl
 def write_full_export(spec: JobSpec, hf_model: torch.nn.Module, tensors, entries: list, directory: str, tokenizer,
                       rank: int, world_size: int) -> None:
     """A full fine-tune as a plain HF model folder: every rank writes its own weights file from
-    the whole tensors `tensors` yields one at a time (py); rank 0 the rest."""
+    the whole tensors `tensors` yields one at a time (`write_model`); rank 0 the rest."""
     write_model(directory, tensors, entries, rank, world_size)
     if rank == 0:
         write_config(directory, hf_model, modeling.DTYPES[spec.model.dtype])

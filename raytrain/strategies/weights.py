@@ -23,8 +23,10 @@ from torch.futures import Future
 
 from .. import modeling
 from ..config import JobSpec
+from .hf_files import SAFETENSORS_DTYPES
 
-FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# The floating dtypes a weight file's header may name, read as rows (the names are the writer's).
+FILE_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items() if dtype.is_floating_point}
 
 
 def safetensors_folder(spec: JobSpec) -> Path | None:
