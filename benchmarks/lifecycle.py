@@ -121,11 +121,19 @@ def p5(s: h.Setting) -> dict:
 
 def committed_folders(folder: Path) -> list[str]:
     """The kept step_* folders and whether each is complete: DCP's .metadata (written last),
-    both ranks' shards, train_state.json, and raytrain's COMMITTED marker."""
+    both ranks' shards, train_state.json, and registered in Ray Train's run snapshot."""
+    import json
+
+    from raytrain.checkpoint import RAY_SNAPSHOT
+
     out = []
     for step in sorted((folder / "runs").glob("*/step_*")):
         names = {p.name for p in step.iterdir()}
-        complete = {".metadata", "train_state.json", "COMMITTED"} <= names and sum(n.endswith(".distcp") for n in names) >= 2
+        snapshot = step.parent / RAY_SNAPSHOT
+        known = {r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text())["checkpoint_results"]} \
+            if snapshot.exists() else set()
+        complete = ({".metadata", "train_state.json"} <= names and sum(n.endswith(".distcp") for n in names) >= 2
+                    and step.name in known)
         out.append(f"{step.name}:{'complete' if complete else 'INCOMPLETE ' + ','.join(sorted(names))}")
     return out
 

@@ -159,7 +159,7 @@ def full_checkpoint(spec, model: Path, folder: Path) -> str:
     from transformers import AutoModelForCausalLM
 
     from raytrain import signing
-    from raytrain.checkpoint import COMMITTED_FILE, STATE_FILE
+    from raytrain.checkpoint import RAY_SNAPSHOT, STATE_FILE
     from raytrain.export import write_job_file
 
     write_job_file(spec)
@@ -168,8 +168,9 @@ def full_checkpoint(spec, model: Path, folder: Path) -> str:
     dcp.save({"model": state}, checkpoint_id=str(step), no_dist=True)
     del state
     (step / STATE_FILE).write_text("{}")
-    (step / COMMITTED_FILE).write_text("1")
-    signing.sign_checkpoint(str(step), spec.name, step.name, rank=0, world_size=1)
+    # Registered as Ray Train's controller registers a checkpoint (what raytrain export reads).
+    Path(spec.run_dir, RAY_SNAPSHOT).write_text('{"latest_checkpoint_result": {"checkpoint_dir_name": "step_00000001"}}')
+    signing.sign_checkpoint(str(step), spec.run_dir, step.name, rank=0, world_size=1)
     return spec.run_dir
 
 
@@ -248,16 +249,16 @@ def restore_reads(config: dict) -> None:
     if config["save"]:
         mine = tempfile.mkdtemp()
         strategy.save(mine)
-        signing.sign_checkpoint(mine, spec.name, name, strategy.rank, strategy.world_size)
+        signing.sign_checkpoint(mine, spec.run_dir, name, strategy.rank, strategy.world_size)
         shutil.copytree(mine, folder, dirs_exist_ok=True)
         return
-    with signing.SignedCheckpoint(folder, spec.name, name) as checkpoint:
+    with signing.SignedCheckpoint(folder, spec.run_dir, name) as checkpoint:
         before = _rchar()
         strategy.load(checkpoint)
         out = {"fetched": checkpoint.bytes_read, "rchar": _rchar() - before,
                "checkpoint_bytes": sum(Path(folder, f).stat().st_size for f in checkpoint.names)}
     before = _rchar()  # as before: every file hashed, then the strategy's own reader on the folder in place
-    signing.verify_checkpoint(folder, spec.name, name)
+    signing.verify_checkpoint(folder, spec.run_dir, name)
     if spec.training.strategy == "zero3":
         strategy.engine.load_checkpoint(folder, tag="ds", load_lr_scheduler_states=False)
     else:

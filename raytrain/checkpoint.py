@@ -2,8 +2,14 @@
 folders and commits the checkpoint only when every rank's part is uploaded; a restarted
 worker group gets the latest committed one from `ray.train.get_checkpoint()`.
 
-A folder gets a COMMITTED marker once Ray has registered it; a folder without one (a
-crash during the write) is never loaded, neither by a restart nor by `raytrain export`.
+The latest checkpoint has one definition, used by a restarted worker group, the driver and
+`raytrain export` alike: the one Ray Train registered last (its run snapshot names it; Ray
+registers a checkpoint only once every rank's part is uploaded, whether saved synchronously
+or asynchronously, and prunes an older one only after a newer one is registered). A folder
+Ray never registered (a crash during the write) is never loaded. Ray's snapshot is not
+signed, so rank 0 also keeps a signed record of the newest checkpoint it saw registered
+(LATEST_FILE): a snapshot that names an older one while the recorded one is still there was
+rolled back, and is refused.
 
 Besides the strategy's model/optimizer shards, rank 0 writes `train_state.json`: the step
 (which fixes the LR, since the schedule is a function of the step), the data position,
@@ -23,7 +29,8 @@ from .data import DataPosition
 from .errors import JobError
 
 STATE_FILE = "train_state.json"
-COMMITTED_FILE = "COMMITTED"  # written after Ray Train registered the checkpoint: only then is it real
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
+LATEST_FILE = "latest_checkpoint.json"  # raytrain's signed record of the newest registered one
 
 
 @dataclass
@@ -68,7 +75,8 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     (`checkpoint.async_save`) returns once the state is staged in CPU memory: the strategy
     writes the files in the background and Ray's upload thread waits for them before it
     copies anything (so a crash mid-write uploads nothing: the previous checkpoint stays the
-    latest), and `confirm()` at the next save (which finds it long done) commits it.
+    latest; Ray registers it once every rank's part is there), and `confirm()` at the next
+    save (which finds it long registered) hands its steps' metrics to MLflow.
     """
     import ray.train
     from ray.train import CheckpointUploadMode
@@ -79,7 +87,7 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
         Path(tmp, STATE_FILE).write_text(state.to_json())
 
     def sign() -> None:  # this rank's files, once complete (signing.py)
-        signing.sign_checkpoint(tmp, strategy.spec.name, name, strategy.rank, strategy.world_size)
+        signing.sign_checkpoint(tmp, strategy.spec.run_dir, name, strategy.rank, strategy.world_size)
 
     if wait:
         strategy.save(tmp)
@@ -105,20 +113,47 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
 def confirm(strategy) -> str | None:
     """Block until every reported checkpoint is registered by the controller (a worker that
     dies right after must find it on restart; its steps' metrics may now go to MLflow), then
-    mark the latest COMMITTED. Returns its path on rank 0."""
+    record the latest in the signed record. Returns its path on rank 0."""
     import ray.train
     from ray.train import CheckpointConsistencyMode
 
     committed = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
     if strategy.rank != 0 or not committed:
         return None
-    latest = committed[-1].checkpoint
-    with latest.filesystem.open_output_stream(f"{latest.path}/{COMMITTED_FILE}") as marker:
-        marker.write(latest.path.rstrip("/").rsplit("_", 1)[-1].encode())
-    return latest.path
+    latest = committed[-1].checkpoint.path
+    record_latest(strategy.spec.run_dir, latest.rstrip("/").rsplit("/", 1)[-1])
+    return latest
 
 
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
+def record_latest(run_dir: str, name: str) -> None:
+    """Rank 0: `name` is registered (signed, bound to the run directory)."""
+    doc = signing.sign_document({"run_dir": signing.place(run_dir), "latest": name})
+    storage.write_text(storage.join(run_dir, LATEST_FILE), json.dumps(doc))
+
+
+def latest_checkpoint(run_dir: str) -> str:
+    """The run directory's latest checkpoint folder (local or a URI): the one Ray Train registered
+    last. Refuses a snapshot rolled back behind raytrain's signed record."""
+    uri = storage.join(run_dir, RAY_SNAPSHOT)
+    snapshot = json.loads(storage.read_text(uri)) if storage.exists(uri) else {}
+    latest = snapshot.get("latest_checkpoint_result") or {}
+    name = latest.get("checkpoint_dir_name")
+    if name and not storage.exists(storage.join(run_dir, name)):  # deleted by hand: the newest one still there
+        present = set(storage.subfolders(run_dir))
+        name = max((r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])
+                    if r["checkpoint_dir_name"] in present), default=None)
+    record_uri = storage.join(run_dir, LATEST_FILE)
+    if storage.exists(record_uri):
+        record = signing.verify_document(json.loads(storage.read_text(record_uri)), record_uri)
+        signing.require_place(record, "run_dir", signing.place(run_dir), record_uri)
+        if record["latest"] > (name or "") and storage.exists(storage.join(run_dir, record["latest"])):
+            raise JobError(f"refusing {uri}: Ray Train's run snapshot names {name or 'no checkpoint'} as the latest, but "
+                           f"{record['latest']} was registered after it and is still there (its signed record, "
+                           f"{LATEST_FILE}): the snapshot was rolled back or edited, and resuming from it would silently "
+                           f"drop steps. To go back on purpose, delete {record['latest']} and any newer step_* folder")
+    if name is None:
+        raise FileNotFoundError(f"no registered checkpoint under {run_dir} (Ray Train's {RAY_SNAPSHOT} names none)")
+    return storage.join(run_dir, name)
 
 
 def forget_deleted(run_dir: str) -> list[str]:
@@ -126,8 +161,7 @@ def forget_deleted(run_dir: str) -> list[str]:
     names. A restart resumes from the newest registered checkpoint (`ray.train.get_checkpoint`);
     one deleted by hand (as a refused, tampered checkpoint's message advises) or by a storage
     lifecycle rule would otherwise make Ray refuse the whole run directory. Registered folders
-    that still exist are kept whether or not they carry COMMITTED yet (an async upload is marked
-    at the next save). The snapshot's layout is Ray 2.60's (k8s/constraints.txt pins it)."""
+    that still exist are kept. The snapshot's layout is Ray 2.60's (k8s/constraints.txt pins it)."""
     uri = storage.join(run_dir, RAY_SNAPSHOT)
     if not storage.exists(uri):
         return []
@@ -162,7 +196,7 @@ def restore(strategy) -> TrainState | None:
     if checkpoint is None:
         return None
     name = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-    with signing.SignedCheckpoint(storage.join(strategy.spec.run_dir, name), strategy.spec.name, name) as signed:
+    with signing.SignedCheckpoint(storage.join(strategy.spec.run_dir, name), strategy.spec.run_dir, name) as signed:
         strategy.load(signed)
         state = TrainState.from_json(signed.read_bytes(STATE_FILE).decode())
         if strategy.rank == 0:

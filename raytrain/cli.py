@@ -1,4 +1,4 @@
-"""`raytrain validate | run | prepare | quickstart | export | k8s`. Never imports torch at module level:
+"""`raytrain validate | run | prepare | quickstart | export | sync-metrics | key | k8s`. Never imports torch at module level:
 `validate` answers in about a second, before any cluster or GPU is involved.
 
 Exit codes: 0 success/valid, 2 invalid job (nothing was started), 1 the run failed.
@@ -35,12 +35,16 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--skip-probes", action="store_true", help="schema and arithmetic only: no file, model or storage probes")
     for name in ("run", "prepare"):
         sub.choices[name].add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    sub.choices["run"].add_argument("--takeover", action="store_true",
+                                    help="if another driver runs this job, have it checkpoint and stop, and continue here")
     q = sub.add_parser("quickstart", help="make the offline demo model and data, then run jobs/quickstart.yaml")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e = sub.add_parser("export", help="write a plain HF model/adapter from a run's latest (or given) checkpoint")
     e.add_argument("run_dir", help="the run directory, <storage_path>/<name>")
     e.add_argument("--out", required=True, help="output folder or URI")
     e.add_argument("--checkpoint", help="a step_* folder (default: the latest committed one)")
+    m = sub.add_parser("sync-metrics", help="write what MLflow missed while it was unreachable (kept in the run directory)")
+    m.add_argument("run_dir", help="the run directory, <storage_path>/<name>")
     sub.add_parser("key", help="make this machine's checkpoint-signing key if it has none; print where it is")
     k = sub.add_parser("k8s", help="render the KubeRay RayJob (+ ConfigMap) that runs a job on Kubernetes")
     k.add_argument("job", help="job YAML file")
@@ -91,7 +95,7 @@ def cmd_run(args) -> int:
     from . import launcher
 
     try:
-        result = launcher.run(spec, address=getattr(args, "address", None))
+        result = launcher.run(spec, address=getattr(args, "address", None), takeover=getattr(args, "takeover", False))
     except JobError as exc:
         print(f"raytrain: job {spec.name} failed: {user_message(exc)}", file=sys.stderr)
         return EXIT_FAILED
@@ -154,6 +158,26 @@ def cmd_export(args) -> int:
     return EXIT_OK
 
 
+def cmd_sync_metrics(args) -> int:
+    from .launcher import sync_metrics
+
+    try:
+        written, run_id = sync_metrics(args.run_dir)
+    except (FileNotFoundError, JobError) as exc:
+        print(f"raytrain sync-metrics: {user_message(exc) or exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except Exception as exc:  # MLflow still unreachable: nothing was lost, try again later
+        why = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"raytrain sync-metrics: MLflow did not take them ({type(exc).__name__}: {why}); nothing is lost, run it "
+              "again once it is reachable", file=sys.stderr)
+        return EXIT_FAILED
+    if run_id is None:
+        print(f"[raytrain] nothing to write: {args.run_dir} has no checkpoint and no kept MLflow record")
+    else:
+        print(f"[raytrain] wrote {written} steps' metrics (and any kept run status) into MLflow run {run_id}")
+    return EXIT_OK
+
+
 def cmd_key(args) -> int:
     from . import signing
 
@@ -173,7 +197,7 @@ def cmd_k8s(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     return {"validate": cmd_validate, "run": cmd_run, "prepare": cmd_prepare, "quickstart": cmd_quickstart,
-            "export": cmd_export, "key": cmd_key, "k8s": cmd_k8s}[args.command](args)
+            "export": cmd_export, "sync-metrics": cmd_sync_metrics, "key": cmd_key, "k8s": cmd_k8s}[args.command](args)
 
 
 def entry(argv: list[str] | None = None) -> None:

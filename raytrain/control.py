@@ -2,7 +2,9 @@
 while the driver lives. Workers report progress to it; the driver asks it to stop the job
 gracefully (ray job stop, Ctrl-C); at the end it gives the goodput accounting.
 
-It also owns the failure budget (`failure.max_failures`): Ray restarts the worker group
+It is also the job's lease on its run directory: one job, one driver (`start_actor`).
+
+It owns the failure budget (`failure.max_failures`): Ray restarts the worker group
 whenever it breaks, and each new group asks `may_start` first. An attempt that ended after a
 preemption notice committed its checkpoint (SIGTERM, a Ray drain) was a preemption, one
 followed by a larger group was a resize: neither counts. A job error (bad input) is never
@@ -15,8 +17,14 @@ recovery time (last progress before the failure -> first step finished after it)
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
+
+from .errors import JobError
 
 
 @dataclass
@@ -42,8 +50,9 @@ class Goodput:
 class JobControl:
     """Plain class; `actor_for(run_name)` runs it as a named Ray actor."""
 
-    def __init__(self, max_failures: int = -1):
+    def __init__(self, max_failures: int = -1, holder: dict | None = None):
         self.max_failures = max_failures
+        self.holder = holder or {}  # the driver that owns the run directory: who a second submit is told of
         self.spent: str | None = None  # why the job must stop instead of restarting
         self.started = time.time()
         self.stop_reason: str | None = None
@@ -98,6 +107,9 @@ class JobControl:
         return self.stop_reason
 
     # --- driver ---
+    def owner(self) -> dict:
+        return self.holder
+
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
 
@@ -132,24 +144,114 @@ class JobControl:
         return [asdict(a) for a in self.attempts]
 
 
+NAMESPACE = "raytrain"  # every driver's: a job's own (anonymous) namespace would hide it from a second driver
+TAKEOVER_WAIT_S = 600  # how long --takeover waits for the holder to checkpoint and end before killing its actor
+
+
 def actor_name(run_dir: str) -> str:
     return "raytrain-control:" + run_dir
 
 
-def start_actor(run_dir: str, max_failures: int = -1):
-    """Driver: the named control actor of this job (replaces a stale one of a dead driver)."""
+def driver_identity() -> dict:
+    """Who this driver is, as a second submit of the same job is told."""
     import ray
 
-    name = actor_name(run_dir)
-    try:
-        ray.kill(ray.get_actor(name))
-    except ValueError:
-        pass
+    config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")  # set for `ray job submit`'s entrypoint
+    return {"host": socket.gethostname(), "pid": os.getpid(), "job_id": ray.get_runtime_context().get_job_id(),
+            "submission_id": config.get("metadata", {}).get("job_submission_id"), "since": time.time()}
+
+
+def describe(holder: dict) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("since", 0)))
+    job = f"submission {holder['submission_id']}" if holder.get("submission_id") else f"Ray job {holder.get('job_id')}"
+    return f"{job} (pid {holder.get('pid')} on {holder.get('host')}, since {since})"
+
+
+def _how_to_stop(holder: dict) -> str:
+    if holder.get("submission_id"):
+        return f"`ray job stop {holder['submission_id']}`"
+    return f"Ctrl-C in its shell, or `kill -TERM {holder.get('pid')}` on {holder.get('host')}"
+
+
+def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False):
+    """Driver: the named control actor of this job, which is its lease on the run directory.
+    Ray creates a named actor once, so a second driver of the same run directory is refused here,
+    at once, naming the first; with `takeover` it asks the first to checkpoint and stop (as `ray
+    job stop` would) and takes its place. The actor is not detached: a driver that dies takes it
+    along (Ray removes it within a second), so a resubmit after a crash goes ahead."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
     # Pinned to the driver's node: it must not die with a spot worker node it happened to land on.
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    name, me = actor_name(run_dir), driver_identity()
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0)(JobControl).options(name=name, scheduling_strategy=here).remote(max_failures)
+    make = ray.remote(num_cpus=0)(JobControl).options(name=name, namespace=NAMESPACE, scheduling_strategy=here)
+    for _ in range(20):
+        try:
+            actor = make.remote(max_failures, me)
+        except ValueError:  # the name is taken: a live driver holds the run directory (or a dead one's actor is going)
+            pass
+        else:
+            try:
+                _record_holder(run_dir, me)
+            except BaseException:  # the run directory cannot be written: the lease is given back at once
+                ray.kill(actor)
+                raise
+            return actor
+        try:
+            holder_actor = ray.get_actor(name, namespace=NAMESPACE)
+            holder = ray.get(holder_actor.owner.remote(), timeout=10)
+        except (ValueError, RayActorError, GetTimeoutError):  # it went meanwhile: try again
+            time.sleep(0.5)
+            continue
+        if not takeover:
+            raise JobError(f"run directory {run_dir} is in use by another driver of this job: {describe(holder)}. "
+                           f"Wait for it, stop it with {_how_to_stop(holder)}, or run with --takeover to have it "
+                           "checkpoint and stop and continue the run here")
+        print(f"[raytrain] --takeover: asking {describe(holder)} to checkpoint and stop; this driver continues the run",
+              flush=True)
+        holder_actor.request_stop.remote(f"taken over by {describe(me)}")
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        while time.monotonic() < deadline and _exists(name):
+            time.sleep(1)
+        if _exists(name):
+            ray.kill(holder_actor)
+        takeover = False  # once
+    raise JobError(f"could not take the run directory {run_dir}'s lease (its control actor {name} keeps coming back)")
+
+
+DRIVER_FILE = "driver.json"  # the lease's holder, for the next driver's word on one that ended without closing
+
+
+def _record_holder(run_dir: str, me: dict) -> None:
+    from . import storage
+
+    uri = storage.join(run_dir, DRIVER_FILE)
+    fs, path = storage.filesystem(run_dir)
+    fs.create_dir(path, recursive=True)
+    if storage.exists(uri):
+        with contextlib.suppress(ValueError, KeyError):
+            print(f"[raytrain] taking over the run directory from {describe(json.loads(storage.read_text(uri)))}, "
+                  "which is gone without closing the run (killed, or its node lost)", flush=True)
+    storage.write_text(uri, json.dumps(me))
+
+
+def release(run_dir: str) -> None:
+    """Driver, at its end: the run directory is free (its actor goes with `ray.kill` or the driver)."""
+    from . import storage
+
+    storage.delete(storage.join(run_dir, DRIVER_FILE))
+
+
+def _exists(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
 
 
 def find_actor(run_dir: str):
@@ -157,6 +259,6 @@ def find_actor(run_dir: str):
     import ray
 
     try:
-        return ray.get_actor(actor_name(run_dir))
+        return ray.get_actor(actor_name(run_dir), namespace=NAMESPACE)
     except ValueError:
         return None

@@ -12,21 +12,13 @@ from pathlib import Path
 import torch
 
 from . import modeling, signing, storage
-from .checkpoint import COMMITTED_FILE, STATE_FILE
+from .checkpoint import latest_checkpoint
 from .config import JobSpec
 from .strategies import hf_files, zero3
 from .strategies.base import read_checkpoint
 from .strategies.hf_files import export_entries, write_full_export, write_hf_export
 
 JOB_FILE = "job.json"
-def latest_checkpoint(run_dir: str) -> str:
-    """The newest committed step_*/ of a run directory, local or remote (a URI then)."""
-    steps = sorted(n for n in storage.subfolders(run_dir) if n.startswith("step_"))
-    for name in reversed(steps):
-        folder = storage.join(run_dir, name)
-        if storage.exists(storage.join(folder, COMMITTED_FILE)) and storage.exists(storage.join(folder, STATE_FILE)):
-            return folder
-    raise FileNotFoundError(f"no committed checkpoint (step_*/ with {COMMITTED_FILE}) under {run_dir}")
 
 
 def load_checkpoint_model(spec: JobSpec, checkpoint: signing.SignedCheckpoint) -> torch.nn.Module:
@@ -72,7 +64,7 @@ def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None)
     checkpoint_dir = checkpoint_dir or latest_checkpoint(run_dir)
     name = checkpoint_dir.rstrip("/").rsplit("/", 1)[-1]
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp, \
-            signing.SignedCheckpoint(checkpoint_dir, spec.name, name) as checkpoint:
+            signing.SignedCheckpoint(checkpoint_dir, spec.run_dir, name) as checkpoint:
         if spec.training.finetune == "full" and not zero3.is_zero3_checkpoint(checkpoint.names):
             write_full_from_checkpoint(spec, checkpoint, str(Path(tmp, "model")))
         else:  # an adapter (small), or ZeRO-3's own layout (consolidated whole by DeepSpeed)
@@ -87,9 +79,13 @@ def write_job_file(spec: JobSpec) -> None:
     fs, path = storage.filesystem(spec.run_dir)
     fs.create_dir(path, recursive=True)
     with fs.open_output_stream(f"{path}/{JOB_FILE}") as f:
-        f.write(json.dumps(signing.sign_document(spec.model_dump(mode="json")), indent=2).encode())
+        doc = {**spec.model_dump(mode="json"), "run_dir": signing.place(spec.run_dir)}
+        f.write(json.dumps(signing.sign_document(doc), indent=2).encode())
 
 
 def read_job_file(run_dir: str) -> JobSpec:
     uri = storage.join(run_dir, JOB_FILE)
-    return JobSpec.model_validate(signing.verify_document(json.loads(storage.read_text(uri)), uri))
+    doc = signing.verify_document(json.loads(storage.read_text(uri)), uri)
+    signing.require_place(doc, "run_dir", signing.place(run_dir), uri)
+    doc.pop("run_dir")
+    return JobSpec.model_validate(doc)

@@ -3,7 +3,6 @@ MLflow run, build the dataset, run the TorchTrainer, close the run."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -12,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import control, modeling, signing, tracking
-from .worker_env import controller_env, runtime_env, secrets_the_cluster_lacks
+from .worker_env import controller_env, runtime_env, start_relay, with_secrets
 from .timeline import Timeline
-from .checkpoint import STATE_FILE, TrainState, forget_deleted
+from .checkpoint import STATE_FILE, TrainState, forget_deleted, latest_checkpoint
 from .data import prepare
-from .export import latest_checkpoint, write_job_file
+from .export import write_job_file
 from .config import JobSpec
 from .errors import JobError, forward_worker_stdout_only, user_message
 
@@ -49,7 +48,8 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 
 
-def build_trainer(spec: JobSpec, run_id: str, prepared: dict, forward: list[str] = (), timeline: Timeline | None = None):
+def build_trainer(spec: JobSpec, run_id: str, prepared: dict, relay: dict[str, str] | None = None,
+                  timeline: Timeline | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -63,10 +63,11 @@ def build_trainer(spec: JobSpec, run_id: str, prepared: dict, forward: list[str]
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
                     # Ray restarts without limit; raytrain's control actor decides what counts (control.py).
                     failure_config=FailureConfig(max_failures=-1),
-                    worker_runtime_env=runtime_env(spec, list(forward)))
+                    worker_runtime_env=runtime_env(spec, relay))
     # No Ray Data inside the training workers: each rank reads its rows of each global
-    # batch straight from the prepared token store (see raytrain/data/).
-    return TorchTrainer(worker.train_func, scaling_config=scaling, run_config=run,
+    # batch straight from the prepared token store (see raytrain/data/). Each worker first
+    # receives the secrets its node lacks from the driver's relay (worker_env.with_secrets).
+    return TorchTrainer(with_secrets(worker.train_func), scaling_config=scaling, run_config=run,
                         train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id, "data": prepared,
                                            "timeline": (timeline or Timeline()).to_config()})
 
@@ -84,13 +85,24 @@ def prepare_data(spec: JobSpec, address: str | None = None) -> dict:
 
 
 def _latest_state(spec: JobSpec) -> tuple[TrainState | None, str | None]:
-    """(the state of the run directory's latest committed checkpoint, its folder), or Nones."""
+    """(the state of the run directory's latest checkpoint, its folder), or Nones."""
     try:
         latest = latest_checkpoint(spec.run_dir)
     except FileNotFoundError:
         return None, None
-    state = signing.verified_read(latest, spec.name, latest.rstrip("/").rsplit("/", 1)[-1], STATE_FILE)
+    state = signing.verified_read(latest, spec.run_dir, latest.rstrip("/").rsplit("/", 1)[-1], STATE_FILE)
     return TrainState.from_json(state.decode()), latest
+
+
+def sync_metrics(run_dir: str) -> tuple[int, str | None]:
+    """`raytrain sync-metrics RUN_DIR`: what MLflow missed (the latest checkpoint's unwritten steps,
+    a close kept while it was unreachable) written into the job's run; (steps written, run id)."""
+    from .export import read_job_file
+
+    spec = read_job_file(run_dir)
+    latest, _ = _latest_state(spec)
+    run_id = latest.run_id if latest else None
+    return tracking.sync_pending(spec, latest.metrics if latest else [], run_id, resume=False), run_id
 
 
 def pin_model(spec: JobSpec, latest: TrainState | None, where: str | None) -> JobSpec:
@@ -123,38 +135,45 @@ def _stop_on_signals(job_control) -> None:
             signal.signal(sig, on_signal)
 
 
-def run(spec: JobSpec, address: str | None = None) -> JobResult:
+def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> JobResult:
     import ray
 
     started = time.time()
     timeline = Timeline(started)
     signing.ensure_key()
-    # In this process's environment too, so that the forwarding below can send it to nodes that
-    # would sign with another key (or none); nodes that have the same key get nothing.
+    # In this process's environment too, so that the secret relay below can give it to workers on
+    # nodes that would sign with another key (or none); nodes that have the same key get nothing.
     os.environ.setdefault(signing.KEY_ENV, signing.key().decode())
     os.environ.update(controller_env(spec))
-    gone = forget_deleted(spec.run_dir)
-    latest, where = _latest_state(spec)
-    if gone:
-        print(f"[raytrain] checkpoint {', '.join(gone)} of {spec.run_dir} was deleted: resuming from "
-              f"{where or 'the start'}", flush=True)
-    spec = pin_model(spec, latest, where)
-    with ThreadPoolExecutor(1) as pool:  # the MLflow run opens (a new store migrates its schema) while Ray starts
-        opening = pool.submit(_start_run, spec, timeline)
-        try:
-            connect(spec, address)
-        except BaseException:  # no Ray: the run that opened meanwhile ends FAILED, never stays RUNNING
-            with contextlib.suppress(Exception):
-                tracking.end_run(spec, opening.result(), "FAILED")
-            raise
+    with ThreadPoolExecutor(1) as pool:  # a new MLflow store migrates its schema while Ray starts
+        seeding = pool.submit(tracking.seed_store, spec)
+        connect(spec, address)
         timeline.mark("ray")
-        run_id = opening.result()
-    job_control = None
-    if modeling.COMMIT.fullmatch(spec.model.revision or ""):
-        tracking.set_tags(spec, run_id, {"raytrain.model_commit": spec.model.revision})
-    try:  # from here on, whatever happens ends the MLflow run: it never stays RUNNING
+        seeding.result()
+    # The lease first: a second driver of a running job is refused before it changes anything
+    # (the run snapshot, job.json, the MLflow run's status).
+    job_control = run_id = None
+    try:  # once the MLflow run is open, whatever happens ends it: it never stays RUNNING
+        job_control = control.start_actor(spec.run_dir, spec.failure.max_failures, takeover)
+        gone = forget_deleted(spec.run_dir)
+        latest, where = _latest_state(spec)
+        if gone:
+            print(f"[raytrain] checkpoint {', '.join(gone)} of {spec.run_dir} was deleted", flush=True)
+        if latest:  # the one the workers restore: both read Ray Train's registration (checkpoint.latest_checkpoint)
+            print(f"[raytrain] resuming from {where} (step {latest.step})", flush=True)
+        spec = pin_model(spec, latest, where)
+        run_id = _start_run(spec, timeline)
+        if modeling.COMMIT.fullmatch(spec.model.revision or ""):
+            tracking.set_tags(spec, run_id, {"raytrain.model_commit": spec.model.revision})
         write_job_file(spec)
-        job_control = control.start_actor(spec.run_dir, spec.failure.max_failures)
+        try:
+            written = tracking.sync_pending(spec, latest.metrics if latest else [], run_id, resume=True)
+        except Exception as exc:  # MLflow just opened the run; if it fails now, what is kept stays kept
+            written = 0
+            print(f"[raytrain] metrics MLflow missed earlier not written yet ({type(exc).__name__}); they stay kept in "
+                  f"{spec.run_dir}", flush=True)
+        if written:
+            print(f"[raytrain] wrote {written} steps' metrics that MLflow missed in an earlier run of this job", flush=True)
         _stop_on_signals(job_control)
         print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, workers "
               f"{spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {tracking.tracking_uri(spec)}",
@@ -162,17 +181,19 @@ def run(spec: JobSpec, address: str | None = None) -> JobResult:
         planned = prepare.plan_inputs(spec)
         if latest:  # positions in other data would be other rows
             latest.require_same_data(planned["key"], where)
-        forward = secrets_the_cluster_lacks()
-        if forward:
-            print(f"[raytrain] forwarding {', '.join(forward)} from this shell to the workers: the cluster's nodes lack "
-                  "them, and a forwarded value is readable in Ray's dashboard; set them on the nodes instead "
-                  "(k8s: the Secret raytrain-secrets)", flush=True)
-        result = _prepare_and_fit(spec, job_control, lambda: build_trainer(spec, run_id, planned, forward, timeline))
+        # Secrets never ride in the workers' runtime_env (Ray's dashboard shows it): a worker whose
+        # node lacks some, a spot node added mid-run included, asks this relay for them and says so.
+        relay = start_relay(spec.run_dir)
+        result = _prepare_and_fit(spec, job_control, lambda: build_trainer(spec, run_id, planned, relay.env, timeline))
         verdict = ray.get(job_control.verdict.remote())
         if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
             raise JobError(verdict)
     except BaseException as exc:
-        _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        if run_id is None and job_control is not None:  # no MLflow run yet: only the lease to give back
+            control.release(spec.run_dir)
+            ray.kill(job_control)
+        elif run_id is not None:
+            _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         message = user_message(exc) or (f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else None)
         if message:
             raise JobError(message) from None
@@ -235,15 +256,19 @@ class _Fit:
 
 
 def _close(spec: JobSpec, run_id: str, job_control, status: str, tags: dict | None = None) -> dict:
-    """Record goodput and the attempts, then end the MLflow run."""
+    """Record goodput and the attempts, the steps rank 0 had not written, then end the MLflow run
+    (or keep all that in the run directory while MLflow is unreachable), and free the run directory."""
     import ray
 
     goodput = {}
-    if job_control is not None:  # None: the job failed before its control actor started
-        goodput = ray.get(job_control.goodput.remote())
-        if status == "FINISHED" and ray.get(job_control.stop_requested.remote()):
-            status = "KILLED"  # stopped on request: resumable from its last checkpoint
-        tracking.log_goodput(spec, run_id, goodput)
-        ray.kill(job_control)
-    tracking.end_run(spec, run_id, status, tags)
+    goodput = ray.get(job_control.goodput.remote())
+    if status == "FINISHED" and ray.get(job_control.stop_requested.remote()):
+        status = "KILLED"  # stopped on request: resumable from its last checkpoint
+    try:
+        latest, _ = _latest_state(spec)
+    except JobError:  # a refused checkpoint was said where it was met; its steps stay unwritten
+        latest = None
+    tracking.close_run(spec, run_id, status, tags or {}, goodput, latest.metrics if latest else [])
+    control.release(spec.run_dir)
+    ray.kill(job_control)
     return goodput

@@ -81,9 +81,8 @@ def host_values(t: torch.Tensor) -> list[float]:
 
 
 def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> None:
-    if logger:
-        logger.log_many(steps)
-        logger.set_tags({"raytrain.latest_checkpoint": str(path)})
+    if logger:  # handed to its writer: the step goes on at once, whatever MLflow does
+        logger.log_committed(steps, path)
 
 
 def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logger=None, control=None,
@@ -146,7 +145,9 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                 _log_committed(logger, uploading, checkpoint.confirm(strategy))
             urgent = bool(flags) or state.step == t.max_steps or not ck.async_save
             done = pending + [(state.step, {"checkpoint_step": state.step})]
-            state.metrics = done if rank == 0 else []
+            # Rank 0's steps MLflow does not have yet ride in the checkpoint too: a restart, the
+            # driver at the end or `raytrain sync-metrics` writes them if this process never can.
+            state.metrics = ((logger.unwritten() if logger else []) + done) if rank == 0 else []
             committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)
             checkpoint_s = time.perf_counter() - save_start
             uploading = [] if urgent else done

@@ -9,8 +9,10 @@ that loads: DCP's `.metadata` is a pickle and DeepSpeed's files are full `torch.
 a forged file would run code on every worker of the next restart.
 
 Every rank signs what it wrote: `MANIFEST.rank-<r>.json` lists each of its files with its
-sha256 and carries an HMAC over the manifest, the run and the checkpoint's name (a valid
-manifest copied into another checkpoint or run does not verify). A checkpoint verifies when
+sha256 and carries an HMAC over the manifest, the run directory and the checkpoint's name (a
+valid manifest copied into another checkpoint or run does not verify). Every signed document
+names its place so (the job file and the latest-checkpoint record their run directory, a token
+store's manifest its key): one copied from another run, even of the same job, is refused. A checkpoint verifies when
 the manifests of ranks 0..N-1 are all there and valid and every file in the folder is listed
 in exactly one of them with its hash.
 """
@@ -32,7 +34,6 @@ from .errors import JobError
 KEY_ENV = "RAYTRAIN_CHECKPOINT_KEY"
 KEY_FILE = "~/.raytrain/checkpoint.key"
 MANIFEST_PREFIX = "MANIFEST.rank-"
-UNSIGNED = ("COMMITTED",)  # written after the commit (Ray's registration), holds no data
 
 
 def key() -> bytes:
@@ -85,11 +86,24 @@ def _files(directory: Path) -> list[str]:
 
 
 # --- checkpoints ---
-def sign_checkpoint(directory: str, run: str, name: str, rank: int, world_size: int) -> None:
-    """Rank `rank`'s manifest of the files it wrote into `directory` (its own part of checkpoint `name`)."""
+def place(uri: str) -> str:
+    """A run directory as signed documents name it: absolute, no trailing slash."""
+    return storage.absolute(uri).rstrip("/")
+
+
+def require_place(doc: dict, field: str, expected: str, what: str) -> None:
+    """A verified document signed for another place (a run directory, a store key) is refused."""
+    if doc.get(field) != expected:
+        raise JobError(f"refusing {what}: it is signed for {field} {doc.get(field)!r}, not {expected!r} where it was "
+                       "read (a signed file copied from another run or store). Nothing in it was used; delete it to "
+                       "write it again, or use the run it belongs to")
+
+
+def sign_checkpoint(directory: str, run_dir: str, name: str, rank: int, world_size: int) -> None:
+    """Rank `rank`'s manifest of the files it wrote into `directory` (its own part of checkpoint `name` of `run_dir`)."""
     folder = Path(directory)
-    files = {f: file_sha256(folder / f) for f in _files(folder) if not f.startswith(MANIFEST_PREFIX) and f not in UNSIGNED}
-    payload = {"run": run, "checkpoint": name, "rank": rank, "world_size": world_size, "files": files}
+    files = {f: file_sha256(folder / f) for f in _files(folder) if not f.startswith(MANIFEST_PREFIX)}
+    payload = {"run_dir": place(run_dir), "checkpoint": name, "rank": rank, "world_size": world_size, "files": files}
     (folder / f"{MANIFEST_PREFIX}{rank:05d}.json").write_text(json.dumps({**payload, "hmac": mac(payload)}, indent=1))
 
 
@@ -99,10 +113,10 @@ def _refuse(where: str, what: str) -> JobError:
                     f"that {KEY_ENV} is the key it was written with; else delete the folder to resume from the one before")
 
 
-def verified_manifests(uri: str, run: str, name: str, where: str | None = None) -> dict[str, str]:
+def verified_manifests(uri: str, run_dir: str, name: str, where: str | None = None) -> dict[str, str]:
     """{file: sha256} of checkpoint folder `uri` (local or remote), from manifests whose HMACs
-    hold; refuses a missing rank, a wrong run or checkpoint name, and a file listed twice."""
-    where = where or uri
+    hold; refuses a missing rank, a wrong run directory or checkpoint name, and a file listed twice."""
+    where, run_dir = where or uri, place(run_dir)
     names = sorted(n for n in storage.files(uri) if n.startswith(MANIFEST_PREFIX) and n.endswith(".json"))
     if not names:
         raise _refuse(where, f"it has no signed manifest ({MANIFEST_PREFIX}*.json)")
@@ -116,9 +130,9 @@ def verified_manifests(uri: str, run: str, name: str, where: str | None = None) 
             raise _refuse(where, f"{manifest_name} is not a manifest raytrain wrote") from None
         if not hmac.compare_digest(str(claimed), mac(manifest)):
             raise _refuse(where, f"{manifest_name} has a wrong signature (written with another key, or changed)")
-        if manifest["run"] != run or manifest["checkpoint"] != name:
-            raise _refuse(where, f"{manifest_name} signs checkpoint {manifest['checkpoint']} of run {manifest['run']}, "
-                                 f"not {name} of {run}")
+        if manifest.get("run_dir") != run_dir or manifest["checkpoint"] != name:
+            raise _refuse(where, f"{manifest_name} signs checkpoint {manifest['checkpoint']} of run directory "
+                                 f"{manifest.get('run_dir')}, not {name} of {run_dir}")
         world_sizes.add(manifest["world_size"])
         ranks.add(manifest["rank"])
         for file, digest in manifest["files"].items():
@@ -137,10 +151,10 @@ class SignedCheckpoint:
     anything reads it (the copy, not the storage, is what is then read: nothing can change
     between the check and the use). Restore fetches a rank's shards, not the whole folder."""
 
-    def __init__(self, uri: str, run: str, name: str, where: str | None = None):
+    def __init__(self, uri: str, run_dir: str, name: str, where: str | None = None):
         self.uri, self.where = uri, where or uri
-        self.listed = verified_manifests(uri, run, name, self.where)
-        present = {f for f in storage.tree(uri) if not f.startswith(MANIFEST_PREFIX) and f not in UNSIGNED}
+        self.listed = verified_manifests(uri, run_dir, name, self.where)
+        present = {f for f in storage.tree(uri) if not f.startswith(MANIFEST_PREFIX)}
         unlisted, missing = sorted(present - self.listed.keys()), sorted(self.listed.keys() - present)
         if unlisted:
             raise _refuse(self.where, f"{unlisted[0]} is in no manifest: it was put there after the checkpoint was written")
@@ -192,22 +206,22 @@ class SignedCheckpoint:
         self.close()
 
 
-def verify_checkpoint(directory: str, run: str, name: str, where: str | None = None) -> None:
+def verify_checkpoint(directory: str, run_dir: str, name: str, where: str | None = None) -> None:
     """Every file of a local folder signed, present and unchanged; else a JobError naming the file."""
-    checkpoint = SignedCheckpoint(directory, run, name, where)
+    checkpoint = SignedCheckpoint(directory, run_dir, name, where)
     for file, digest in sorted(checkpoint.listed.items()):
         if file_sha256(Path(directory, file)) != digest:
             raise _refuse(checkpoint.where, f"{file} was changed after it was written (its sha256 is not the signed one)")
 
 
-def verified_read(uri: str, run: str, name: str, file: str) -> bytes:
+def verified_read(uri: str, run_dir: str, name: str, file: str) -> bytes:
     """One small file of a checkpoint (local or remote), checked against its signed manifest
     without reading the rest (the driver reads train_state.json so)."""
-    with SignedCheckpoint(uri, run, name) as checkpoint:
+    with SignedCheckpoint(uri, run_dir, name) as checkpoint:
         return checkpoint.read_bytes(file)
 
 
-# --- small signed documents: the job file, a token store's manifest ---
+# --- small signed documents: the job file, the latest checkpoint, a token store's manifest ---
 def sign_document(doc: dict) -> dict:
     return {**doc, "hmac": mac(doc)}
 

@@ -70,6 +70,15 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
+def delete(uri: str) -> None:
+    """Delete one file at a local path or URI; nothing if it is not there."""
+    fs, path = filesystem(uri)
+    try:
+        fs.delete_file(path)
+    except FileNotFoundError:
+        pass
+
+
 def files(uri: str) -> list[str]:
     """The files directly under a local path or URI, as names."""
     fs, path = filesystem(uri)

@@ -8,12 +8,11 @@ secrets in it (pre-flight refuses them), and keys that look like secrets are dro
 
 from __future__ import annotations
 
+import json
 import os
-import queue
 import shutil
 import sqlite3
 import sys
-import threading
 import time
 from contextlib import closing
 from importlib import metadata
@@ -59,9 +58,18 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _client(spec: JobSpec):
+# MLflow's own HTTP retries (7, doubling from 2 s: minutes in one call) would hold a call that
+# raytrain's callers retry themselves (step_metrics' writer) or give up on and keep for later
+# (the driver's close). What the user's environment sets wins.
+CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def client(spec: JobSpec):
     from mlflow.tracking import MlflowClient
 
+    for key, value in CLIENT_ENV.items():
+        os.environ.setdefault(key, value)
     return MlflowClient(tracking_uri=tracking_uri(spec))
 
 
@@ -109,43 +117,36 @@ def seed_store(spec: JobSpec) -> None:
 def start_run(spec: JobSpec) -> str:
     """Driver: the job's run; a job resubmitted to the same run directory continues its run."""
     seed_store(spec)
-    client = _client(spec)
-    experiment = client.get_experiment_by_name(spec.tracking.experiment)
+    mlflow = client(spec)
+    experiment = mlflow.get_experiment_by_name(spec.tracking.experiment)
     if experiment is None:
-        experiment_id = client.create_experiment(spec.tracking.experiment, artifact_location=artifact_root(spec))
+        experiment_id = mlflow.create_experiment(spec.tracking.experiment, artifact_location=artifact_root(spec))
     else:
         experiment_id = experiment.experiment_id
-    previous = client.search_runs([experiment_id], f"tags.`raytrain.run_dir` = '{spec.run_dir}'",
+    previous = mlflow.search_runs([experiment_id], f"tags.`raytrain.run_dir` = '{spec.run_dir}'",
                                   order_by=["attributes.start_time DESC"], max_results=1)
     if previous and previous[0].info.status != "FINISHED":
         run_id = previous[0].info.run_id
-        client.update_run(run_id, status="RUNNING")
+        mlflow.update_run(run_id, status="RUNNING")
         return run_id
-    run = client.create_run(experiment_id, run_name=spec.name, tags={"raytrain.run_dir": spec.run_dir,
+    run = mlflow.create_run(experiment_id, run_name=spec.name, tags={"raytrain.run_dir": spec.run_dir,
                                                                       "raytrain.strategy": spec.training.strategy})
     from mlflow.entities import Param
 
     params = [Param(k, v) for k, v in flatten(spec.model_dump(mode="json")).items()]
     for i in range(0, len(params), 100):
-        client.log_batch(run.info.run_id, params=params[i:i + 100])
+        mlflow.log_batch(run.info.run_id, params=params[i:i + 100])
     return run.info.run_id
 
 
 def set_tags(spec: JobSpec, run_id: str, tags: dict) -> None:
-    client = _client(spec)
+    mlflow = client(spec)
     for key, value in tags.items():
-        client.set_tag(run_id, key, value)
+        mlflow.set_tag(run_id, key, value)
 
 
-def end_run(spec: JobSpec, run_id: str, status: str, tags: dict | None = None) -> None:
-    set_tags(spec, run_id, tags or {})
-    _client(spec).set_terminated(run_id, status=status)
-
-
-def log_goodput(spec: JobSpec, run_id: str, goodput: dict) -> None:
+def log_goodput(mlflow, run_id: str, goodput: dict) -> None:
     """Productive vs wasted time and, per failure, steps lost and recovery time."""
-    import json
-
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
@@ -154,73 +155,77 @@ def log_goodput(spec: JobSpec, run_id: str, goodput: dict) -> None:
     for i, failure in enumerate(goodput["failures"]):
         metrics += [Metric("failure_steps_lost", float(failure["steps_lost"]), now, i + 1),  # host: Python numbers
                     Metric("failure_recovery_s", float(failure["recovery_s"]), now, i + 1)]  # host: Python numbers
-    client = _client(spec)
-    client.log_batch(run_id, metrics=metrics)
-    client.set_tag(run_id, "raytrain.goodput", json.dumps(goodput)[:5000])
+    mlflow.log_batch(run_id, metrics=metrics)
+    mlflow.set_tag(run_id, "raytrain.goodput", json.dumps(goodput)[:5000])
 
 
-LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "eval_loss", "mfu")
+def logged_steps(mlflow, run_id: str, keys) -> dict[str, set[int]]:
+    """{key: the steps the run has a value of it for}."""
+    return {key: {m.step for m in mlflow.get_metric_history(run_id, key)} for key in keys}
 
 
-class StepLogger:
-    """Rank 0's metric logger: batches of step metrics into the job's run.
+def log_missing(mlflow, run_id: str, steps: list) -> int:
+    """Log the (step, metrics) pairs whose step the run does not have yet; returns how many."""
+    from mlflow.entities import Metric
 
-    Two histories: the committed one (`loss`, ...: each step once, written when its checkpoint
-    commits, so rolled-back steps never appear) and a live one (`live/loss`, ...: written by a
-    background thread within moments of each step, never waited for; after a restart a
-    rolled-back step may appear there twice)."""
+    have = logged_steps(mlflow, run_id, ["loss"])["loss"]
+    missing = [(step, metrics) for step, metrics in steps if step not in have and "loss" in metrics]
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step) for step, metrics in missing for k, v in metrics.items()]  # host: Python numbers
+    for i in range(0, len(batch), 1000):  # MLflow's log_batch limit
+        mlflow.log_batch(run_id, metrics=batch[i:i + 1000])
+    return len(missing)
 
-    def __init__(self, spec: JobSpec, run_id: str):
-        self.spec, self.run_id, self.client = spec, run_id, _client(spec)
-        self._live: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._write_live, name="raytrain-live-metrics", daemon=True).start()
 
-    def log_live(self, step: int, metrics: dict[str, float]) -> None:
-        """Queue a step's live metrics; the training thread never waits for MLflow."""
-        self._live.put((step, {f"live/{k}": metrics[k] for k in LIVE_KEYS if k in metrics}))
+# --- the job's last word, kept in the run directory when MLflow cannot take it ---
+PENDING_FILE = "mlflow_pending.json"
 
-    def _write_live(self) -> None:
-        from mlflow.entities import Metric
 
-        warned = False
-        while True:
-            items = [self._live.get()]
-            while not self._live.empty():
-                items.append(self._live.get())
-            now = int(time.time() * 1000)
-            try:
-                self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for step, m in items  # host: metric values, read once a step
-                                                            for k, v in m.items()][:1000])
-            except Exception as exc:  # live values are a convenience: training never stops for them
-                if not warned:
-                    print(f"[raytrain] live metrics not written ({type(exc).__name__}: {exc}); committed ones still "
-                          "are", file=sys.stderr, flush=True)
-                    warned = True
+def close_run(spec: JobSpec, run_id: str, status: str, tags: dict, goodput: dict, steps: list) -> None:
+    """Driver, at the job's end: the steps rank 0 had not written yet (the latest checkpoint's),
+    goodput, tags and the run's status. Training's result never depends on it: if MLflow is
+    unreachable, all of it is kept in the run directory for `raytrain sync-metrics` (or the next
+    run of the job) and the job ends as it trained."""
+    from . import signing
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
+    record = {"run_dir": signing.place(spec.run_dir), "run_id": run_id, "status": status, "tags": tags, "goodput": goodput}
+    try:
+        _apply(client(spec), record, steps)
+    except Exception as exc:
+        storage.write_text(storage.join(spec.run_dir, PENDING_FILE), json.dumps(signing.sign_document(record)))
+        print(f"[raytrain] MLflow unreachable at the end ({type(exc).__name__}): the run's status ({status}), goodput "
+              f"and unwritten step metrics are kept in {spec.run_dir} ({PENDING_FILE} and the latest checkpoint); "
+              f"`raytrain sync-metrics {spec.run_dir}` or running the job again writes them", file=sys.stderr, flush=True)
+        return
+    storage.delete(storage.join(spec.run_dir, PENDING_FILE))
 
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])  # host: metric values, read once a step
 
-    def log_many(self, steps: list[tuple[int, dict[str, float]]]) -> None:
-        from mlflow.entities import Metric
+def _apply(mlflow, record: dict, steps: list) -> int:
+    written = log_missing(mlflow, record["run_id"], steps)
+    if record.get("goodput"):
+        log_goodput(mlflow, record["run_id"], record["goodput"])
+    for key, value in record.get("tags", {}).items():
+        mlflow.set_tag(record["run_id"], key, value)
+    if record.get("status"):
+        mlflow.set_terminated(record["run_id"], status=record["status"])
+    return written
 
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for step, metrics in steps for k, v in metrics.items()]  # host: metric values, read once a step
-        for i in range(0, len(batch), 1000):  # MLflow's log_batch limit
-            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
-    def log_missing(self, steps: list) -> int:
-        """Log the (step, metrics) pairs whose step MLflow does not have yet; returns how many."""
-        have = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
-        missing = [(step, metrics) for step, metrics in steps if step not in have and "loss" in metrics]
-        self.log_many(missing)
-        return len(missing)
+def sync_pending(spec: JobSpec, steps: list, run_id: str | None, resume: bool) -> int:
+    """What an earlier driver could not write (its kept close, the latest checkpoint's unwritten
+    steps) into the job's run; returns how many steps were written. `resume`: the job is about to
+    run again in the same MLflow run, so its status is left to this run's end."""
+    from . import signing
 
-    def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
-
-    def log_model_dir(self, local_dir: str) -> None:
-        self.client.log_artifacts(self.run_id, local_dir, artifact_path="final_model")
+    uri = storage.join(spec.run_dir, PENDING_FILE)
+    record = {"run_id": run_id}
+    if storage.exists(uri):
+        record = signing.verify_document(json.loads(storage.read_text(uri)), uri)
+        signing.require_place(record, "run_dir", signing.place(spec.run_dir), uri)
+        if resume:
+            record = {"run_id": record["run_id"]}
+    if not record.get("run_id"):
+        return 0
+    written = _apply(client(spec), record, steps)
+    storage.delete(uri)
+    return written

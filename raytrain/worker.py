@@ -11,7 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, control, loop, modeling, storage, tracking
+from . import checkpoint, control, loop, modeling, storage
+from .step_metrics import StepLogger
 from .checkpoint import TrainState
 from .config import JobSpec
 from .data.batches import open_data
@@ -67,7 +68,7 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
     timeline.mark("restored")
     resumed_from = state.step
     state.world_size, state.run_id = world, config["run_id"]
-    logger = tracking.StepLogger(spec, config["run_id"]) if rank == 0 else None
+    logger = StepLogger(spec, config["run_id"]) if rank == 0 else None
     attempt = 0  # rank 0 learns it from the control actor
     if rank == 0:
         logger.log_missing(state.metrics)  # the restored checkpoint's steps, if the last attempt died before logging them
@@ -89,6 +90,8 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
 
     if spec.checkpoint.export_final and not state.stopped:
         export(spec, strategy, logger)
+    if logger:  # a moment for the last steps; what is still unwritten is in the last checkpoint for the driver
+        logger.flush(timeout_s=10)
 
 
 def export(spec: JobSpec, strategy, logger) -> None:

@@ -1,10 +1,13 @@
 """What the training workers get from the submitter's environment: settings always, secrets
-only where a node lacks them (a forwarded value is readable in Ray's dashboard and state API),
-and the per-process setup raytrain needs (the SIGTERM handler, the preemption grace)."""
+only where a node lacks them and never through a runtime_env (which Ray's dashboard and state
+API show), and the per-process setup raytrain needs (the SIGTERM handler, the preemption grace)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
+from dataclasses import dataclass
 
 from . import preemption, signing
 from .config import JobSpec
@@ -29,53 +32,149 @@ def controller_env(spec: JobSpec) -> dict[str, str]:
     return {k: _SUBMITTERS[k] or v for k, v in env.items()}
 
 
-# What the workers need from the submitter's environment. Settings always travel; secrets
-# travel only where the cluster's nodes lack them, since whatever rides in a runtime_env is
-# readable in Ray's dashboard and state API (on Kubernetes the manifests set them on every
-# pod from the Secret raytrain-secrets, and nothing is forwarded).
+# What the workers need from the submitter's environment. Settings travel in the workers'
+# runtime_env; secrets never do, since whatever rides in a runtime_env is readable in Ray's
+# dashboard and state API. A node has its secrets from its own environment (on Kubernetes the
+# manifests set them on every pod from the Secret raytrain-secrets; cluster/*.yaml from the
+# cloud's secret store); a worker process on a node that lacks some asks the driver's secret
+# relay for them as its train function starts (`with_secrets`), so a spot node an autoscaler
+# adds mid-run is covered as well as the nodes alive at submit.
 SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
 SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", signing.KEY_ENV)
+# Names and ids only, never a value: these are in the workers' runtime_env.
+RELAY_ENV = "RAYTRAIN_SECRET_RELAY"  # the relay actor's name
+WANTED_ENV = "RAYTRAIN_SECRETS_WANTED"  # the SECRETS_ENV names set on the driver, comma-separated
+KEY_ID_ENV = "RAYTRAIN_KEY_ID"  # signing.key_id() of the driver: a hash, so a node can tell a different key
+RELAY_TIMEOUT_S = 30.0
 
 
-def lacking(wanted: list[str], present_per_node: list[list[str]]) -> list[str]:
-    """The secrets of `wanted` that at least one node does not have."""
-    return [k for k in wanted if not all(k in present for present in present_per_node)]
+class SecretRelay:
+    """The driver's secrets, in the memory of one actor on the driver's node, for the worker
+    processes of nodes that lack them. The values arrive by a method call (`hold`), never with
+    the actor's creation, whose options and runtime_env Ray's dashboard shows."""
+
+    def __init__(self):
+        self._values: dict[str, str] = {}
+        self._held = threading.Event()
+
+    def hold(self, values: dict[str, str]) -> None:
+        self._values = dict(values)
+        self._held.set()
+
+    def give(self, names: list[str]) -> dict[str, str]:
+        # The driver does not wait for `hold` (it would add the actor's start to every job's
+        # start-up); a worker that asks first waits here for it (threaded actor: both can run).
+        self._held.wait(RELAY_TIMEOUT_S)
+        return {n: self._values[n] for n in names if n in self._values}
 
 
-def secrets_the_cluster_lacks() -> list[str]:
-    """Ask every alive node which of the secrets set here its processes already have."""
+def relay_name(run_dir: str) -> str:
+    return "raytrain-secrets:" + run_dir
+
+
+@dataclass
+class Relay:
+    actor: object  # keep it referenced while the job runs: Ray ends an unreferenced actor, named or not
+    env: dict[str, str]  # names only: for the workers' runtime_env
+
+
+def start_relay(run_dir: str) -> Relay:
+    """Driver: the job's secret relay, holding the values of the SECRETS_ENV names set here, and
+    the names-only variables by which the workers reach it. Not detached: it ends with the
+    driver at the latest."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    wanted = [k for k in SECRETS_ENV if k in os.environ]
-    if not wanted:
-        return []
-    present = ray.remote(num_cpus=0)(_present)
-    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    answers = ray.get([present.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-                       .remote(wanted, signing.key_id()) for n in nodes])
-    return lacking(wanted, answers)
+    name = relay_name(run_dir)
+    try:
+        ray.kill(ray.get_actor(name))  # a stale one of another driver of this run
+    except ValueError:
+        pass
+    values = {k: os.environ[k] for k in SECRETS_ENV if k in os.environ}
+    # Pinned to the driver's node (as the control actor): it must not die with a spot node.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    actor = (ray.remote(num_cpus=0, max_concurrency=4)(SecretRelay)
+             .options(name=name, scheduling_strategy=here).remote())
+    actor.hold.remote(values)
+    key_id = signing.key_id()
+    return Relay(actor, {RELAY_ENV: name, WANTED_ENV: ",".join(values), **({KEY_ID_ENV: key_id} if key_id else {})})
 
 
 def _present(names: list[str], key_id: str | None) -> list[str]:
-    """Names only: no value leaves the node. The signing key counts as present where the node
-    would sign with the same key (from its environment or its key file)."""
+    """Which of `names` this process has. The signing key counts as present where this process
+    would sign with the same key (from its environment or its key file) as the driver."""
     have = [n for n in names if n in os.environ and n != signing.KEY_ENV]
-    return have + ([signing.KEY_ENV] if signing.key_id() == key_id else [])
+    return have + ([signing.KEY_ENV] if signing.KEY_ENV in names and signing.key_id() == key_id else [])
 
 
-def runtime_env(spec: JobSpec, forward: list[str]) -> dict:
+def setup_worker() -> None:
+    """Ray `worker_process_setup_hook` of the train workers: SIGTERM means "checkpoint, then go".
+
+    Ray runs it in each worker process after the process has connected to the cluster and
+    before it takes its first task, so before the Ray Train worker actor is constructed
+    (ray/_private/workers/default_worker.py). The secrets are not fetched here: ray.get_actor
+    works, but submitting any call from a process that has run no task yet crashes it (Ray
+    2.60: `shared_lru.h:66 Check failed: value != nullptr`, the caller's runtime env is unset;
+    a call given a runtime_env of its own goes through, then the next task assignment fails
+    `context.cc:95 Check failed: task_index_ == 0`). See `with_secrets` for where they come."""
+    preemption.install_sigterm_handler()
+
+
+def with_secrets(train_func):
+    """The train function, first receiving the secrets this node lacks from the driver's relay.
+
+    The earliest point where a worker may call the relay is its first task; of those, raytrain
+    runs only the train function, and Ray Train reads no secret on a worker before it (its
+    checkpoint storage is first touched by `ray.train.report`). A partial, not a closure:
+    cloudpickle ships it by reference, and Ray Train still sees one `config` parameter."""
+    return functools.partial(_train_with_secrets, train_func)
+
+
+def _train_with_secrets(train_func, config: dict):
+    receive_secrets()
+    return train_func(config)
+
+
+def receive_secrets() -> None:
+    """Set in os.environ the secrets the driver has and this process lacks, from the relay
+    named in the runtime_env (names only there). Never raises: without them, the job fails at
+    their first use with that use's own message (e.g. signing's "no signing key")."""
+    wanted = [n for n in os.environ.get(WANTED_ENV, "").split(",") if n]
+    missing = [n for n in wanted if n not in _present(wanted, os.environ.get(KEY_ID_ENV))]
+    name = os.environ.get(RELAY_ENV)
+    if not missing or not name:
+        return
+    import ray
+
+    try:
+        # get_actor is one GCS lookup, bounded by Ray's own GCS request timeout.
+        values = ray.get(ray.get_actor(name).give.remote(missing), timeout=RELAY_TIMEOUT_S)
+    except (ValueError, ray.exceptions.RayError) as exc:  # ValueError: no such actor (the driver is gone)
+        print(f"[raytrain] this node lacks {', '.join(missing)} and the driver's secret relay did not answer "
+              f"({type(exc).__name__}); going on without them: set them on the node", flush=True)
+        return
+    os.environ.update(values)
+    if values:
+        print(f"[raytrain] this node lacks {', '.join(values)}: received from the driver for this worker (values "
+              "never shown); setting them on the node is the better way (cluster/*.yaml, or the Secret "
+              "raytrain-secrets on Kubernetes)", flush=True)
+
+
+def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
+    """The train workers' runtime_env: settings, and the relay's names-only variables (`start_relay`)."""
     env = {"TOKENIZERS_PARALLELISM": "false", preemption.GRACE_ENV: str(spec.failure.preemption_grace_s)}
     if not spec.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
-    for key in (*SETTINGS_ENV, *forward):
-        if key in os.environ:  # secrets travel in the environment, never in the spec or MLflow
+    for key in SETTINGS_ENV:
+        if key in os.environ:
             env[key] = os.environ[key]
+    env.update(relay or {})
     # A worker-process setup hook runs in each worker's main thread at start-up, so that
-    # SIGTERM means "checkpoint, then go". Ray turns a job-level `worker_process_setup_hook`
-    # into this variable only in ray.init; for the train workers' own env we set it directly.
+    # SIGTERM means "checkpoint, then go" (`setup_worker`). Ray turns a job-level
+    # `worker_process_setup_hook` into this variable only in ray.init; for the train workers'
+    # own env we set it directly.
     from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
 
-    env[WORKER_PROCESS_SETUP_HOOK_ENV_VAR] = "raytrain.preemption.install_sigterm_handler"
+    env[WORKER_PROCESS_SETUP_HOOK_ENV_VAR] = "raytrain.worker_env.setup_worker"
     return {"env_vars": env}

@@ -3,6 +3,7 @@ model/tokenizer/data built once (the same files `raytrain quickstart` makes)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -12,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -173,12 +175,29 @@ def make_job(assets: Path, storage: Path, **over) -> JobSpec:
     return JobSpec.model_validate(deep_merge(base, over))
 
 
-def copy_run_without(run_dir, storage: Path, step: int) -> Path:
-    """`storage` holding a copy of a run directory without its step-`step` checkpoint and its
-    export (deleted, as a user deletes a folder): the same job there resumes from the one before."""
-    shutil.copytree(run_dir, storage / Path(run_dir).name,
-                    ignore=shutil.ignore_patterns(f"step_{step:08d}", "final_model"))
-    return storage
+@contextlib.contextmanager
+def altered(run_dir):
+    """`run_dir` to tamper with in place for one case, put back as it was afterwards. In place,
+    since signed files name their run directory: a copy elsewhere is refused for that first."""
+    backup = Path(tempfile.mkdtemp(prefix="raytrain-backup-")) / "run"
+    shutil.copytree(run_dir, backup)
+    try:
+        yield Path(run_dir)
+    finally:
+        shutil.rmtree(run_dir)
+        shutil.move(str(backup), str(run_dir))
+        shutil.rmtree(backup.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def without_checkpoint(run_dir, step: int):
+    """The storage holding `run_dir`, its step-`step` checkpoint and its export deleted (as a user
+    deletes a folder): the same job there resumes from the checkpoint before. Put back as it was
+    afterwards, for the other tests that share the run."""
+    with altered(run_dir) as here:
+        shutil.rmtree(here / f"step_{step:08d}")
+        shutil.rmtree(here / "final_model", ignore_errors=True)
+        yield here.parent
 
 
 def metric_history(spec: JobSpec, run_id: str, key: str = "loss") -> dict[int, float]:

@@ -7,6 +7,9 @@ with its data and checkpoints on s3://; a training worker is SIGKILLed mid-run (
 from the checkpoint on S3, never from scratch); `ray job stop` (the job commits its last step
 before it ends); the same job submitted again resumes there and runs to SUCCEEDED, its checkpoints,
 its final model and its one MLflow run (read back from the server) all there.
+
+A node that joins after the submit, without the cluster's secrets: the job's worker there gets
+them from the driver (names in the log, no value in the job's runtime_env) and signs with its key.
 """
 
 from __future__ import annotations
@@ -161,6 +164,17 @@ def cluster(s3, mlflow_server):
     shutil.rmtree(state, ignore_errors=True)
 
 
+def stop_node(proc: subprocess.Popen) -> None:
+    """A `ray start --block` node started in a session of its own, stopped as local-cluster.sh
+    stops a head: SIGTERM to its process group (raylet, agents), SIGKILL to what is left after 3 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 def write_job(path: Path, assets: Path, storage: str, **over) -> Path:
     spec = make_job(assets, storage, **over)  # the conftest's tiny job, as a YAML file a user would write
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
@@ -253,3 +267,67 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
         monkeypatch.setenv(key, value)
     assert run.data.tags["raytrain.final_model"] == f"s3://{BUCKET}/runs/on-s3/final_model"
     assert "final_model" in {a.path for a in mlflow.list_artifacts(run.info.run_id)}  # tracking.log_model: true
+
+
+# ---------------------------------------------------------------- a node that joins after the submit
+def test_a_node_that_joins_after_the_submit_gets_the_secrets_it_lacks_from_the_driver(
+        cluster, s3, mlflow_server, assets, tmp_path, monkeypatch):
+    """A spot node the autoscaler adds mid-run, without the cluster's secrets (no signing key, no
+    MLflow login, no S3 keys): the job's worker runs there (only that node has the resource it
+    asks for), gets what the node lacks from the driver as it starts, says so by name, and its
+    checkpoints verify with the driver's key. No secret value is in the job's runtime_env."""
+    from raytrain import cli, signing, worker_env
+
+    s3_env, client = s3
+    if "Contents" not in client.list_objects_v2(Bucket=BUCKET, Prefix="data/text.jsonl"):
+        client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")  # as the first test has
+    job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="late-node",
+                    data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": 4},
+                    checkpoint={"every_n_steps": 2}, scaling={"num_workers": 1, "resources_per_worker": {"late": 1}},
+                    tracking={"uri": mlflow_server[0], "experiment": "deploy-late"})
+    job_id = submission_id("late-node")
+    cluster.ray("job", "submit", "--no-wait", "--submission-id", job_id, "--working-dir", ".", "--",
+                "python", "-m", "raytrain", "run", str(job))
+
+    # The node joins once the token store is ready: Ray Data's prepare tasks (spread over the
+    # nodes) are no train workers and get nothing from the relay (on a cloud, S3 comes from the
+    # instance's role; here a prepare task there was refused by S3).
+    deadline = time.monotonic() + 300
+    while "token store" not in (logs := cluster.ray("job", "logs", job_id)):  # each CLI call takes ~1 s
+        assert time.monotonic() < deadline and cluster.status(job_id) not in TERMINAL, logs[-3000:]
+    secrets_here = [k for k in worker_env.SECRETS_ENV if k in cluster.env]
+    node_env = {k: v for k, v in cluster.env.items() if k not in worker_env.SECRETS_ENV}
+    home, temp = tmp_path / "late-home", Path(tempfile.mkdtemp(prefix="rt-late-", dir="/tmp"))  # socket paths stay short
+    home.mkdir()
+    node_env.update(HOME=str(home), AWS_EC2_METADATA_DISABLED="true")  # no ~/.raytrain/checkpoint.key; not on EC2
+    node = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--address", f"127.0.0.1:{cluster.env['RAYTRAIN_GCS_PORT']}",
+         "--node-ip-address", "127.0.0.1", "--resources", '{"late": 2}', "--num-cpus", "2", "--temp-dir", str(temp),
+         "--dashboard-agent-listen-port", str(free_port()), "--disable-usage-stats", "--block"],
+        cwd=tmp_path, env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        status = cluster.wait(job_id, timeout=300)
+        logs = cluster.ray("job", "logs", job_id)
+        assert status == "SUCCEEDED", logs[-3000:]
+        # The worker ran on the late node (its log is there), and said what it got, by name.
+        said = f"[raytrain] this node lacks {', '.join(secrets_here)}: received from the driver"
+        assert signing.KEY_ENV in secrets_here and "MLFLOW_TRACKING_PASSWORD" in secrets_here
+        assert said in logs, logs[-3000:]
+        _, run, history = mlflow_run(mlflow_server, "deploy-late")  # the worker logged in with the login it got
+        assert run.info.status == "FINISHED" and sorted(step for step, _ in history) == [1, 2, 3, 4]
+        late_logs = " ".join(p.read_text(errors="replace") for p in temp.glob("session_*/logs/worker-*.out"))
+        assert "RayTrainWorker" in late_logs and said in late_logs
+        # No value in the workers' runtime_env (Ray's state API and dashboard show it), nor in the log.
+        shown = cluster.ray("list", "tasks", "--filter", "name=RayTrainWorker.__init__", "--detail", "--format", "json")
+        assert worker_env.RELAY_ENV in shown and "runtime_env" in shown, shown[-3000:]
+        for name in secrets_here:
+            value = cluster.env[name]
+            assert len(value) < 12 or (value not in shown and value not in logs), name  # S3's dummy "testing" is no secret
+    finally:
+        stop_node(node)
+        shutil.rmtree(temp, ignore_errors=True)
+    # The checkpoints the worker signed verify with the driver's key: export reads the latest.
+    for key, value in s3_env.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["export", f"s3://{BUCKET}/runs/late-node", "--out", str(tmp_path / "export")]) == 0
+    assert (tmp_path / "export" / "adapter_config.json").exists()

@@ -90,14 +90,14 @@ def test_rank0_fallback_and_restore_fill_device_models(group, assets, split_mode
     step = tmp_path / "step_00000004"
     trained = {k: v + 1 for k, v in reference.items()}
     dcp.save({"model": trained}, checkpoint_id=str(step), no_dist=True)
-    signing.sign_checkpoint(str(step), spec.name, step.name, rank=0, world_size=1)
+    signing.sign_checkpoint(str(step), spec.run_dir, step.name, rank=0, world_size=1)
     with FakeAccelerator():
         model = modeling.load_model(spec, on_meta=True).to_empty(device=DEVICE)
         modeling.init_buffers(model)
         weights.broadcast_from_rank0(spec, model)
         loaded = {k: v.cpu() for k, v in model.state_dict().items()}
         state = {"model": {k: torch.empty_like(v, device=DEVICE) for k, v in reference.items()}}
-        with signing.SignedCheckpoint(str(step), spec.name, step.name) as checkpoint:
+        with signing.SignedCheckpoint(str(step), spec.run_dir, step.name) as checkpoint:
             read_checkpoint(state, checkpoint)
         restored = {k: v.cpu() for k, v in state["model"].items()}
     assert all(torch.equal(loaded[k], reference[k]) for k in reference)

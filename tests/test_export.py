@@ -53,16 +53,17 @@ def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4):
     """A committed single-process DCP checkpoint of `state` in a run directory, as training leaves one."""
     import torch.distributed.checkpoint as dcp
 
-    from raytrain import signing
-    from raytrain.checkpoint import COMMITTED_FILE, STATE_FILE
+    from raytrain import signing, storage
+    from raytrain.checkpoint import RAY_SNAPSHOT, STATE_FILE  # Ray Train's controller registers it there
     from raytrain.export import write_job_file
 
     write_job_file(spec)
     step = tmp_path / "runs" / spec.name / f"step_{step_number:08d}"
     dcp.save({"model": state}, checkpoint_id=str(step))
     (step / STATE_FILE).write_text("{}")
-    (step / COMMITTED_FILE).write_text(str(step_number))
-    signing.sign_checkpoint(str(step), spec.name, step.name, rank=0, world_size=1)  # as one rank of 1 signs
+    signing.sign_checkpoint(str(step), spec.run_dir, step.name, rank=0, world_size=1)  # as one rank of 1 signs
+    storage.write_text(storage.join(spec.run_dir, RAY_SNAPSHOT),  # local, or where the run directory is
+                       json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": step.name}}))
     return step
 
 
@@ -107,7 +108,7 @@ def test_export_reads_a_run_directory_on_s3(assets, tmp_path, s3_server, monkeyp
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     client.create_bucket(Bucket="exports")
-    spec = make_job(assets, tmp_path / "runs", name="adapter")
+    spec = make_job(assets, "s3://exports/runs", name="adapter")  # its files signed for the run directory on S3
     model = modeling.load_model(spec)
     with torch.no_grad():
         trained = {k: v.clone() + 1 for k, v in model.state_dict().items() if k in modeling.trainable_names(model)}

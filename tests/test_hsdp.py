@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import copy_run_without, make_job, metric_history
+from conftest import make_job, metric_history, without_checkpoint
 from raytrain import launcher
 from raytrain.export import latest_checkpoint
 
@@ -43,9 +43,10 @@ def test_hsdp_trains_like_the_flat_mesh_and_checkpoints_reshard_between_them(ray
 
     # Same name: A's run directory, continued, without its step-6 folder (deleted as a user deletes a
     # refused checkpoint: Ray Train's snapshot still lists it, and raytrain drops it from there).
-    flat = job(assets, copy_run_without(hsdp.run_dir, tmp_path / "b", 6), hsdp=False, steps=6)
-    b = metric_history(flat, launcher.run(flat).run_id)  # resumes at A's step 3
-    assert shards_per_weight(latest_checkpoint(flat.run_dir)) == 4
+    with without_checkpoint(hsdp.run_dir, 6) as storage:
+        flat = job(assets, storage, hsdp=False, steps=6)
+        b = metric_history(flat, launcher.run(flat).run_id)  # resumes at A's step 3
+        assert shards_per_weight(latest_checkpoint(flat.run_dir)) == 4
 
     assert sorted(b) == [1, 2, 3, 4, 5, 6]  # steps 1-3 as A's checkpoint recorded them, 4-6 trained flat
     worst = max(abs(a[s] - b[s]) / a[s] for s in (4, 5, 6))

@@ -295,14 +295,14 @@ def test_full_dpo_continued_from_its_checkpoint_takes_the_same_steps(runs, asset
     # The fsdp2 full run's directory without its last checkpoint (deleted, as a user deletes a
     # folder), continued: the policy, its AdamW state and the frozen reference copy come back,
     # and steps 5-8 and their evals are the uninterrupted run's, bit for bit.
-    from conftest import copy_run_without, metric_history
+    from conftest import metric_history, without_checkpoint
 
     from raytrain import launcher
 
     reference = runs["dpo", "fsdp2", "full"]
-    storage = copy_run_without(reference.spec.run_dir, tmp_path / "runs", PARITY_STEPS)
-    spec = dpo_job(assets, storage, reference.spec.name, "fsdp2", "full")
-    result = launcher.run(spec)
+    with without_checkpoint(reference.spec.run_dir, PARITY_STEPS) as storage:
+        spec = dpo_job(assets, storage, reference.spec.name, "fsdp2", "full")
+        result = launcher.run(spec)
     assert result.goodput["failures"] == []
     for key in ("loss", "rewards/margins", "eval_rewards/accuracies"):
         assert metric_history(spec, result.run_id, key) == getattr(reference, key.replace("/", "_")), key

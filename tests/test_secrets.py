@@ -1,27 +1,84 @@
-"""Secrets reach the workers from the nodes' own environment; one set only in the submitting
-shell is forwarded (and said), since a forwarded value is readable in Ray's dashboard."""
+"""Secrets reach the workers from the nodes' own environment; a worker whose node lacks one gets
+it from the driver's secret relay as its train function starts, and says so (names only). No
+secret value is ever in the workers' runtime_env, which Ray's dashboard and state API show.
+(tests/test_deploy.py: a node that joins after the submit, on a real cluster.)"""
 
 from __future__ import annotations
 
-from raytrain.worker_env import lacking, runtime_env, secrets_the_cluster_lacks
+import contextlib
+import io
+import json
+import os
+
+from raytrain import signing, worker_env
+
+OTHER_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_USERNAME",
+                 "MLFLOW_TRACKING_PASSWORD")
 
 
-def test_only_secrets_some_node_lacks_are_forwarded():
-    nodes = [["HF_TOKEN", "AWS_ACCESS_KEY_ID"], ["HF_TOKEN"]]
-    assert lacking(["HF_TOKEN", "AWS_ACCESS_KEY_ID", "MLFLOW_TRACKING_PASSWORD"], nodes) == \
-        ["AWS_ACCESS_KEY_ID", "MLFLOW_TRACKING_PASSWORD"]
+def _probe(config: dict) -> dict:
+    return {"HF_TOKEN": os.environ.get("HF_TOKEN"), "key_id": signing.key_id(), "config": config}
 
 
-def test_a_secret_the_cluster_lacks_is_forwarded_and_one_it_has_is_not(ray_address, assets, tmp_path, monkeypatch):
+def _start_worker(train_func, config: dict) -> tuple[dict, str]:
+    """A worker process as the train workers start (the setup hook, then the train function
+    wrapped as the launcher wraps it): what it saw and what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        seen = worker_env.with_secrets(train_func)(config)
+    return seen, out.getvalue()
+
+
+def _run_on_a_worker(runtime_env: dict) -> tuple[dict, str]:
+    import sys
+
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test file
+    task = ray.remote(num_cpus=0)(_start_worker).options(runtime_env=runtime_env)
+    return ray.get(task.remote(_probe, {"step": 1}), timeout=120)
+
+
+def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_env(ray_address, assets, tmp_path,
+                                                                                    monkeypatch):
     from conftest import make_job
 
-    for key in ("HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+    for key in OTHER_SECRETS:
         monkeypatch.delenv(key, raising=False)
-    assert secrets_the_cluster_lacks() == []
-    monkeypatch.setenv("HF_TOKEN", "hf_only_in_this_shell")  # set after the cluster started: its nodes lack it
-    forward = secrets_the_cluster_lacks()
-    assert forward == ["HF_TOKEN"]
-    env = runtime_env(make_job(assets, tmp_path), forward)["env_vars"]
-    assert env["HF_TOKEN"] == "hf_only_in_this_shell"
-    assert "HF_TOKEN" not in runtime_env(make_job(assets, tmp_path), [])["env_vars"]
+    # Set after the cluster started: its nodes lack it. The signing key they have (the same one).
+    monkeypatch.setenv("HF_TOKEN", "hf_only_in_this_shell")
+    relay = worker_env.start_relay(str(tmp_path / "run"))
+    spec = make_job(assets, tmp_path)
+    env = worker_env.runtime_env(spec, relay.env)
+    text = json.dumps(env)
+    assert "hf_only_in_this_shell" not in text and os.environ[signing.KEY_ENV] not in text
+    assert env["env_vars"][worker_env.WANTED_ENV] == f"HF_TOKEN,{signing.KEY_ENV}"
+    assert env["env_vars"][worker_env.KEY_ID_ENV] == signing.key_id()
+
+    seen, printed = _run_on_a_worker(env)
+    assert seen == {"HF_TOKEN": "hf_only_in_this_shell", "key_id": signing.key_id(), "config": {"step": 1}}
+    lines = printed.splitlines()
+    assert len(lines) == 1 and "lacks HF_TOKEN:" in lines[0] and "setting them on the node" in lines[0]
+    assert signing.KEY_ENV not in lines[0] and "hf_only_in_this_shell" not in lines[0]  # same key id: nothing sent
+
+    # A node with another signing key gets the driver's (compared by id, never by value).
+    other = {"env_vars": {**env["env_vars"], signing.KEY_ENV: "this node's own, other key"}}
+    seen, printed = _run_on_a_worker(other)
+    assert seen["key_id"] == signing.key_id() and f"lacks HF_TOKEN, {signing.KEY_ENV}:" in printed
+
+    # The driver gone (its relay with it): one clear line, and the worker goes on without them.
+    import ray
+
+    ray.kill(relay.actor)
+    seen, printed = _run_on_a_worker({"env_vars": {**env["env_vars"], "RAYTRAIN_TEST": "relay gone"}})
+    assert seen["HF_TOKEN"] is None and "relay did not answer" in printed and "going on without them" in printed
+
+
+def test_a_worker_whose_node_has_everything_asks_nothing(ray_address, assets, tmp_path, monkeypatch):
+    from conftest import make_job
+
+    for key in (*OTHER_SECRETS, "HF_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    env = worker_env.runtime_env(make_job(assets, tmp_path), worker_env.start_relay(str(tmp_path / "run")).env)
+    seen, printed = _run_on_a_worker(env)
+    assert seen["key_id"] == signing.key_id() and printed == ""

@@ -73,3 +73,38 @@ def test_a_rank_fetches_only_its_files_from_s3_each_verified_before_it_is_read(t
         with pytest.raises(signing.JobError, match=r"__0_0\.distcp was changed after it was written"):
             checkpoint.fetch("__0_0.distcp")
         assert sorted(p.name for p in Path(folder).iterdir()) == ["__1_0.distcp"]  # nothing of it kept
+
+
+def test_a_snapshot_rolled_back_behind_the_signed_record_is_refused_and_a_deleted_checkpoint_is_not(tmp_path):
+    """Which checkpoint a restart restores is Ray Train's run snapshot, a file anyone who can write
+    the storage can edit; raytrain's signed record of the newest registered checkpoint catches an
+    edit that names an older one, while a checkpoint deleted by hand (as a refusal advises) is
+    simply gone. The record names its run directory: one copied from another run is refused."""
+    import json
+
+    import pytest
+
+    from raytrain.checkpoint import LATEST_FILE, RAY_SNAPSHOT, latest_checkpoint, record_latest
+    from raytrain.errors import JobError
+
+    run_dir = tmp_path / "runs" / "job"
+    for step in (2, 4):
+        (run_dir / f"step_{step:08d}").mkdir(parents=True)
+
+    def snapshot(name: str) -> None:  # the part of Ray 2.60's snapshot that names the latest
+        (run_dir / RAY_SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
+
+    snapshot("step_00000004")
+    record_latest(str(run_dir), "step_00000004")
+    assert latest_checkpoint(str(run_dir)) == f"{run_dir}/step_00000004"
+    snapshot("step_00000002")  # rolled back by an edit
+    with pytest.raises(JobError, match="names step_00000002 as the latest, but step_00000004 was registered after it"):
+        latest_checkpoint(str(run_dir))
+    (run_dir / "step_00000004").rmdir()  # deleted on purpose: the one before is the latest
+    assert latest_checkpoint(str(run_dir)) == f"{run_dir}/step_00000002"
+    other = tmp_path / "runs" / "other"
+    other.mkdir()
+    (other / LATEST_FILE).write_text((run_dir / LATEST_FILE).read_text())  # validly signed, for another run
+    (other / RAY_SNAPSHOT).write_text((run_dir / RAY_SNAPSHOT).read_text())
+    with pytest.raises(JobError, match=f"it is signed for run_dir '{run_dir}', not '{other}'"):
+        latest_checkpoint(str(other))

@@ -137,13 +137,21 @@ def test_a_half_written_store_is_rebuilt_a_tampered_one_refused_and_a_changed_so
     with pytest.raises(JobError, match=f"refusing the token store .*{shard.name} was changed after it was prepared"):
         ensure_store(spec)
     shard.write_bytes(rows)
-    manifest = json.loads(Path(store.path, MANIFEST).read_text())
+    signed = Path(store.path, MANIFEST).read_text()
+    manifest = json.loads(signed)
     manifest["rows"] -= 1  # any edit of the manifest without the key
     Path(store.path, MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(JobError, match=f"refusing the token store {store.uri}/{MANIFEST}: its signature is wrong"):
         TokenStore.open(store.uri)
     data.write_text(data.read_text() + data.read_text().splitlines(keepends=True)[0])
-    assert ensure_store(spec).key != store.key
+    changed = ensure_store(spec)
+    assert changed.key != store.key
+    # Another store's valid manifest put over this one's (its shards alike, its rows other data):
+    # refused for its key, which names the store it was signed for.
+    Path(changed.path, MANIFEST).write_text(signed)
+    with pytest.raises(JobError, match=f"refusing the token store {changed.uri}/{MANIFEST}: it is signed for key "
+                                       f"'{store.key}', not '{changed.key}'"):
+        TokenStore.open(changed.uri)
 
 
 # ---------------------------------------------------------------- training at 1, 2 and 3 workers

@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run_without, file_hashes, make_job, metric_history
+from conftest import altered, file_hashes, make_job, metric_history, without_checkpoint
 from raytrain import launcher
+from raytrain.checkpoint import RAY_SNAPSHOT
 from raytrain.export import export_checkpoint, latest_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -105,9 +106,9 @@ def test_per_step_losses_agree_across_strategies(trained, finetune):
 @pytest.mark.parametrize("strategy,finetune", [("zero3", "lora"), ("ddp", "full")])
 def test_a_run_continued_from_its_checkpoint_takes_the_same_next_steps(trained, tmp_path, assets, strategy, finetune):
     reference = trained[strategy, finetune]
-    storage = copy_run_without(reference.run_dir, tmp_path / "runs", STEPS)  # resumes at step EVERY
-    spec = job(assets, storage, strategy, finetune, reference.spec.name)
-    losses = metric_history(spec, launcher.run(spec).run_id)
+    with without_checkpoint(reference.run_dir, STEPS) as storage:  # resumes at step EVERY
+        spec = job(assets, storage, strategy, finetune, reference.spec.name)
+        losses = metric_history(spec, launcher.run(spec).run_id)
     assert losses[EVERY + 1] == reference.losses[EVERY + 1]  # the next step after the restore
     assert losses == reference.losses  # and the whole run, bit for bit (1-10 as the checkpoint recorded them)
 
@@ -131,9 +132,9 @@ def test_zero3_checkpoint_resumes_at_another_world_size(trained, tmp_path, asset
     """The 2-worker run's step-10 checkpoint continued by 1 worker: DeepSpeed refuses a
     checkpoint of another world size, so the strategy converts it to a universal checkpoint."""
     run = trained["zero3", "full"]
-    storage = copy_run_without(run.run_dir, tmp_path / "runs", STEPS)  # resumes at step EVERY
-    spec = job(assets, storage, "zero3", "full", run.spec.name, steps=EVERY + 1, scaling={"num_workers": 1})
-    result = launcher.run(spec)
+    with without_checkpoint(run.run_dir, STEPS) as storage:  # resumes at step EVERY
+        spec = job(assets, storage, "zero3", "full", run.spec.name, steps=EVERY + 1, scaling={"num_workers": 1})
+        result = launcher.run(spec)
     assert result.metrics["world_size"] == 1 and result.metrics["step"] == EVERY + 1
     reference = trained["zero3", "full"].losses[EVERY + 1]
     loss = metric_history(spec, result.run_id)[EVERY + 1]
@@ -212,8 +213,12 @@ def tamper(step: Path, case: str, strategy: str, side_effect: Path) -> None:
         (step / "extra.pt").write_bytes(pickle.dumps(Planted(side_effect)))
     elif case == "no-manifest":
         (step / "MANIFEST.rank-00001.json").unlink()
-    elif case == "replayed":  # a valid checkpoint put where a newer one should be
+    elif case == "replayed":  # a valid checkpoint put where a newer one should be, and registered there
         step.rename(step.with_name("step_00000030"))
+        snapshot = json.loads((step.parent / RAY_SNAPSHOT).read_text())
+        for result in [snapshot["latest_checkpoint_result"], *snapshot["checkpoint_results"]]:
+            result["checkpoint_dir_name"] = result["checkpoint_dir_name"].replace(step.name, "step_00000030")
+        (step.parent / RAY_SNAPSHOT).write_text(json.dumps(snapshot))
 
 
 REFUSALS = {"changed": "{shard} was changed after it was written", "pickle": "{pickled} was changed after it was written",
@@ -232,38 +237,47 @@ def test_export_refuses_a_tampered_checkpoint_before_reading_it(trained, tmp_pat
     run = trained[strategy, "full"]
     side_effect = tmp_path / "pwned"
     for case, message in REFUSALS.items():
-        copy = tmp_path / case / run.run_dir.name
-        shutil.copytree(run.run_dir, copy)
-        tamper(copy / f"step_{STEPS:08d}", case, strategy, side_effect)
-        expected = message.format(shard=re.escape(SHARD[strategy]), pickled=re.escape(PICKLED[strategy]))
-        with pytest.raises(JobError, match=expected):
-            export_checkpoint(str(copy), str(tmp_path / case / "out"))
+        with altered(run.run_dir) as run_dir:
+            tamper(run_dir / f"step_{STEPS:08d}", case, strategy, side_effect)
+            expected = message.format(shard=re.escape(SHARD[strategy]), pickled=re.escape(PICKLED[strategy]))
+            with pytest.raises(JobError, match=expected):
+                export_checkpoint(str(run_dir), str(tmp_path / case / "out"))
         assert not side_effect.exists(), case  # refused before anything was unpickled
         assert not (tmp_path / case / "out").exists()
     # The job file export rebuilds the model from is signed too (trust_remote_code lives there).
-    copy = tmp_path / "job" / run.run_dir.name
+    with altered(run.run_dir) as run_dir:
+        job_file = json.loads((run_dir / "job.json").read_text())
+        job_file["model"]["trust_remote_code"] = True
+        (run_dir / "job.json").write_text(json.dumps(job_file))
+        with pytest.raises(JobError, match="job.json: its signature is wrong"):
+            export_checkpoint(str(run_dir), str(tmp_path / "job" / "out"))
+    # Signed files name their place: the same run copied elsewhere (the job's name and the key
+    # the same) is refused, its job.json first and a checkpoint's manifests on their own.
+    copy = tmp_path / "elsewhere" / run.run_dir.name
     shutil.copytree(run.run_dir, copy)
-    job_file = json.loads((copy / "job.json").read_text())
-    job_file["model"]["trust_remote_code"] = True
-    (copy / "job.json").write_text(json.dumps(job_file))
-    with pytest.raises(JobError, match="job.json: its signature is wrong"):
-        export_checkpoint(str(copy), str(tmp_path / "job" / "out"))
+    with pytest.raises(JobError, match=f"job.json: it is signed for run_dir '{re.escape(str(run.run_dir))}', not "
+                                       f"'{re.escape(str(copy))}'"):
+        export_checkpoint(str(copy), str(tmp_path / "copy-out"))
+    other = trained["zero3" if strategy == "fsdp2" else "fsdp2", "full"]  # another run's valid checkpoint, put in this one
+    with altered(run.run_dir) as run_dir:
+        shutil.rmtree(run_dir / f"step_{STEPS:08d}")
+        shutil.copytree(other.run_dir / f"step_{STEPS:08d}", run_dir / f"step_{STEPS:08d}")
+        with pytest.raises(JobError, match=f"MANIFEST.rank-00000.json signs checkpoint step_{STEPS:08d} of run directory "
+                                           f"{re.escape(str(other.run_dir))}, not step_{STEPS:08d} of {re.escape(str(run_dir))}"):
+            export_checkpoint(str(run_dir), str(tmp_path / "copy-out"))
 
 
 @pytest.mark.parametrize("strategy,case", [("fsdp2", "pickle"), ("zero3", "changed")])
 def test_restore_refuses_a_tampered_checkpoint(trained, assets, tmp_path, strategy, case):
-    import shutil
-
     from raytrain.errors import JobError
 
-    run = trained[strategy, "full"]  # a copy of its run directory, continued past its last step
-    storage = tmp_path / "runs"
-    shutil.copytree(run.run_dir, storage / run.run_dir.name)
+    run = trained[strategy, "full"]  # its run directory, tampered with and continued past its last step
     side_effect = tmp_path / "pwned"
-    tamper(storage / run.run_dir.name / f"step_{STEPS:08d}", case, strategy, side_effect)
-    with pytest.raises(JobError, match=REFUSALS[case].format(shard=SHARD[strategy], pickled=PICKLED[strategy])
-                       .replace(".", r"\.") + ".*Nothing in it was loaded"):
-        launcher.run(job(assets, storage, strategy, "full", run.spec.name, steps=STEPS + 1))
+    with altered(run.run_dir) as run_dir:
+        tamper(run_dir / f"step_{STEPS:08d}", case, strategy, side_effect)
+        with pytest.raises(JobError, match=REFUSALS[case].format(shard=SHARD[strategy], pickled=PICKLED[strategy])
+                           .replace(".", r"\.") + ".*Nothing in it was loaded"):
+            launcher.run(job(assets, run_dir.parent, strategy, "full", run.spec.name, steps=STEPS + 1))
     assert not side_effect.exists()
 
 

@@ -66,6 +66,7 @@ class TokenStore:
         if manifest.get("format_version") != FORMAT_VERSION:
             return None
         manifest = signing.verify_document(manifest, f"the token store {uri}/{MANIFEST}")
+        signing.require_place(manifest, "key", uri.rstrip("/").rsplit("/", 1)[-1], f"the token store {uri}/{MANIFEST}")
         infos = fs.get_file_info([f"{path}/{s['file']}" for s in manifest["shards"]])
         row_bytes = 4 * manifest.get("planes", PLANES) * manifest["seq_len"]
         if any(i.type != pafs.FileType.File or i.size != s["rows"] * row_bytes for i, s in zip(infos, manifest["shards"])):

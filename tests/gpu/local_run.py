@@ -11,7 +11,7 @@ replaced here by the same work done locally, nothing else:
   `prepare.ensure_inputs` (key, shards, signed manifest) runs as it is;
 - committing a checkpoint (`checkpoint.save_and_report`): each rank saves and signs its part in a
   folder of its own, as under Ray Train; here the parts are merged into `<run_dir>/step_N/` (what
-  Ray's upload does) and rank 0 marks it COMMITTED. Restoring reads that folder through
+  Ray's upload does), registered as Ray's controller registers it, and rank 0 records it. Restoring reads that folder through
   `signing.SignedCheckpoint` and `strategy.load`, as `checkpoint.restore` does;
 - the stop notices (`preemption.StopSignals.local`, which reads Ray's drain notice every step): here a SIGTERM
   flag only (there is no driver and no Ray drain notice to hear).
@@ -154,10 +154,19 @@ def _run_units_here(spec, data, fs, units, out_fs, out_path, concurrency) -> lis
             for i, u in enumerate(units)]
 
 
+def register(run_dir: str, name: str) -> None:
+    """What Ray Train's controller writes once every rank reported: its run snapshot naming the
+    latest checkpoint (the part of Ray 2.60's layout that `checkpoint.latest_checkpoint` reads)."""
+    from raytrain.checkpoint import RAY_SNAPSHOT
+
+    Path(run_dir, RAY_SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
+
+
 def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None:
     """`checkpoint.save_and_report` without Ray Train: each rank saves and signs its part in its own
     folder (as a Ray Train worker does), the parts are merged into `<run_dir>/step_N/` (Ray's
-    upload), then rank 0 marks it COMMITTED (`checkpoint.confirm`). Always synchronous."""
+    upload), then rank 0 registers it as Ray Train's controller does (`register`) and records it
+    (`checkpoint.confirm`). Always synchronous."""
     from raytrain import checkpoint, signing
 
     spec, rank, world = strategy.spec, strategy.rank, strategy.world_size
@@ -168,14 +177,15 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None
         if rank == 0:
             Path(own, checkpoint.STATE_FILE).write_text(state.to_json())
         strategy.save(own)
-        signing.sign_checkpoint(own, spec.name, name, rank, world)
+        signing.sign_checkpoint(own, spec.run_dir, name, rank, world)
         if rank == 0 and final.exists():
             shutil.rmtree(final)  # an earlier run's folder of the same step (a rerun in the same run_dir)
         dist.barrier()
         shutil.copytree(own, final, dirs_exist_ok=True)
         dist.barrier()
         if rank == 0:
-            Path(final, checkpoint.COMMITTED_FILE).write_text(str(state.step))
+            register(spec.run_dir, name)
+            checkpoint.record_latest(spec.run_dir, name)
         dist.barrier()
     finally:
         shutil.rmtree(own, ignore_errors=True)
@@ -245,9 +255,12 @@ class CaptureLogger:
     def log_live(self, step: int, metrics: dict) -> None:
         self.steps[step] = dict(metrics)
 
-    def log_many(self, steps) -> None:
+    def log_committed(self, steps, checkpoint=None) -> None:
         for step, metrics in steps:
             self.steps.setdefault(step, {}).update(metrics)
+
+    def unwritten(self) -> list:  # everything is "written" at once here
+        return []
 
     def __getattr__(self, name):  # set_tags, log, log_model_dir, ...: nothing to record
         if name.startswith("__"):
@@ -295,7 +308,7 @@ def restore(strategy, step: int | None = None):
     spec = strategy.spec
     folder = storage.join(spec.run_dir, f"step_{step:08d}") if step else latest_checkpoint(spec.run_dir)
     name = folder.rstrip("/").rsplit("/", 1)[-1]
-    with signing.SignedCheckpoint(folder, spec.name, name) as signed:
+    with signing.SignedCheckpoint(folder, spec.run_dir, name) as signed:
         strategy.load(signed)
         return TrainState.from_json(signed.read_bytes(STATE_FILE).decode())
 

@@ -212,8 +212,9 @@ def test_train_checkpoint_resume_and_export(assets, storage, bf16_model, device,
     first = lr.train(spec, strategy, prepared)
     assert sorted(first.losses) == [1, 2, 3, 4] and finite(first.losses), first.losses
     assert first.state.step == 4 and first.state.data.consumed == 4 * spec.training.global_batch_size
-    for step in (2, 4):
-        assert (Path(spec.run_dir) / f"step_{step:08d}" / "COMMITTED").exists()
+    from raytrain.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(spec.run_dir).endswith("step_00000004") and (Path(spec.run_dir) / "step_00000002").is_dir()
     live = logits_of(strategy.model, device, strategy.autocast)
     in_job = tmp_path / "final_model"
     lr.export(spec, strategy, str(in_job))
