@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-DRIVER_PHASES = ("mlflow", "ray")  # the MLflow run opens while Ray starts
+DRIVER_PHASES = ("ray", "mlflow")  # the MLflow run opens once this driver holds the run directory (its store seeded while Ray starts)
 WORKER_PHASES = ("workers", "model", "restored", "data", "step_1")  # data: the stores ready (prepared meanwhile) and open
 
 
