@@ -267,7 +267,9 @@ def test_export_refuses_a_tampered_checkpoint_before_reading_it(trained, tmp_pat
             export_checkpoint(str(run_dir), str(tmp_path / "copy-out"))
 
 
-@pytest.mark.parametrize("strategy,case", [("fsdp2", "pickle"), ("zero3", "changed")])
+# Once, at restore's level (a worker group of the job): zero3's files go through the same verifying
+# fetch (signing.SignedCheckpoint), which the export test above refuses tampered for both strategies.
+@pytest.mark.parametrize("strategy,case", [("fsdp2", "pickle")])
 def test_restore_refuses_a_tampered_checkpoint(trained, assets, tmp_path, strategy, case):
     from raytrain.errors import JobError
 
