@@ -139,9 +139,8 @@ def latest_checkpoint(run_dir: str) -> str:
     latest = snapshot.get("latest_checkpoint_result") or {}
     name = latest.get("checkpoint_dir_name")
     if name and not storage.exists(storage.join(run_dir, name)):  # deleted by hand: the newest one still there
-        present = set(storage.subfolders(run_dir))
-        name = max((r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])
-                    if r["checkpoint_dir_name"] in present), default=None)
+        newest = _newest_present(snapshot.get("checkpoint_results", []), set(storage.subfolders(run_dir)))
+        name = newest["checkpoint_dir_name"] if newest else None
     record_uri = storage.join(run_dir, LATEST_FILE)
     if storage.exists(record_uri):
         record = signing.verify_document(json.loads(storage.read_text(record_uri)), record_uri)
@@ -154,6 +153,12 @@ def latest_checkpoint(run_dir: str) -> str:
     if name is None:
         raise FileNotFoundError(f"no registered checkpoint under {run_dir} (Ray Train's {RAY_SNAPSHOT} names none)")
     return storage.join(run_dir, name)
+
+
+def _newest_present(results: list[dict], present: set[str]) -> dict | None:
+    """Of Ray's registered checkpoint results, the newest whose folder is still there."""
+    return max((r for r in results if r["checkpoint_dir_name"] in present), default=None,
+               key=lambda r: r["checkpoint_dir_name"])
 
 
 def forget_deleted(run_dir: str) -> list[str]:
@@ -176,8 +181,7 @@ def forget_deleted(run_dir: str) -> list[str]:
     snapshot["checkpoint_report_indices"] = [i for _, i in kept]
     latest = snapshot.get("latest_checkpoint_result")
     if latest and latest["checkpoint_dir_name"] in gone:
-        snapshot["latest_checkpoint_result"] = max((r for r, _ in kept), default=None,
-                                                   key=lambda r: r["checkpoint_dir_name"])
+        snapshot["latest_checkpoint_result"] = _newest_present(snapshot["checkpoint_results"], present)
     pending = [(r, v) for r, v in zip(snapshot["pending_training_results"], snapshot["pending_validation_specs"])
                if r["checkpoint_dir_name"] not in gone]
     snapshot["pending_training_results"] = [r for r, _ in pending]

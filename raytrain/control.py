@@ -24,6 +24,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
+from . import storage
 from .errors import JobError
 
 
@@ -225,8 +226,6 @@ DRIVER_FILE = "driver.json"  # the lease's holder, for the next driver's word on
 
 
 def _record_holder(run_dir: str, me: dict) -> None:
-    from . import storage
-
     uri = storage.join(run_dir, DRIVER_FILE)
     fs, path = storage.filesystem(run_dir)
     fs.create_dir(path, recursive=True)
@@ -237,11 +236,12 @@ def _record_holder(run_dir: str, me: dict) -> None:
     storage.write_text(uri, json.dumps(me))
 
 
-def release(run_dir: str) -> None:
-    """Driver, at its end: the run directory is free (its actor goes with `ray.kill` or the driver)."""
-    from . import storage
+def release(run_dir: str, actor) -> None:
+    """Driver, at its end: the run directory is free, its control actor gone."""
+    import ray
 
     storage.delete(storage.join(run_dir, DRIVER_FILE))
+    ray.kill(actor)
 
 
 def _exists(name: str) -> bool:

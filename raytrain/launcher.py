@@ -190,8 +190,7 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
             raise JobError(verdict)
     except BaseException as exc:
         if run_id is None and job_control is not None:  # no MLflow run yet: only the lease to give back
-            control.release(spec.run_dir)
-            ray.kill(job_control)
+            control.release(spec.run_dir, job_control)
         elif run_id is not None:
             _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         message = user_message(exc) or (f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else None)
@@ -269,6 +268,5 @@ def _close(spec: JobSpec, run_id: str, job_control, status: str, tags: dict | No
     except JobError:  # a refused checkpoint was said where it was met; its steps stay unwritten
         latest = None
     tracking.close_run(spec, run_id, status, tags or {}, goodput, latest.metrics if latest else [])
-    control.release(spec.run_dir)
-    ray.kill(job_control)
+    control.release(spec.run_dir, job_control)
     return goodput
