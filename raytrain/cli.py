@@ -163,8 +163,12 @@ def cmd_sync_metrics(args) -> int:
 
     try:
         written, run_id = sync_metrics(args.run_dir)
-    except (FileNotFoundError, JobError) as exc:
-        print(f"raytrain sync-metrics: {user_message(exc) or exc}", file=sys.stderr)
+    except FileNotFoundError:
+        print(f"raytrain sync-metrics: {args.run_dir} is not a run directory (it has no job.json); give "
+              "<checkpoint.storage_path>/<name> of the job", file=sys.stderr)
+        return EXIT_INVALID
+    except JobError as exc:
+        print(f"raytrain sync-metrics: {user_message(exc)}", file=sys.stderr)
         return EXIT_INVALID
     except Exception as exc:  # MLflow still unreachable: nothing was lost, try again later
         why = (str(exc).strip().splitlines() or [""])[0][:300]

@@ -172,6 +172,14 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     assert not Path(spec.run_dir, "mlflow_pending.json").exists()
 
 
+def test_sync_metrics_of_a_folder_that_is_no_run_directory_says_so(tmp_path, capsys):
+    from raytrain import cli
+
+    assert cli.main(["sync-metrics", str(tmp_path)]) == cli.EXIT_INVALID
+    said = capsys.readouterr().err
+    assert f"{tmp_path} is not a run directory (it has no job.json)" in said and "Traceback" not in said
+
+
 class Driver:
     """`python -m raytrain run job.yaml` as a user's shell (or a RayJob) starts it."""
 
