@@ -125,6 +125,8 @@ class EvalSpec(Section):
     """Or hold out this fraction of every training source's rows (a fixed choice, never trained on)."""
     every_n_steps: int = Field(100, gt=0)
     """Compute `eval_loss` (the token mean over all evaluation rows) every N steps and at the last step."""
+    max_rows: int = Field(2000, gt=0)
+    """At most this many evaluation rows, read again a micro-batch at a time at each evaluation. With `fraction`, the first of the held-out rows in their fixed order, shared among the sources in proportion to what each holds out (the rest stay held out: training never sees any of them); with `path`, the first rows of that data."""
 
     @model_validator(mode="after")
     def _one_way(self):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,7 @@ def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> N
 
 
 def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logger=None, control=None,
-        on_step=None, eval_batches: list[dict] | None = None) -> TrainState:
+        on_step=None, eval_batches: Iterable[dict] | None = None) -> TrainState:
     """Train until max_steps or a stop notice. Step metrics reach MLflow only once their
     step is in a committed checkpoint, so a rolled-back step is never left in the run."""
     device, rank, world = strategy.device, strategy.rank, strategy.world_size

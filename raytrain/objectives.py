@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -169,7 +169,7 @@ def build(spec: JobSpec) -> SFT | Preference:
     return Preference(spec) if spec.preference else SFT()
 
 
-def evaluate(strategy, objective, micro_batches: list[dict]) -> dict[str, float]:
+def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, float]:
     """`eval_loss` (and `eval_<metric>`) over every rank's evaluation rows: a collective, every
     rank runs the same number of forward passes. The sums stay on the device until the end."""
     device = strategy.device

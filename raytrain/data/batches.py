@@ -7,6 +7,9 @@ floor(G/N) rows, nothing else. Every rank runs the same number of micro-batches 
 slices differ by a row; a rank with fewer rows than micro-batches gets a padding row whose
 labels are all ignored (it adds nothing to the loss, which is the token mean over the whole
 global batch). The next step's rows are read in a background thread while this one trains.
+
+The evaluation rows (at most `data.eval.max_rows`, `order.EvalSet`) are read a micro-batch at a
+time, every evaluation: nothing of them is held between evaluations or read before step 1.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from ..config import JobSpec
 from ..errors import JobError
-from .order import DataPosition, Stream, held_out, rank_slice
+from .order import DataPosition, EvalSet, HeldOut, Stream, rank_slice
 from .records import IGNORE
 from .store import PLANES, TokenStore
 
@@ -93,24 +96,43 @@ class GlobalBatches:
         self._pool.shutdown(wait=True)
 
 
+class EvalBatches:
+    """This rank's evaluation micro-batches, read when iterated (once per evaluation).
+
+    Rank r takes its balanced slice of the evaluation rows (`rank_slice`) in `count` micro-batches
+    of near-equal size, the same count on every rank (`objectives.evaluate` is a collective): an
+    empty one is a padding row, as in training. So each evaluation is the token mean over all the
+    evaluation rows, whatever the worker count, with one micro-batch of rows in memory at a time."""
+
+    def __init__(self, stores: list[TokenStore], rows: EvalSet, rank: int, world: int, micro_batch_size: int):
+        self.stores, self.rows = stores, rows
+        self.start, self.stop = rank_slice(rows.rows, world, rank)
+        self.count = -(-(-(-rows.rows // world)) // micro_batch_size)  # the same on every rank
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        for part in range(self.count):
+            a, b = rank_slice(self.stop - self.start, self.count, part)  # np.array_split's parts
+            sources, rows = self.rows.at(np.arange(self.start + a, self.start + b))
+            yield micro_batches(self.stores, list(zip(sources.tolist(), rows.tolist())), 1)[0]  # host: numpy arrays
+
+
 def open_data(spec: JobSpec, prepared: dict, rank: int, world: int, position: DataPosition):
-    """(training batches, this rank's evaluation micro-batches or None, the data key) from
-    the stores the driver prepared (`prepare.ensure_inputs`)."""
+    """(training batches, this rank's evaluation micro-batches (`EvalBatches`) or None, the data
+    key) from the stores the driver prepared (`prepare.ensure_inputs`)."""
     stores = [_open(uri) for uri in prepared["train"]]
     d, t = spec.data, spec.training
     fraction, key = d.eval.fraction if d.eval else None, prepared["key"]
-    splits = [held_out(s.rows, fraction) if fraction else (s.rows, None) for s in stores]
-    stream = Stream([train for train, _ in splits], prepared["weights"], t.seed, d.shuffle, d.shuffle_window,
-                    horizon=t.max_steps * t.global_batch_size)
+    splits = [HeldOut(s.rows, fraction) if fraction else s.rows for s in stores]
+    stream = Stream(splits, prepared["weights"], t.seed, d.shuffle, d.shuffle_window)
     batches = GlobalBatches(stores, stream, spec, rank, world, position, key)
     if d.eval is None:
         return batches, None, key
     if prepared.get("eval"):
         eval_stores = [_open(prepared["eval"])]
-        ids = [(0, r) for r in range(eval_stores[0].rows)]
+        rows = EvalSet([eval_stores[0].rows], d.eval.max_rows)
     else:
-        eval_stores = stores
-        ids = [(i, int(r)) for i, (_, held) in enumerate(splits) for r in held]
-    start, stop = rank_slice(len(ids), world, rank)
-    count = -(-(-(-len(ids) // world)) // t.micro_batch_size)  # the same on every rank
-    return batches, micro_batches(eval_stores, ids[start:stop], count), key
+        eval_stores, rows = stores, EvalSet(splits, d.eval.max_rows)
+    return batches, EvalBatches(eval_stores, rows, rank, world, t.micro_batch_size), key
