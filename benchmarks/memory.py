@@ -170,7 +170,7 @@ def full_checkpoint(spec, model: Path, folder: Path) -> str:
     (step / STATE_FILE).write_text("{}")
     # Registered as Ray Train's controller registers a checkpoint (what raytrain export reads).
     Path(spec.run_dir, RAY_SNAPSHOT).write_text('{"latest_checkpoint_result": {"checkpoint_dir_name": "step_00000001"}}')
-    signing.sign_checkpoint(str(step), spec.run_dir, step.name, rank=0, world_size=1)
+    signing.sign_checkpoint(str(step), spec.run_dir, step.name)
     return spec.run_dir
 
 
@@ -239,6 +239,7 @@ def restore_reads(config: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
     from raytrain import signing
+    from raytrain.checkpoint import sign
     from raytrain.config import JobSpec
     from raytrain.strategies import build_strategy
 
@@ -249,7 +250,7 @@ def restore_reads(config: dict) -> None:
     if config["save"]:
         mine = tempfile.mkdtemp()
         strategy.save(mine)
-        signing.sign_checkpoint(mine, spec.run_dir, name, strategy.rank, strategy.world_size)
+        sign(mine, spec.run_dir, name)  # collective: rank 0 signs every rank's files
         shutil.copytree(mine, folder, dirs_exist_ok=True)
         return
     with signing.SignedCheckpoint(folder, spec.run_dir, name) as checkpoint:

@@ -86,14 +86,19 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     if strategy.rank == 0:
         Path(tmp, STATE_FILE).write_text(state.to_json())
 
-    def sign() -> None:  # this rank's files, once complete (signing.py)
-        signing.sign_checkpoint(tmp, strategy.spec.run_dir, name, strategy.rank, strategy.world_size)
-
     if wait:
         strategy.save(tmp)
-        sign()
+        sign(tmp, strategy.spec.run_dir, name)
     else:
         files_complete = strategy.save_async(tmp)
+        # Ray's upload thread signs (below) while the training thread runs its collectives: its
+        # gather needs a group of its own. One upload thread per worker, in report order, so the
+        # ranks' gathers pair up checkpoint by checkpoint.
+        if getattr(strategy, "_sign_group", None) is None:
+            import torch.distributed as dist
+
+            strategy._sign_group = dist.new_group(backend="gloo")
+        group = strategy._sign_group
     common = dict(checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
                   delete_local_checkpoint_after_upload=True)
     if wait:
@@ -103,11 +108,24 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
 
     def upload(checkpoint, dir_name: str):
         files_complete()
-        sign()
+        sign(tmp, strategy.spec.run_dir, name, group)
         return storage.persist_current_checkpoint(checkpoint, dir_name)
 
     ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=upload, **common)
     return None
+
+
+def sign(directory: str, run_dir: str, name: str, group=None) -> None:
+    """Collective, once every rank's files in its own `directory` are complete: rank 0 gathers
+    their sha256s and writes the checkpoint's one signed manifest into its own (signing.py), so
+    each rank of a restore reads one manifest, not every rank's. Ray commits the checkpoint only
+    once every rank's part is uploaded: a committed one always has its manifest."""
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(signing.checkpoint_part(directory), parts, dst=0, group=group)
+    if parts is not None:
+        signing.sign_checkpoint(directory, run_dir, name, parts)
 
 
 def confirm(strategy) -> str | None:

@@ -4,6 +4,10 @@ gracefully (ray job stop, Ctrl-C); at the end it gives the goodput accounting.
 
 It is also the job's lease on its run directory: one job, one driver (`start_actor`).
 
+Workers that start while the driver prepares the token stores wait on it for the driver's word
+(`data_ready`): one pending call per rank that returns when the stores are prepared, preparing
+failed or a stop was requested, not a poll of the stores and the actor four times a second.
+
 It owns the failure budget (`failure.max_failures`): Ray restarts the worker group
 whenever it breaks, and each new group asks `may_start` first. An attempt that ended after a
 preemption notice committed its checkpoint (SIGTERM, a Ray drain) was a preemption, one
@@ -17,6 +21,7 @@ recovery time (last progress before the failure -> first step finished after it)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -59,6 +64,12 @@ class JobControl:
         self.stop_reason: str | None = None
         self.attempts: list[Attempt] = []
         self.step_times: dict[int, float] = {}  # step -> seconds, latest attempt wins (rolled-back steps overwritten)
+        self.prepared = False  # the driver has prepared the token stores (it stays so for every later group)
+        self._settled = asyncio.Event()  # set once workers need not wait for the data: prepared, a verdict or a stop
+
+    def _wake(self) -> None:
+        if self.prepared or self.spent or self.stop_reason:
+            self._settled.set()
 
     # --- workers (rank 0) ---
     def may_start(self, world_size: int) -> str | None:
@@ -76,6 +87,7 @@ class JobControl:
         if self.spent is None:
             resumed = self.attempts[-1].resumed_from if self.attempts else 0  # until the group says
             self.attempts.append(Attempt(world_size, resumed, time.time()))
+        self._wake()
         return self.spent
 
     def preempted(self, step: int) -> None:
@@ -88,6 +100,17 @@ class JobControl:
             self.attempts[-1].error = error
         if not retry:
             self.spent = error
+            self._wake()
+
+    async def data_ready(self, timeout_s: float = 60.0) -> bool | None:
+        """Every rank, before it opens the token stores: True once the driver said they are prepared,
+        False once the job ended first (preparing failed, a verdict, a stop), None if neither came
+        within `timeout_s` (ask again: a call of a group that died meanwhile expires so)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._settled.wait(), timeout_s)
+        if self.prepared:
+            return True
+        return False if self.spent or self.stop_reason else None
 
     def attempt_started(self, world_size: int, resumed_from: int) -> int:
         """The group restored its checkpoint (or starts fresh) and is about to train."""
@@ -103,7 +126,8 @@ class JobControl:
         now = time.time()
         attempt = self.attempts[-1]
         attempt.first_step_at = attempt.first_step_at or now
-        attempt.last_step, attempt.last_step_at = step, now
+        if step >= attempt.last_step:  # an asyncio actor need not run one caller's calls in their order
+            attempt.last_step, attempt.last_step_at = step, now
         self.step_times[step] = step_time
         return self.stop_reason
 
@@ -113,6 +137,12 @@ class JobControl:
 
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
+        self._wake()
+
+    def data_prepared(self) -> None:
+        """Every token store of the job is prepared: waiting workers go on, later groups do not wait."""
+        self.prepared = True
+        self._wake()
 
     def stop_requested(self) -> str | None:
         return self.stop_reason
@@ -146,6 +176,7 @@ class JobControl:
 
 
 NAMESPACE = "raytrain"  # every driver's: a job's own (anonymous) namespace would hide it from a second driver
+MAX_CALLS = 100_000  # the control actor's concurrent calls: more than a job's ranks ever are
 TAKEOVER_WAIT_S = 600  # how long --takeover waits for the holder to checkpoint and end before killing its actor
 
 
@@ -187,7 +218,11 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False):
 
     name, me = actor_name(run_dir), driver_identity()
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    make = ray.remote(num_cpus=0)(JobControl).options(name=name, namespace=NAMESPACE, scheduling_strategy=here)
+    # An asyncio actor (data_ready awaits): its methods take turns on one event loop. Every rank's
+    # data_ready is pending at once, so its slots must outnumber the ranks, or the driver's calls
+    # (data_prepared among them) would queue behind the waits they end.
+    make = ray.remote(num_cpus=0, max_concurrency=MAX_CALLS)(JobControl).options(
+        name=name, namespace=NAMESPACE, scheduling_strategy=here)
     for _ in range(20):
         try:
             actor = make.remote(max_failures, me)

@@ -204,14 +204,16 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
 
 def _prepare_and_fit(spec: JobSpec, job_control, make_trainer):
     """Prepare the token stores and train. Where Ray Data keeps CPUs beside the training workers,
-    the workers start and build the model while the stores are prepared (they wait for the
-    manifests, or for the verdict if preparing fails); where the workers would hold every CPU,
-    the stores come first, since Ray Data's tasks could never be scheduled beside them."""
+    the workers start and build the model while the stores are prepared (they wait on the control
+    actor for the word that the stores are ready, or for the verdict if preparing fails); where the
+    workers would hold every CPU, the stores come first, since Ray Data's tasks could never be
+    scheduled beside them. Said once, it holds for every group Ray restarts later."""
     import ray
 
     lo, hi = spec.scaling.worker_range
     if ray.cluster_resources().get("CPU", 0) - hi * spec.scaling.cpus_per_worker < 1:
         prepare.ensure_inputs(spec)
+        ray.get(job_control.data_prepared.remote())
         return _Fit(make_trainer()).wait()
     fit = _Fit(make_trainer())
     try:
@@ -220,6 +222,7 @@ def _prepare_and_fit(spec: JobSpec, job_control, make_trainer):
         ray.get(job_control.failed.remote(user_message(exc) or f"{type(exc).__name__}: {exc}", retry=False))
         fit.wait(raise_error=False)
         raise
+    ray.get(job_control.data_prepared.remote())
     return fit.wait()
 
 

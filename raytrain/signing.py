@@ -8,13 +8,15 @@ environment (on Kubernetes, from the Secret raytrain-secrets), else `~/.raytrain
 that loads: DCP's `.metadata` is a pickle and DeepSpeed's files are full `torch.load`s, so
 a forged file would run code on every worker of the next restart.
 
-Every rank signs what it wrote: `MANIFEST.rank-<r>.json` lists each of its files with its
-sha256 and carries an HMAC over the manifest, the run directory and the checkpoint's name (a
-valid manifest copied into another checkpoint or run does not verify). Every signed document
-names its place so (the job file and the latest-checkpoint record their run directory, a token
-store's manifest its key): one copied from another run, even of the same job, is refused. A checkpoint verifies when
-the manifests of ranks 0..N-1 are all there and valid and every file in the folder is listed
-in exactly one of them with its hash.
+Every checkpoint has one signed manifest, `MANIFEST.json`: rank 0 writes it once every rank's
+files are complete, listing each rank's files with their sha256 (gathered over the process
+group), with an HMAC over the list, the run directory and the checkpoint's name (a valid
+manifest copied into another checkpoint or run does not verify). A restore reads that one file
+on each rank, whatever the world size (one manifest per rank made it N reads on each of N ranks).
+Every signed document names its place so (the job file and the latest-checkpoint record their
+run directory, a token store's manifest its key): one copied from another run, even of the same
+job, is refused. A checkpoint verifies when its manifest is there and valid and every file in
+the folder is listed in it, by exactly one rank, with its hash.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from .errors import JobError
 
 KEY_ENV = "RAYTRAIN_CHECKPOINT_KEY"
 KEY_FILE = "~/.raytrain/checkpoint.key"
-MANIFEST_PREFIX = "MANIFEST.rank-"
+MANIFEST = "MANIFEST.json"  # a checkpoint's one signed manifest: every rank's files
+OLD_MANIFEST_PREFIX = "MANIFEST.rank-"  # one per rank, before MANIFEST.json: such a checkpoint is refused
 
 
 def key() -> bytes:
@@ -99,12 +102,19 @@ def require_place(doc: dict, field: str, expected: str, what: str) -> None:
                        "write it again, or use the run it belongs to")
 
 
-def sign_checkpoint(directory: str, run_dir: str, name: str, rank: int, world_size: int) -> None:
-    """Rank `rank`'s manifest of the files it wrote into `directory` (its own part of checkpoint `name` of `run_dir`)."""
+def checkpoint_part(directory: str) -> dict[str, str]:
+    """{file: sha256} of what one rank wrote into `directory`, its own part of a checkpoint."""
     folder = Path(directory)
-    files = {f: file_sha256(folder / f) for f in _files(folder) if not f.startswith(MANIFEST_PREFIX)}
-    payload = {"run_dir": place(run_dir), "checkpoint": name, "rank": rank, "world_size": world_size, "files": files}
-    (folder / f"{MANIFEST_PREFIX}{rank:05d}.json").write_text(json.dumps({**payload, "hmac": mac(payload)}, indent=1))
+    return {f: file_sha256(folder / f) for f in _files(folder) if f != MANIFEST}
+
+
+def sign_checkpoint(directory: str, run_dir: str, name: str, parts: list[dict[str, str]] | None = None) -> None:
+    """Rank 0: the signed manifest of checkpoint `name` of `run_dir`, into `directory` (its own part).
+    `parts[r]` is rank r's `checkpoint_part`, gathered once every rank's files are complete
+    (checkpoint.sign); None: one process wrote the whole checkpoint into `directory`."""
+    parts = [checkpoint_part(directory)] if parts is None else parts
+    payload = {"run_dir": place(run_dir), "checkpoint": name, "world_size": len(parts), "ranks": parts}
+    Path(directory, MANIFEST).write_text(json.dumps({**payload, "hmac": mac(payload)}, indent=1))
 
 
 def _refuse(where: str, what: str) -> JobError:
@@ -113,39 +123,39 @@ def _refuse(where: str, what: str) -> JobError:
                     f"that {KEY_ENV} is the key it was written with; else delete the folder to resume from the one before")
 
 
-def verified_manifests(uri: str, run_dir: str, name: str, where: str | None = None) -> dict[str, str]:
-    """{file: sha256} of checkpoint folder `uri` (local or remote), from manifests whose HMACs
-    hold; refuses a missing rank, a wrong run directory or checkpoint name, and a file listed twice."""
+def verified_manifest(uri: str, present: set[str], run_dir: str, name: str, where: str | None = None) -> dict[str, str]:
+    """{file: sha256} of checkpoint folder `uri` (local or remote; `present`: the files listed there),
+    from its manifest, if its HMAC holds: one read whatever the world size. Refuses a wrong run
+    directory or checkpoint name, and a file listed by two ranks."""
     where, run_dir = where or uri, place(run_dir)
-    names = sorted(n for n in storage.files(uri) if n.startswith(MANIFEST_PREFIX) and n.endswith(".json"))
-    if not names:
-        raise _refuse(where, f"it has no signed manifest ({MANIFEST_PREFIX}*.json)")
+    if MANIFEST not in present:
+        if any(f.startswith(OLD_MANIFEST_PREFIX) for f in present):
+            raise JobError(f"refusing checkpoint {where}: it was written before raytrain signed one manifest per "
+                           f"checkpoint (it has {OLD_MANIFEST_PREFIX}*.json, one per rank, and no {MANIFEST}). Nothing "
+                           "in it was loaded. Start a new run (a new name or checkpoint.storage_path), or finish this "
+                           "one with the raytrain version that wrote it")
+        raise _refuse(where, f"it has no signed manifest ({MANIFEST})")
+    try:
+        manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST)))
+        claimed = manifest.pop("hmac")
+    except (ValueError, KeyError, AttributeError, TypeError):
+        raise _refuse(where, f"{MANIFEST} is not a manifest raytrain wrote") from None
+    if not hmac.compare_digest(str(claimed), mac(manifest)):
+        raise _refuse(where, f"{MANIFEST} has a wrong signature (written with another key, or changed)")
+    if manifest.get("run_dir") != run_dir or manifest.get("checkpoint") != name:
+        raise _refuse(where, f"{MANIFEST} signs checkpoint {manifest.get('checkpoint')} of run directory "
+                             f"{manifest.get('run_dir')}, not {name} of {run_dir}")
     listed: dict[str, str] = {}
-    world_sizes, ranks = set(), set()
-    for manifest_name in names:
-        try:
-            manifest = json.loads(storage.read_text(storage.join(uri, manifest_name)))
-            claimed = manifest.pop("hmac")
-        except (ValueError, KeyError, AttributeError):
-            raise _refuse(where, f"{manifest_name} is not a manifest raytrain wrote") from None
-        if not hmac.compare_digest(str(claimed), mac(manifest)):
-            raise _refuse(where, f"{manifest_name} has a wrong signature (written with another key, or changed)")
-        if manifest.get("run_dir") != run_dir or manifest["checkpoint"] != name:
-            raise _refuse(where, f"{manifest_name} signs checkpoint {manifest['checkpoint']} of run directory "
-                                 f"{manifest.get('run_dir')}, not {name} of {run_dir}")
-        world_sizes.add(manifest["world_size"])
-        ranks.add(manifest["rank"])
-        for file, digest in manifest["files"].items():
+    for rank, files in enumerate(manifest["ranks"]):
+        for file, digest in files.items():
             if file in listed:
-                raise _refuse(where, f"{file} is listed by two ranks' manifests")
+                raise _refuse(where, f"{file} is listed by two ranks (two ranks wrote it: one copy overwrote the other)")
             listed[file] = digest
-    if len(world_sizes) != 1 or ranks != set(range(next(iter(world_sizes)))):
-        raise _refuse(where, f"its manifests are ranks {sorted(ranks)} of world sizes {sorted(world_sizes)}: one is missing")
     return listed
 
 
 class SignedCheckpoint:
-    """A checkpoint folder (local or remote) whose manifests verify, read file by file: a rank
+    """A checkpoint folder (local or remote) whose manifest verifies, read file by file: a rank
     fetches only the files it needs, straight from storage into a local folder of its own,
     hashing as it copies, and a file whose sha256 is not the signed one is refused before
     anything reads it (the copy, not the storage, is what is then read: nothing can change
@@ -153,8 +163,9 @@ class SignedCheckpoint:
 
     def __init__(self, uri: str, run_dir: str, name: str, where: str | None = None):
         self.uri, self.where = uri, where or uri
-        self.listed = verified_manifests(uri, run_dir, name, self.where)
-        present = {f for f in storage.tree(uri) if not f.startswith(MANIFEST_PREFIX)}
+        present = set(storage.tree(uri))  # one listing, then one read: the same at any world size
+        self.listed = verified_manifest(uri, present, run_dir, name, self.where)
+        present.discard(MANIFEST)
         unlisted, missing = sorted(present - self.listed.keys()), sorted(self.listed.keys() - present)
         if unlisted:
             raise _refuse(self.where, f"{unlisted[0]} is in no manifest: it was put there after the checkpoint was written")
@@ -178,6 +189,7 @@ class SignedCheckpoint:
             if file not in self.listed:
                 raise _refuse(self.where, f"{file} is in no manifest")
             target.parent.mkdir(parents=True, exist_ok=True)
+            storage.REQUESTS["read"] += 1
             fs, path = storage.filesystem(storage.join(self.uri, file))
             digest, partial = hashlib.sha256(), target.with_name(target.name + ".partial")
             with fs.open_input_stream(path) as source, open(partial, "wb") as out:

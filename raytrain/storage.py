@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "hdfs://", "abfs://", "abfss://")
+# Requests this process made through this module, by kind ("read", "list", "stat"): what a
+# path costs at scale is its request count (benchmarks/restore_reads.py counts a restore's).
+REQUESTS: Counter[str] = Counter()
 
 
 def is_remote(uri: str) -> bool:
@@ -53,6 +57,7 @@ def download_dir(uri: str, local_dir: str) -> None:
 
 
 def read_text(uri: str) -> str:
+    REQUESTS["read"] += 1
     fs, path = filesystem(uri)
     with fs.open_input_stream(path) as f:
         return f.read().decode()
@@ -65,6 +70,7 @@ def write_text(uri: str, text: str) -> None:
 
 
 def read_bytes(uri: str) -> bytes:
+    REQUESTS["read"] += 1
     fs, path = filesystem(uri)
     with fs.open_input_stream(path) as f:
         return f.read()
@@ -81,6 +87,7 @@ def delete(uri: str) -> None:
 
 def files(uri: str) -> list[str]:
     """The files directly under a local path or URI, as names."""
+    REQUESTS["list"] += 1
     fs, path = filesystem(uri)
     entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     return [e.base_name for e in entries if e.type == pafs.FileType.File]
@@ -88,6 +95,7 @@ def files(uri: str) -> list[str]:
 
 def tree(uri: str) -> list[str]:
     """Every file under a local path or URI, as paths relative to it."""
+    REQUESTS["list"] += 1
     fs, path = filesystem(uri)
     entries = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
     return sorted(e.path[len(path):].lstrip("/") for e in entries if e.type == pafs.FileType.File)
@@ -99,6 +107,7 @@ def join(uri: str, *parts: str) -> str:
 
 def subfolders(uri: str) -> list[str]:
     """The folders directly under a local path or URI, as names."""
+    REQUESTS["list"] += 1
     fs, path = filesystem(uri)
     try:
         entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
@@ -108,6 +117,7 @@ def subfolders(uri: str) -> list[str]:
 
 
 def exists(uri: str) -> bool:
+    REQUESTS["stat"] += 1
     fs, path = filesystem(uri)
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 

@@ -16,7 +16,6 @@ from .step_metrics import StepLogger
 from .checkpoint import TrainState
 from .config import JobSpec
 from .data.batches import open_data
-from .data.store import TokenStore
 from .errors import user_message
 from .preemption import Preempted
 from .strategies import build_strategy
@@ -79,13 +78,14 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
             print(f"[raytrain] attempt {attempt}: resumed at step {resumed_from} ({state.data.consumed:,} rows "
                   f"consumed) with {world} workers", file=sys.stdout, flush=True)
 
-    if not _data_ready(config["data"], job_control, device):
+    if not _data_ready(job_control, device):
         return  # preparing the data failed (the driver says why) or the job was stopped first
     batches, eval_batches, key = open_data(spec, config["data"], rank, world, state.data)
     state.require_same_data(key, f"the checkpoint at step {state.step}")
     state.bad_rows = sum(s.bad_rows for s in batches.stores)
     timeline.mark("data")
-    on_step = _first_step_reporter(timeline, logger, attempt, _sample_logger(spec.data.sample_log, rank, world))
+    sample_log = _sample_logger(spec.data.sample_log, rank, world, batches.stores)
+    on_step = _first_step_reporter(timeline, logger, attempt, sample_log)
     state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=on_step, eval_batches=eval_batches)
 
     if spec.checkpoint.export_final and not state.stopped:
@@ -120,18 +120,15 @@ def export(spec: JobSpec, strategy, logger) -> None:
         print(f"[raytrain] exported final model to {final}", file=sys.stdout, flush=True)
 
 
-def _data_ready(prepared: dict, job_control, device) -> bool:
-    """Wait for the token stores the driver is preparing while this group started. False on
-    every rank if any rank saw the job end first (a failed prepare, a stop): all return."""
+def _data_ready(job_control, device) -> bool:
+    """Wait for the driver's word (on the control actor) that the token stores it prepares while
+    this group starts are ready: one pending call per rank, not a poll. False on every rank if
+    any rank saw the job end first (a failed prepare, a stop): all return."""
     import ray
 
-    uris = [*prepared["train"], *([prepared["eval"]] if prepared.get("eval") else [])]
-    ready = True
-    while job_control is not None and not all(TokenStore.open(uri) for uri in uris):
-        if ray.get(job_control.verdict.remote()) or ray.get(job_control.stop_requested.remote()):
-            ready = False
-            break
-        time.sleep(0.25)
+    ready = None if job_control is not None else True  # without the launcher: the stores are there
+    while ready is None:  # None: a minute went by (the call expires so on the actor if this rank dies)
+        ready = ray.get(job_control.data_ready.remote())
     flag = torch.tensor([int(ready)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())  # host: once, before training
@@ -153,8 +150,14 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
     return on_step
 
 
-def _sample_logger(folder: str | None, rank: int, world: int):
-    """`data.sample_log`: which samples each rank trained on at each step, per attempt."""
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _sample_logger(folder: str | None, rank: int, world: int, stores):
+    """`data.sample_log`: which samples each rank trained on at each step, per attempt, with the
+    rank's resident memory and the bytes it has read from the token stores so far."""
     if not folder:
         return None
     os.makedirs(folder, exist_ok=True)
@@ -165,6 +168,7 @@ def _sample_logger(folder: str | None, rank: int, world: int):
     def on_step(state, batch) -> None:
         with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": state.step,
-                                "time": time.time(), "samples": batch.sample_ids}) + "\n")
+                                "time": time.time(), "samples": batch.sample_ids, "rss_mb": _rss_mb(),
+                                "read_bytes": sum(s.read_counters.bytes for s in stores)}) + "\n")
 
     return on_step

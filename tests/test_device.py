@@ -90,7 +90,7 @@ def test_rank0_fallback_and_restore_fill_device_models(group, assets, split_mode
     step = tmp_path / "step_00000004"
     trained = {k: v + 1 for k, v in reference.items()}
     dcp.save({"model": trained}, checkpoint_id=str(step), no_dist=True)
-    signing.sign_checkpoint(str(step), spec.run_dir, step.name, rank=0, world_size=1)
+    signing.sign_checkpoint(str(step), spec.run_dir, step.name)
     with FakeAccelerator():
         model = modeling.load_model(spec, on_meta=True).to_empty(device=DEVICE)
         modeling.init_buffers(model)

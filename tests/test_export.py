@@ -61,7 +61,7 @@ def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4):
     step = tmp_path / "runs" / spec.name / f"step_{step_number:08d}"
     dcp.save({"model": state}, checkpoint_id=str(step))
     (step / STATE_FILE).write_text("{}")
-    signing.sign_checkpoint(str(step), spec.run_dir, step.name, rank=0, world_size=1)  # as one rank of 1 signs
+    signing.sign_checkpoint(str(step), spec.run_dir, step.name)  # as one process signs all it wrote
     storage.write_text(storage.join(spec.run_dir, RAY_SNAPSHOT),  # local, or where the run directory is
                        json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": step.name}}))
     return step

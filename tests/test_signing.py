@@ -49,12 +49,13 @@ def test_a_rank_fetches_only_its_files_from_s3_each_verified_before_it_is_read(t
     client.create_bucket(Bucket="ckpt")
     files = {0: {".metadata": 1000, "__0_0.distcp": 3 << 20, "train_state.json": 200}, 1: {"__1_0.distcp": 3 << 20}}
     merged = tmp_path / "step_00000004"
-    for rank, names in files.items():  # each rank writes and signs its own folder; Ray merges them
-        part = tmp_path / f"rank{rank}"
+    parts = [tmp_path / f"rank{rank}" for rank in files]
+    for part, names in zip(parts, files.values()):  # each rank writes its own folder; Ray merges them
         part.mkdir()
         for name, size in names.items():
             (part / name).write_bytes(os.urandom(size))
-        signing.sign_checkpoint(str(part), "run", merged.name, rank, 2)
+    signing.sign_checkpoint(str(parts[0]), "run", merged.name, [signing.checkpoint_part(str(p)) for p in parts])
+    for part in parts:
         storage.upload_dir(str(part), "s3://ckpt/run/step_00000004")
     uri = "s3://ckpt/run/step_00000004"
     with signing.SignedCheckpoint(uri, "run", merged.name) as checkpoint:
@@ -108,3 +109,60 @@ def test_a_snapshot_rolled_back_behind_the_signed_record_is_refused_and_a_delete
     (other / RAY_SNAPSHOT).write_text((run_dir / RAY_SNAPSHOT).read_text())
     with pytest.raises(JobError, match=f"it is signed for run_dir '{run_dir}', not '{other}'"):
         latest_checkpoint(str(other))
+
+
+def test_a_restore_reads_one_manifest_whatever_the_world_size_and_refuses_one_it_cannot_trust(tmp_path, monkeypatch):
+    """Each rank of a restore read and checked every rank's manifest: N reads on each of N ranks
+    (262,144 at 512). Rank 0 now signs one manifest of every rank's files (gathered at the save),
+    and a rank's verification is one listing and one read at any world size."""
+    import json
+    import os
+    import re
+    import shutil
+
+    import pytest
+
+    from raytrain import storage
+
+    monkeypatch.setenv(signing.KEY_ENV, "the cluster's secret")
+    run_dir = str(tmp_path / "run")
+
+    def checkpoint(ranks: int) -> Path:  # as a save of `ranks` workers leaves it, merged
+        step = tmp_path / f"world{ranks}" / "step_00000004"
+        parts = [tmp_path / f"world{ranks}-rank{rank}" for rank in range(ranks)]
+        for rank, part in enumerate(parts):
+            part.mkdir()
+            (part / f"__{rank}_0.distcp").write_bytes(os.urandom(64))
+        signing.sign_checkpoint(str(parts[0]), run_dir, step.name, [signing.checkpoint_part(str(p)) for p in parts])
+        for part in parts:
+            shutil.copytree(part, step, dirs_exist_ok=True)
+        return step
+
+    for ranks in (4, 16):
+        step = checkpoint(ranks)
+        storage.REQUESTS.clear()
+        with signing.SignedCheckpoint(str(step), run_dir, step.name) as verified:
+            assert len(verified.names) == ranks
+        assert storage.REQUESTS == {"list": 1, "read": 1}, (ranks, storage.REQUESTS)
+
+    def refused(step: Path, message: str, run: str = run_dir) -> None:
+        with pytest.raises(signing.JobError, match=message):
+            signing.SignedCheckpoint(str(step), run, step.name)
+
+    manifest = step / signing.MANIFEST
+    signed = manifest.read_text()
+    other = str(tmp_path / "other")  # the same checkpoint put in another run: refused, naming both
+    refused(step, re.escape(f"{step}: MANIFEST.json signs checkpoint step_00000004 of run directory "
+                            f"{signing.place(run_dir)}, not step_00000004 of {signing.place(other)}"), run=other)
+    changed = json.loads(signed)
+    changed["ranks"][3]["__3_0.distcp"] = "0" * 64  # a forged hash, without the key
+    manifest.write_text(json.dumps(changed))
+    refused(step, r"MANIFEST.json has a wrong signature .*Nothing in it was loaded")
+    manifest.write_text(signed)
+    (step / "MANIFEST.rank-00000.json").write_text("{}")  # a planted file, manifest-like or not
+    refused(step, r"MANIFEST.rank-00000.json is in no manifest")
+    manifest.unlink()
+    refused(step, r"it was written before raytrain signed one manifest per checkpoint \(it has MANIFEST.rank-\*.json, "
+                  r"one per rank, and no MANIFEST.json\)\. Nothing in it was loaded\. Start a new run")
+    (step / "MANIFEST.rank-00000.json").unlink()
+    refused(step, r"it has no signed manifest \(MANIFEST.json\)")

@@ -75,3 +75,32 @@ def test_a_recovery_interrupted_by_another_failure_ends_where_the_next_begins():
     failures = control.goodput()["failures"]
     assert [f["recovery_s"] for f in failures] == [10.0, 40.0]  # 30 -> 40, then 40 -> 80: 50 s in all, once
     assert [f["steps_lost"] for f in failures] == [0, 0]
+
+
+def test_ranks_waiting_for_the_data_are_woken_by_the_drivers_word_and_never_hold_up_its_calls(ray_address, tmp_path):
+    # Before, every rank polled the token stores and the control actor 4 times a second while the
+    # driver prepared the data (about 4,000 actor calls a second at 512 ranks). Now each rank's one
+    # call waits on the real control actor, an asyncio actor: the pending waits leave its other
+    # methods free, and the driver's word (prepared, a failed prepare, a stop) ends them all.
+    import ray
+
+    from raytrain import control
+
+    for ending in ("prepared", "failed", "stopped"):
+        run_dir = str(tmp_path / ending)
+        actor = control.start_actor(run_dir)
+        try:
+            waits = [actor.data_ready.remote(60) for _ in range(64)]  # a group of 64 ranks
+            assert ray.get(actor.data_ready.remote(0.05), timeout=30) is None  # nothing said yet: ask again
+            assert ray.get(actor.may_start.remote(64), timeout=5) is None  # the waits hold nothing up
+            if ending == "prepared":
+                ray.get(actor.data_prepared.remote(), timeout=5)
+            elif ending == "failed":  # as the driver says a failed prepare
+                ray.get(actor.failed.remote("rows.jsonl row 30: column 'text' must be a string", retry=False), timeout=5)
+            else:
+                ray.get(actor.request_stop.remote("SIGTERM"), timeout=5)
+            assert ray.get(waits, timeout=10) == [ending == "prepared"] * 64, ending
+            # A group Ray starts later (after a failure) has its answer at once.
+            assert ray.get(actor.data_ready.remote(60), timeout=5) is (ending == "prepared")
+        finally:
+            control.release(run_dir, actor)

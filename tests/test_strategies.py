@@ -206,13 +206,13 @@ def tamper(step: Path, case: str, strategy: str, side_effect: Path) -> None:
     elif case in ("pickle", "resigned"):
         (step / PICKLED[strategy]).write_bytes(pickle.dumps(Planted(side_effect)))
         if case == "resigned":  # the attacker also puts the new hash into the manifest (no key: the old HMAC)
-            manifest = json.loads((step / "MANIFEST.rank-00000.json").read_text())
-            manifest["files"][PICKLED[strategy]] = hashlib.sha256((step / PICKLED[strategy]).read_bytes()).hexdigest()
-            (step / "MANIFEST.rank-00000.json").write_text(json.dumps(manifest))
+            manifest = json.loads((step / "MANIFEST.json").read_text())
+            manifest["ranks"][0][PICKLED[strategy]] = hashlib.sha256((step / PICKLED[strategy]).read_bytes()).hexdigest()
+            (step / "MANIFEST.json").write_text(json.dumps(manifest))
     elif case == "planted":
         (step / "extra.pt").write_bytes(pickle.dumps(Planted(side_effect)))
     elif case == "no-manifest":
-        (step / "MANIFEST.rank-00001.json").unlink()
+        (step / "MANIFEST.json").unlink()
     elif case == "replayed":  # a valid checkpoint put where a newer one should be, and registered there
         step.rename(step.with_name("step_00000030"))
         snapshot = json.loads((step.parent / RAY_SNAPSHOT).read_text())
@@ -222,8 +222,8 @@ def tamper(step: Path, case: str, strategy: str, side_effect: Path) -> None:
 
 
 REFUSALS = {"changed": "{shard} was changed after it was written", "pickle": "{pickled} was changed after it was written",
-            "resigned": "MANIFEST.rank-00000.json has a wrong signature", "planted": "extra.pt is in no manifest",
-            "no-manifest": r"manifests are ranks \[0\] of world sizes \[2\]: one is missing",
+            "resigned": "MANIFEST.json has a wrong signature", "planted": "extra.pt is in no manifest",
+            "no-manifest": r"it has no signed manifest \(MANIFEST.json\)",
             "replayed": "signs checkpoint step_00000020 of run"}
 
 
@@ -262,7 +262,7 @@ def test_export_refuses_a_tampered_checkpoint_before_reading_it(trained, tmp_pat
     with altered(run.run_dir) as run_dir:
         shutil.rmtree(run_dir / f"step_{STEPS:08d}")
         shutil.copytree(other.run_dir / f"step_{STEPS:08d}", run_dir / f"step_{STEPS:08d}")
-        with pytest.raises(JobError, match=f"MANIFEST.rank-00000.json signs checkpoint step_{STEPS:08d} of run directory "
+        with pytest.raises(JobError, match=f"MANIFEST.json signs checkpoint step_{STEPS:08d} of run directory "
                                            f"{re.escape(str(other.run_dir))}, not step_{STEPS:08d} of {re.escape(str(run_dir))}"):
             export_checkpoint(str(run_dir), str(tmp_path / "copy-out"))
 

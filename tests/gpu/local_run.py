@@ -163,13 +163,13 @@ def register(run_dir: str, name: str) -> None:
 
 
 def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None:
-    """`checkpoint.save_and_report` without Ray Train: each rank saves and signs its part in its own
-    folder (as a Ray Train worker does), the parts are merged into `<run_dir>/step_N/` (Ray's
-    upload), then rank 0 registers it as Ray Train's controller does (`register`) and records it
+    """`checkpoint.save_and_report` without Ray Train: each rank saves its part in its own folder
+    and rank 0 signs them all (as Ray Train workers do), the parts are merged into `<run_dir>/step_N/`
+    (Ray's upload), then rank 0 registers it as Ray Train's controller does (`register`) and records it
     (`checkpoint.confirm`). Always synchronous."""
-    from raytrain import checkpoint, signing
+    from raytrain import checkpoint
 
-    spec, rank, world = strategy.spec, strategy.rank, strategy.world_size
+    spec, rank = strategy.spec, strategy.rank
     name = f"step_{state.step:08d}"
     final = Path(spec.run_dir, name)
     own = tempfile.mkdtemp(prefix="raytrain-ckpt-")
@@ -177,7 +177,7 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None
         if rank == 0:
             Path(own, checkpoint.STATE_FILE).write_text(state.to_json())
         strategy.save(own)
-        signing.sign_checkpoint(own, spec.run_dir, name, rank, world)
+        checkpoint.sign(own, spec.run_dir, name)  # collective: rank 0 signs every rank's files
         if rank == 0 and final.exists():
             shutil.rmtree(final)  # an earlier run's folder of the same step (a rerun in the same run_dir)
         dist.barrier()
