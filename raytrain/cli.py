@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from . import preflight
+from .plan import RunPlan
 from .errors import JobError, user_message
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -81,7 +82,7 @@ def cmd_validate(args) -> int:
         budget = "any number of" if spec.failure.max_failures < 0 else spec.failure.max_failures
         objective = "" if spec.training.objective == "sft" else f", {spec.training.objective}"
         print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}{objective}, workers {lo}..{hi}, "
-              f"accumulation {spec.accumulation_steps(hi)}..{spec.accumulation_steps(lo)}; survives {budget} worker "
+              f"accumulation {RunPlan.of(spec).accumulation_steps(hi)}..{RunPlan.of(spec).accumulation_steps(lo)}; survives {budget} worker "
               "failures, preemptions not counted)")
     _report(report, args.json)
     return EXIT_OK

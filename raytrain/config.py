@@ -449,26 +449,6 @@ class JobSpec(Section):
                              "remove it or set preference.loss: sigmoid")
         return self
 
-    @property
-    def sync_every_micro_batch(self) -> bool:
-        """`training.gradient_sync` resolved: the one place the accumulation rule is decided."""
-        if self.training.gradient_sync == "auto":
-            return self.training.finetune == "full" and self.training.strategy != "ddp"
-        return self.training.gradient_sync == "every_micro_batch"
-
-    def mesh_shape(self, workers: int) -> tuple[int, ...]:
-        """FSDP2's device mesh at `workers` ranks: (replicas, shard size) under HSDP, else (workers,).
-        The one place the mesh is decided (the strategy builds it, the memory estimate divides by it)."""
-        s = self.scaling
-        hsdp = (s.use_gpu if s.hsdp == "auto" else s.hsdp) and self.training.strategy == "fsdp2"
-        if hsdp and 1 < s.workers_per_node < workers:
-            return workers // s.workers_per_node, s.workers_per_node
-        return (workers,)
-
-    def shard_degree(self, workers: int) -> int:
-        """Ranks one copy of the model is sharded over (1: every rank holds it whole)."""
-        return {"fsdp2": self.mesh_shape(workers)[-1], "zero3": workers}.get(self.training.strategy, 1)
-
     def loss_chunk_tokens(self, model_config: dict) -> int:
         """Tokens per cross-entropy chunk for this model (its config.json), 0 for the whole logits at
         once: the one place `training.chunked_loss` is resolved (the strategy computes by it, the
@@ -540,12 +520,6 @@ class JobSpec(Section):
             raise ValueError("model.dtype=float16 with training.finetune: full trains fp16 master weights without "
                              "loss scaling (gradients and AdamW state underflow); use model.dtype: bfloat16 or float32")
         return self
-
-    # Derived quantities the launcher and workers share.
-    def accumulation_steps(self, world_size: int) -> int:
-        """Micro-batches per step on every rank: enough for the largest slice, ceil(G/N) rows."""
-        rows = -(-self.training.global_batch_size // world_size)
-        return -(-rows // self.training.micro_batch_size)
 
     @property
     def run_dir(self) -> str:

@@ -17,6 +17,7 @@ from .checkpoint import STATE_FILE, TrainState, forget_deleted, latest_checkpoin
 from .data import prepare
 from .export import write_job_file
 from .config import JobSpec
+from .plan import RunPlan
 from .errors import JobError, forward_worker_stdout_only, user_message
 
 
@@ -68,7 +69,8 @@ def build_trainer(spec: JobSpec, run_id: str, prepared: dict, relay: dict[str, s
     # batch straight from the prepared token store (see raytrain/data/). Each worker first
     # receives the secrets its node lacks from the driver's relay (worker_env.with_secrets).
     return TorchTrainer(with_secrets(worker.train_func), scaling_config=scaling, run_config=run,
-                        train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id, "data": prepared,
+                        train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id,
+                                           "plan": RunPlan.of(spec, prepared).signed(spec.run_dir),
                                            "timeline": (timeline or Timeline()).to_config()})
 
 

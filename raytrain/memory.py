@@ -14,7 +14,7 @@ back-of-the-envelope one, written out term by term so a user can check it:
       under training.chunked_loss)
     + runtime (CUDA context, NCCL buffers) on GPUs
 
-P is the ranks one copy of the model is sharded over (`JobSpec.shard_degree`): every worker
+P is the ranks one copy of the model is sharded over (`RunPlan.shard_degree`): every worker
 for zero3 and flat fsdp2, a node's workers under HSDP, 1 for ddp. Offload moves terms to host memory.
 """
 
@@ -29,6 +29,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .config import JobSpec
+from .plan import RunPlan
 from .strategies import deepspeed_config
 
 GiB = 2**30
@@ -176,14 +177,14 @@ def _n(x: float) -> str:
 
 
 def compute_bytes(spec: JobSpec) -> int:
-    p = spec.training.precision
-    return 2 if p == "bf16" or (p == "auto" and spec.scaling.use_gpu) else 4
+    return 2 if RunPlan.of(spec).bf16 else 4
 
 
 def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     t, off = spec.training, spec.training.offload
     sharded = t.strategy in ("fsdp2", "zero3")
-    P, c, w = spec.shard_degree(workers), compute_bytes(spec), DTYPE_BYTES[spec.model.dtype]
+    plan = RunPlan.of(spec)
+    P, c, w = plan.shard_degree(workers), compute_bytes(spec), DTYPE_BYTES[spec.model.dtype]
     N, per = facts.n_params, f" / {P}" if P > 1 else ""
     out = Estimate(workers)
     # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together;
@@ -209,7 +210,7 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         terms.append((Term("DPO reference copy (frozen)", f"{ref_b} B × {_n(N)}{per}", ref_b * N / P), host_params))
     for term, on_host in terms:
         (out.host if on_host else out.device).append(term)
-    if t.strategy == "fsdp2" and spec.accumulation_steps(workers) > 1 and not spec.sync_every_micro_batch:
+    if t.strategy == "fsdp2" and plan.accumulation_steps(workers) > 1 and not plan.sync_every_micro_batch:
         # FSDP2 skips the reduce-scatter on all but the last micro-batch and keeps each
         # parameter's whole (unsharded) fp32 gradient on every rank until the step.
         n = N if t.finetune == "full" else n_lora

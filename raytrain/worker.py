@@ -15,6 +15,7 @@ from . import checkpoint, control, loop, modeling, storage
 from .step_metrics import StepLogger
 from .checkpoint import TrainState
 from .config import JobSpec
+from .plan import RunPlan
 from .data.batches import open_data
 from .errors import user_message
 from .preemption import Preempted
@@ -61,7 +62,8 @@ def train_func(config: dict) -> None:
 def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_control, timeline: Timeline) -> None:
     import ray
 
-    strategy = build_strategy(spec, device)
+    plan = RunPlan.verified(config["plan"], spec.run_dir)  # the driver's decisions, executed as made
+    strategy = build_strategy(spec, device, plan)
     timeline.mark("model")
     state = checkpoint.restore(strategy) or TrainState(model_commit=spec.model.revision)  # pinned by the driver
     timeline.mark("restored")
@@ -80,7 +82,7 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
 
     if not _data_ready(job_control, device):
         return  # preparing the data failed (the driver says why) or the job was stopped first
-    batches, eval_batches, key = open_data(spec, config["data"], rank, world, state.data)
+    batches, eval_batches, key = open_data(spec, plan, rank, world, state.data)
     state.require_same_data(key, f"the checkpoint at step {state.step}")
     state.bad_rows = sum(s.bad_rows for s in batches.stores)
     timeline.mark("data")

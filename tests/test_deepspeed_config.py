@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from conftest import REPO, make_job
 from raytrain import cli, preflight
 from raytrain.config import JobSpec, load_yaml
+from raytrain.plan import RunPlan
 from raytrain.strategies import deepspeed_config as dsc
 
 GPU_JOB = REPO / "jobs" / "qwen-7b-full-zero3.yaml"
@@ -37,7 +38,7 @@ def test_deepspeed_reads_the_gpu_job_as_written_at_any_world_size(world):
     t, o = spec.training, spec.optimizer
     config = dsc.build(spec, world_size=world, hidden_size=QWEN_7B_HIDDEN)
     micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
-    assert micro == t.micro_batch_size and accumulation == spec.accumulation_steps(world)
+    assert micro == t.micro_batch_size and accumulation == RunPlan.of(spec).accumulation_steps(world)
     assert config["train_batch_size"] == micro * accumulation * world >= t.global_batch_size
     parsed = DeepSpeedConfig(dict(config, train_batch_size=micro * accumulation))
     assert parsed.gradient_accumulation_steps == accumulation and parsed.gradient_clipping == t.grad_clip

@@ -19,6 +19,7 @@ import yaml
 
 from raytrain import storage
 from raytrain.config import DataSpec
+from raytrain.plan import RunPlan
 from conftest import KNOWN_CONFIGS, hub_cache
 from test_validate import cli
 
@@ -98,7 +99,7 @@ def held_per_rank(config: dict, spec) -> float:
     bias = h + 2 * kv if config["model_type"] == "qwen2" else 0  # Qwen2's q/k/v biases
     per_layer = 2 * h * h + 2 * h * kv + bias + 3 * h * config["intermediate_size"] + 2 * h
     params = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + layers * per_layer + h
-    shards = spec.shard_degree(spec.scaling.worker_range[0]) if spec.training.strategy != "ddp" else 1
+    shards = RunPlan.of(spec).shard_degree(spec.scaling.worker_range[0]) if spec.training.strategy != "ddp" else 1
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[spec.model.dtype]
     if spec.training.finetune == "full":  # fp32 master or its 16-bit copy + fp32 moments + a gradient: >= 14 B
         return 14 * params / shards

@@ -3,7 +3,7 @@ and its share of the evaluation rows.
 
 Rank r of N reads only its slice of each global batch (`order.rank_slice`): ceil(G/N) or
 floor(G/N) rows, nothing else. Every rank runs the same number of micro-batches per step
-(`JobSpec.accumulation_steps`), so FSDP's and ZeRO-3's collectives stay matched when the
+(`RunPlan.accumulation_steps`), so FSDP's and ZeRO-3's collectives stay matched when the
 slices differ by a row; a rank with fewer rows than micro-batches gets a padding row whose
 labels are all ignored (it adds nothing to the loss, which is the token mean over the whole
 global batch). The next step's rows are read in a background thread while this one trains.
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..config import JobSpec
+from ..plan import RunPlan
 from ..errors import JobError
 from .order import DataPosition, EvalSet, HeldOut, Stream, rank_slice
 from .records import IGNORE
@@ -68,10 +69,10 @@ def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: i
 
 
 class GlobalBatches:
-    def __init__(self, stores: list[TokenStore], stream: Stream, spec: JobSpec, rank: int, world_size: int,
+    def __init__(self, stores: list[TokenStore], stream: Stream, plan: RunPlan, rank: int, world_size: int,
                  position: DataPosition, key: str):
-        self.stores, self.stream, self.global_batch = stores, stream, spec.training.global_batch_size
-        self.micro = spec.accumulation_steps(world_size)
+        self.stores, self.stream, self.global_batch = stores, stream, plan.global_batch
+        self.micro = plan.accumulation_steps(world_size)
         self.start, self.stop = rank_slice(self.global_batch, world_size, rank)
         self.position = DataPosition(position.consumed, key)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-prefetch")
@@ -119,15 +120,16 @@ class EvalBatches:
             yield micro_batches(self.stores, list(zip(sources.tolist(), rows.tolist())), 1)[0]  # host: numpy arrays
 
 
-def open_data(spec: JobSpec, prepared: dict, rank: int, world: int, position: DataPosition):
+def open_data(spec: JobSpec, plan: RunPlan, rank: int, world: int, position: DataPosition):
     """(training batches, this rank's evaluation micro-batches (`EvalBatches`) or None, the data
     key) from the stores the driver prepared (`prepare.ensure_inputs`)."""
+    prepared = plan.stores
     stores = [_open(uri) for uri in prepared["train"]]
     d, t = spec.data, spec.training
     fraction, key = d.eval.fraction if d.eval else None, prepared["key"]
     splits = [HeldOut(s.rows, fraction) if fraction else s.rows for s in stores]
     stream = Stream(splits, prepared["weights"], t.seed, d.shuffle, d.shuffle_window)
-    batches = GlobalBatches(stores, stream, spec, rank, world, position, key)
+    batches = GlobalBatches(stores, stream, plan, rank, world, position, key)
     if d.eval is None:
         return batches, None, key
     if prepared.get("eval"):

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..config import JobSpec
+    from ..plan import RunPlan
     from .base import Strategy
 
 
@@ -23,7 +24,12 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def build_strategy(spec: JobSpec, device: torch.device) -> Strategy:
+def build_strategy(spec: JobSpec, device: torch.device, plan: RunPlan | None = None) -> Strategy:
+    """The strategy the plan names, set up. Without a driver's plan (tests, benchmarks, the GPU
+    suite) the job's own: `RunPlan.of(spec)`."""
+    from ..plan import RunPlan
+
+    plan = plan or RunPlan.of(spec)
     name = spec.training.strategy
     if name == "fsdp2":
         from .fsdp2 import FSDP2Strategy as cls
@@ -31,7 +37,7 @@ def build_strategy(spec: JobSpec, device: torch.device) -> Strategy:
         from .ddp import DDPStrategy as cls
     else:
         from .zero3 import Zero3Strategy as cls
-    strategy = cls(spec, device)
+    strategy = cls(spec, device, plan)
     strategy.setup()
     return strategy
 

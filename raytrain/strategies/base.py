@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import modeling
 from ..config import JobSpec
+from ..plan import RunPlan
 from ..errors import JobError
 from ..signing import SignedCheckpoint
 from . import hf_files
@@ -103,12 +104,12 @@ def fetch_on_every_rank(checkpoint: SignedCheckpoint, files: list[str]) -> str:
 class Strategy(ABC):
     """Build, step, save, load and export one model on one worker of a process group."""
 
-    def __init__(self, spec: JobSpec, device: torch.device):
-        self.spec = spec
+    def __init__(self, spec: JobSpec, device: torch.device, plan: RunPlan):
+        self.spec, self.plan = spec, plan  # the job as written; what the driver resolved it to
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.compute_bf16 = spec.training.precision == "bf16" or (spec.training.precision == "auto" and device.type != "cpu")
+        self.compute_bf16 = plan.bf16
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives.py); 0: the whole logits
 

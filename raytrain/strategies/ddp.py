@@ -24,5 +24,5 @@ class DDPStrategy(TorchStrategy):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
-        with contextlib.nullcontext() if sync or self.spec.sync_every_micro_batch else self.model.no_sync():
+        with contextlib.nullcontext() if sync or self.plan.sync_every_micro_batch else self.model.no_sync():
             loss.backward()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ..plan import RunPlan
+
 # Override path -> the job field that owns it. An override of these is an error naming the field,
 # because a second source of truth for, e.g., the batch size would silently break resume and parity.
 OWNED = {
@@ -37,12 +39,6 @@ MIN_BUCKET = 1 << 22  # elements; see generate()
 OFFLOAD = {"offload_optimizer": "training.offload.optimizer", "offload_param": "training.offload.params"}
 
 
-def compute_bf16(spec) -> bool:
-    """The one reading of `training.precision` every strategy shares: auto is bf16 on GPU."""
-    p = spec.training.precision
-    return p == "bf16" or (p == "auto" and spec.scaling.use_gpu)
-
-
 def generate(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
     """The config raytrain derives from the job, before expert overrides.
 
@@ -52,8 +48,8 @@ def generate(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
     the rule makes buckets so small that per-collective latency dominates (hidden 64 on
     gloo: 0.56 s a step against 0.12 s with the floor, same losses).
     """
-    t, o, gpu = spec.training, spec.optimizer, spec.scaling.use_gpu
-    bf16 = compute_bf16(spec)
+    t, o, gpu, plan = spec.training, spec.optimizer, spec.scaling.use_gpu, RunPlan.of(spec)
+    bf16 = plan.bf16
     bucket = max(hidden_size * hidden_size, MIN_BUCKET)
     zero: dict[str, Any] = {
         "stage": 3,
@@ -76,9 +72,9 @@ def generate(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
     config: dict[str, Any] = {
         # DeepSpeed's own bookkeeping wants micro x accumulation x world; raytrain feeds ceil(G/N)
         # rows a rank at most (padding rows where a slice is short) and scales the loss itself.
-        "train_batch_size": t.micro_batch_size * spec.accumulation_steps(world_size) * world_size,
+        "train_batch_size": t.micro_batch_size * plan.accumulation_steps(world_size) * world_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": spec.accumulation_steps(world_size),
+        "gradient_accumulation_steps": plan.accumulation_steps(world_size),
         "gradient_clipping": float(t.grad_clip) if t.grad_clip else 0.0,  # host: a config value; 0 disables clipping
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},

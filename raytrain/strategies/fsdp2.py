@@ -37,9 +37,9 @@ class FSDP2Strategy(TorchStrategy):
         # Offload moves shards from the accelerator to host memory; on a CPU worker they are there
         # already (and CPUOffloadPolicy needs an accelerator to move them back to).
         cpu_offload = (offload.params or offload.optimizer) and self.device.type != "cpu"
-        shape = self.spec.mesh_shape(self.world_size)
+        shape = self.plan.mesh_shape(self.world_size)
         kwargs = dict(
-            # One flat mesh, or HSDP: replicate across nodes x shard within one (`JobSpec.mesh_shape`).
+            # One flat mesh, or HSDP: replicate across nodes x shard within one (`RunPlan.mesh_shape`).
             mesh=init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):]),
             # bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU.
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.compute_bf16 else None,
@@ -57,6 +57,6 @@ class FSDP2Strategy(TorchStrategy):
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         # Skipping the reduce-scatter before the last micro-batch keeps each parameter's whole fp32
         # gradient on every rank until the step: cheap for adapters, the model's size for full
-        # fine-tuning, which therefore reduce-scatters every micro-batch (`JobSpec.sync_every_micro_batch`).
-        self.model.set_requires_gradient_sync(sync or self.spec.sync_every_micro_batch)
+        # fine-tuning, which therefore reduce-scatters every micro-batch (`RunPlan.sync_every_micro_batch`).
+        self.model.set_requires_gradient_sync(sync or self.plan.sync_every_micro_batch)
         loss.backward()

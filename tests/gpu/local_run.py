@@ -284,9 +284,11 @@ def train(spec, strategy, prepared: dict, state=None, checkpoints: bool = True, 
     from raytrain import loop
     from raytrain.checkpoint import TrainState
     from raytrain.data.batches import open_data
+    from raytrain.plan import RunPlan
 
     state = state or TrainState(model_commit=spec.model.revision)
-    batches, eval_batches, key = open_data(spec, prepared, strategy.rank, strategy.world_size, state.data)
+    plan = RunPlan.of(spec, prepared)
+    batches, eval_batches, key = open_data(spec, plan, strategy.rank, strategy.world_size, state.data)
     state.require_same_data(key, f"the checkpoint at step {state.step}")
     state.bad_rows = sum(s.bad_rows for s in batches.stores)
     logger = CaptureLogger() if strategy.rank == 0 else None
