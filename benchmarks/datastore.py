@@ -36,6 +36,7 @@ def d(s: h.Setting) -> dict:
     from raytrain.data.sources import list_sources, plan_units, read_unit
     from raytrain.demo_assets import text_rows, write_jsonl
     from raytrain.modeling import load_tokenizer
+    from raytrain.plan import RunPlan
 
     h.header("D token store: reads per rank, re-tokenization, resume seek, prepare throughput", s)
     model, _ = h.assets(s)
@@ -74,7 +75,7 @@ def d(s: h.Setting) -> dict:
 
         world, steps = s.workers, 20
         prepared = {"train": [store.uri], "weights": [1.0], "key": store.key}
-        readers = [open_data(spec, prepared, r, world, DataPosition(0, store.key))[0] for r in range(world)]
+        readers = [open_data(spec, RunPlan.of(spec, prepared), r, world, DataPosition(0, store.key))[0] for r in range(world)]
         before = _read_bytes()
         for _ in range(steps):
             for r in readers:
@@ -87,7 +88,7 @@ def d(s: h.Setting) -> dict:
         d1 = got / want
         print(f"D1 rows read per rank per step / (G/N): {d1:.3f} ({got} rows for {steps} steps of {s.global_batch} over "
               f"{world} ranks; the extra is the one prefetched step); bytes read by the process {read:,} = "
-              f"{read / (want * store.row_bytes):.3f} x the slices' bytes")
+              f"{read / (want * store.manifest['tokens'] * store.dtype.itemsize / store.rows):.3f} x the slices' token bytes")
 
         seek = {}
         for frac in (0.01, 0.9):
@@ -95,7 +96,7 @@ def d(s: h.Setting) -> dict:
             times = []
             for _ in range(5):
                 started = time.perf_counter()
-                reader = open_data(spec, prepared, 0, world, position)[0]
+                reader = open_data(spec, RunPlan.of(spec, prepared), 0, world, position)[0]
                 next(reader)
                 times.append(time.perf_counter() - started)
                 reader.close()

@@ -1,7 +1,7 @@
 """Chaos for raytrain: break a running job for real and check what a user relies on.
 
     python tests/chaos.py kill   [--kills 3] [--steps 32] [--seed 0]
-    python tests/chaos.py spot   [--steps 40]
+    python tests/chaos.py spot   [--steps 40] [--nodes 2 --per-node 1]   (16-rank rehearsal: --nodes 4 --per-node 4)
     python tests/chaos.py soak   [--minutes 10] [--seed 0]
 
 `kill` SIGKILLs a random training worker every few seconds during a run on a local Ray
@@ -79,7 +79,8 @@ def _job(assets: Path, storage: Path, name: str, steps: int, **over):
     from conftest import make_job
 
     checkpoint = {"every_n_steps": 4, "keep_last": 2, **over.pop("checkpoint", {})}
-    return make_job(assets, storage, name=name, training={"max_steps": steps, "finetune": "full"},
+    training = {"max_steps": steps, "finetune": "full", **over.pop("training", {})}
+    return make_job(assets, storage, name=name, training=training,
                     checkpoint=checkpoint, **over)
 
 
@@ -175,35 +176,41 @@ def _max_rel_diff(losses: dict, ref_losses: dict) -> float:
 
 
 def chaos_spot(args, root: Path, assets: Path) -> dict:
-    """One spot node's life, on an elastic job (1..2 workers): its preemption notice, its reclaim
-    (the job goes on with 1 worker) and its replacement (the job grows back to 2)."""
+    """One spot node's life, on an elastic job over `--nodes` nodes of `--per-node` workers (HSDP:
+    sharded within a node, replicated across): its preemption notice, its reclaim (the job goes on
+    with one node fewer) and its replacement (it grows back). At 1 x 2 it is the CI's 1..2-worker
+    case; at 4 x 4 the 16-rank rehearsal (8..16 ranks, a 4 x 4 mesh, 3 x 4 after the reclaim)."""
     import ray
     from ray.cluster_utils import Cluster
 
+    nodes, per_node = args.nodes, args.per_node
+    full, fewer = nodes * per_node, (nodes - 1) * per_node
     # Ray Train polls for drains every 5 s; every 0.5 s here, so that the notice lands within a
     # step or two of 0.5 s. Set before the nodes start: their processes inherit it.
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"
     global _CLUSTER
-    # Two nodes with one training slot each; the head keeps spare CPUs for Ray Data. The GCS
-    # notices a lost node within a few seconds (Ray's default health checks take 15 s or more, a
+    # `nodes` nodes with `per_node` training slots each; the head keeps spare CPUs for Ray Data. The
+    # GCS notices a lost node within a few seconds (Ray's default health checks take 15 s or more, a
     # wait that is Ray's, not the job's: RESULTS.md's 51-s spot recovery had two of them). Five
     # missed checks of 1 s each, so a busy 2-core machine's slow answer is not a lost node.
     cluster = _CLUSTER = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "resources": {"slot": 1},
+        "num_cpus": per_node + 3, "resources": {"slot": per_node},
         "_system_config": {"health_check_period_ms": 500, "health_check_timeout_ms": 1000,
                            "health_check_failure_threshold": 5}})
-    node_b = cluster.add_node(num_cpus=1, resources={"slot": 1})
+    added = [cluster.add_node(num_cpus=per_node, resources={"slot": per_node}) for _ in range(nodes - 1)]
+    node_b = added[-1]
     ray.init(address=cluster.address, log_to_driver=False)
     every = 10  # the notice's checkpoint is the only one that can fall between multiples of 10
-    over = {"checkpoint": {"every_n_steps": every, "keep_last": 3}}
-    ref_spec = _job(assets, root / "ref", "ref", args.steps, scaling={"num_workers": 2, "resources_per_worker": {"slot": 1}},
-                    **over)
+    over = {"checkpoint": {"every_n_steps": every, "keep_last": 3},
+            "training": {"global_batch_size": max(8, 2 * full), "micro_batch_size": 2}}
+    mesh = {"resources_per_worker": {"slot": 1}, "workers_per_node": per_node, "hsdp": per_node > 1}
+    ref_spec = _job(assets, root / "ref", "ref", args.steps, scaling={"num_workers": full, **mesh}, **over)
     _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
 
     _throttle(0.5)
     spec = _job(assets, root / "spot", "spot", args.steps, failure={"max_failures": 1}, **over,
-                scaling={"num_workers": None, "min_workers": 1, "max_workers": 2, "resize_check_interval_s": 5,
-                         "resources_per_worker": {"slot": 1}})
+                scaling={"num_workers": None, "min_workers": fewer, "max_workers": full, "resize_check_interval_s": 5,
+                         **mesh})
     log = root / "spot-log"
     thread, box = _in_thread(lambda: _run_logged(spec, log))
     started, at = time.monotonic(), {}
@@ -216,20 +223,22 @@ def chaos_spot(args, root: Path, assets: Path) -> dict:
         time.sleep(0.2)
     checkpoint_step = _latest_commit(spec)
     at["notice_checkpoint_s"] = round(time.monotonic() - started, 1)
-    cluster.remove_node(node_b, allow_graceful=False)  # the reclaim: the job goes on with 1 worker
-    # The replacement once the 1-worker group has committed a checkpoint of its own (a resize
-    # restarts from the latest one: its 1-worker steps stay in the final lineage).
+    cluster.remove_node(node_b, allow_graceful=False)  # the reclaim: the job goes on with a node fewer
+    at["reclaimed_s"] = round(time.monotonic() - started, 1)
+    # The replacement once the smaller group has committed a checkpoint of its own (a resize
+    # restarts from the latest one: its smaller-world steps stay in the final lineage).
     while thread.is_alive() and (_latest_commit(spec) or 0) < every:
         time.sleep(0.2)
-    at["one_worker_checkpoint_s"] = round(time.monotonic() - started, 1)
-    cluster.add_node(num_cpus=1, resources={"slot": 1})
+    at["fewer_checkpoint_s"] = round(time.monotonic() - started, 1)
+    cluster.add_node(num_cpus=per_node, resources={"slot": per_node})
+    at["replaced_s"] = round(time.monotonic() - started, 1)
     events = {"noticed_after_step": noticed_after, "checkpoint_step": checkpoint_step,
               "added_node_after_step": _steps_done(log)}
-    # The 1-worker group must still be training when the resize lands (Ray Train checks every
-    # 5 s, then starts a group of 2): slow it down until 2 workers train again, then let the rest
-    # run unthrottled. On a fast machine a fixed pace finished the job at 1 worker first.
+    # The smaller group must still be training when the resize lands (Ray Train checks every
+    # 5 s, then starts a full group): slow it down until the full group trains, then let the rest
+    # run unthrottled. On a fast machine a fixed pace finished the job at the smaller size first.
     _throttle(2.0)
-    while thread.is_alive() and _steps_done(log, world=2) <= events["added_node_after_step"]:
+    while thread.is_alive() and _steps_done(log, world=full) <= events["added_node_after_step"]:
         time.sleep(0.2)
     _throttle(0.0)
     thread.join()
@@ -244,15 +253,47 @@ def chaos_spot(args, root: Path, assets: Path) -> dict:
     if not any(f["kind"] == "resize" for f in failures):
         problems.append(f"no grow-back resize among the restarts: {failures}")
     worlds = [lineage[s]["world"] for s in sorted(lineage)]
-    if worlds[0] != 2 or 1 not in worlds or worlds[-1] != 2:
-        problems.append(f"expected 2 workers, then 1, then 2 again; saw {worlds}")
+    if worlds[0] != full or fewer not in worlds or worlds[-1] != full:
+        problems.append(f"expected {full} workers, then {fewer}, then {full} again; saw {worlds}")
     if sorted(losses) != sorted(ref_losses):
         problems.append(f"MLflow steps differ from the uninterrupted run: {sorted(set(losses) ^ set(ref_losses))}")
     worst = _max_rel_diff(losses, ref_losses)
     if worst > 1e-5:  # across world sizes the reduction order changes: fp32 rounding, not bits
         problems.append(f"losses differ from the uninterrupted run (max relative {worst:.2e})")
-    return {"mode": "spot", **events, "at": at, "worlds_per_step": worlds, "max_rel_loss_diff": worst, "failures": failures,
+    recovery = _recovery_s(log, at, started, fewer, full)
+    return {"mode": "spot", "nodes": nodes, "per_node": per_node, **events, "at": at, "recovery_s": recovery,
+            "worlds_per_step": worlds, "per_rank": _per_rank_costs(log), "max_rel_loss_diff": worst, "failures": failures,
             "problems": problems}
+
+
+def _recovery_s(log_dir: Path, at: dict, started: float, fewer: int, full: int) -> dict:
+    """Seconds from the reclaim to the smaller group's first step, and from the replacement node
+    to the full group's first step after it (the sample log's wall-clock times)."""
+    rows = [json.loads(line) for f in log_dir.glob("rank0.jsonl") for line in f.read_text().splitlines()]
+    origin = time.time() - (time.monotonic() - started)  # monotonic offsets -> wall clock
+
+    def first(world: int, after: float) -> float | None:
+        times = [r["time"] for r in rows if r["world"] == world and r["time"] > origin + after]
+        return round(min(times) - origin - after, 1) if times else None
+
+    return {"reclaim_to_step": first(fewer, at["reclaimed_s"]), "replacement_to_step": first(full, at["replaced_s"])}
+
+
+def _per_rank_costs(log_dir: Path) -> dict:
+    """Per world size: the largest resident memory of any rank and the median bytes a rank read
+    from the token store per step (the sample log records both at every step)."""
+    by_world: dict[int, dict] = defaultdict(lambda: {"rss_mb": 0.0, "read": []})
+    for f in log_dir.glob("rank*.jsonl"):
+        previous: dict[str, int] = {}
+        for r in (json.loads(line) for line in f.read_text().splitlines()):
+            w = by_world[r["world"]]
+            w["rss_mb"] = max(w["rss_mb"], r.get("rss_mb", 0.0))
+            if r["attempt"] in previous:
+                w["read"].append(r.get("read_bytes", 0) - previous[r["attempt"]])
+            previous[r["attempt"]] = r.get("read_bytes", 0)
+    return {world: {"max_rss_mb": round(v["rss_mb"], 1),
+                    "read_bytes_per_step": sorted(v["read"])[len(v["read"]) // 2] if v["read"] else None}
+            for world, v in sorted(by_world.items())}
 
 
 def _workers() -> list[dict]:
@@ -346,6 +387,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=10)
+    parser.add_argument("--nodes", type=int, default=2, help="spot: nodes of the local cluster")
+    parser.add_argument("--per-node", type=int, default=1, help="spot: training workers a node (HSDP when > 1)")
     parser.add_argument("--out", help="folder for runs and logs (default: a temp dir)")
     args = parser.parse_args(argv)
     from raytrain.demo_assets import make_all

@@ -104,6 +104,77 @@ def test_bad_text_is_a_row_error(tok, bad):
         encode_text(tok, bad)
 
 
+def _mixed_rows() -> dict[str, list]:
+    """Rows of each format as the sources give them (raw JSON Lines bytes, or decoded objects):
+    good ones, bad ones of every kind, and one longer than seq_len."""
+    import json
+
+    def raw(value) -> bytes:
+        return json.dumps(value).encode()
+
+    long = " ".join(["the red fox jumps over the wall."] * 30)
+    bad = [b"", b"{not json", raw(["a", "list"]), b'{"text": "caf\xe9"}']
+    return {
+        "text": [raw({"text": "the red fox jumps."}), raw({"text": 5}), raw({"text": "   "}), raw({"text": long}),
+                 {"text": "a row decoded from parquet"}, raw({"text": "a lone \ud800 surrogate"}), *bad],
+        "chat": [raw({"messages": FOX}), raw({"messages": FOX[:2]}), raw({"messages": [{"role": "bot", "content": "x"}]}),
+                 raw({"messages": FOX + [{"role": "user", "content": "and the owl?"}, {"role": "assistant", "content": "white."}]}),
+                 raw({"messages": [{"role": "user", "content": long}, {"role": "assistant", "content": long}]}), *bad],
+        "alpaca": [raw({"instruction": "what color is the fox?", "input": "", "output": "the fox is red.", "system": "be brief."}),
+                   raw({"instruction": "q", "input": "in one word", "output": "a", "history": [["hi", "hello"]]}),
+                   raw({"instruction": 3, "output": "a"}), raw({"instruction": long, "output": long}), *bad],
+        "sharegpt": [raw({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
+                     raw({"conversations": [{"from": "alien", "value": "hi"}]}), raw({"conversations": []}), *bad],
+        "pairs text": [raw({"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs."}),
+                       raw({"prompt": "p", "chosen": "", "rejected": "x"}), raw({"prompt": "p", "chosen": "a"}),
+                       raw({"prompt": long, "chosen": "a", "rejected": "b"}), raw({"prompt": "", "chosen": "a", "rejected": "c"}), *bad],
+        "pairs chat": [raw({"prompt": FOX[:2], "chosen": [FOX[2]], "rejected": "the fox is blue."}),
+                       raw({"chosen": FOX, "rejected": FOX[:2] + [{"role": "assistant", "content": "blue."}]}),
+                       raw({"prompt": FOX, "chosen": "a", "rejected": "b"}), raw({"prompt": FOX[:2], "chosen": "   ", "rejected": "b"}),
+                       raw({"prompt": FOX[1:2], "chosen": long, "rejected": "b"}), *bad],
+    }
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_batch_gives_each_row_exactly_what_encoding_it_alone_gives(tok, pack):
+    # The prepare step tokenizes BATCH_ROWS rows per call; each row's ids, labels or ValueError
+    # must be what encode_row / encode_pair give it alone, whatever the batch around it.
+    from copy import copy
+
+    from raytrain.config import DataSpec
+    from raytrain.data.pairs import encode_pair, encode_pairs
+    from raytrain.data.records import encode_rows
+    from raytrain.data import encode_row
+
+    stripping = copy(tok)  # rewrites an earlier assistant turn: that row is refused, the others not
+    stripping.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if loop.last or "
+                               "m['role'] != 'assistant' else 'x' }}<|im_end|>\n{% endfor %}")
+    refusals = []
+    for name, rows in _mixed_rows().items():
+        pairs, fmt = name.startswith("pairs"), name.split()[-1]
+        for t, train_on_inputs in [(tok, False), (tok, True)] + [(stripping, False)] * (fmt == "chat"):
+            if pairs and (pack or train_on_inputs):
+                continue
+            d = DataSpec(path="x", format=fmt, seq_len=48, pack=pack, train_on_inputs=train_on_inputs)
+            alone = []
+            for row in rows:
+                try:
+                    alone.append((encode_pair if pairs else encode_row)(t, d, row))
+                except ValueError as why:
+                    alone.append(f"ValueError: {why}")
+            for size in (1, 3, len(rows)):
+                batched = [r for i in range(0, len(rows), size)
+                           for r in (encode_pairs if pairs else encode_rows)(t, d, rows[i:i + size])]
+                assert [f"ValueError: {r}" if isinstance(r, ValueError) else r for r in batched] == alone, (name, size)
+            assert any(not isinstance(r, str) for r in alone), name  # good rows too
+            refusals += [r for r in alone if isinstance(r, str)]
+    # The mix holds every kind of refusal, the over-long rows included.
+    kinds = ["not valid JSON", "empty line", "expected a JSON object", "not UTF-8", "not valid Unicode text (a lone surrogate",
+             "column 'text' is empty", "must be a string, got int", "no assistant message", "does not render assistant turn"]
+    kinds += [] if pack else ["longer than data.seq_len=48 (raise seq_len", "(pairs are never truncated"]
+    assert [k for k in kinds if not any(k in r for r in refusals)] == []
+
+
 def test_pack_keeps_every_token_pads_only_the_tail_and_restarts_positions_per_document():
     docs = [([1, 2, 3], [1, 2, 3]), ([4, 5], [IGNORE, 5]), ([6, 7, 8, 9], [6, 7, 8, 9])]
     ids, labels, positions = pack(docs, seq_len=4, pad=0)

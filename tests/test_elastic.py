@@ -30,13 +30,14 @@ def run_chaos(tmp_path, *args) -> dict:
 
 
 def test_a_spot_node_noticed_reclaimed_and_replaced(tmp_path):
-    # Ray's drain notice (KubeRay's preStop runs `ray drain-node --reason PREEMPTION`) on the node
-    # of rank 1: a checkpoint within a few steps, although none is due; the node is then reclaimed
-    # (the job resumes from that checkpoint on 1 worker) and replaced (it grows back to 2), with
-    # every sample once, a constant global batch and the uninterrupted run's losses.
-    summary = run_chaos(tmp_path, "spot", "--steps", "40")
+    # 6 ranks on 2 nodes of 3, HSDP (2 x 3 mesh). Ray's drain notice (KubeRay's preStop runs `ray
+    # drain-node --reason PREEMPTION`) on the second node: a checkpoint within a few steps, although
+    # none is due; the node is then reclaimed (the job resumes from that checkpoint on the 3 ranks of
+    # one node) and replaced (it grows back to 6), with every sample once, a constant global batch and
+    # the uninterrupted 6-rank run's losses. The 16-rank rehearsal is the same run at --nodes 4 --per-node 4.
+    summary = run_chaos(tmp_path, "spot", "--steps", "30", "--nodes", "2", "--per-node", "3")
     worlds = summary["worlds_per_step"]
-    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2
+    assert worlds[0] == 6 and 3 in worlds and worlds[-1] == 6
     [preemption, *others] = summary["failures"]
     assert summary["noticed_after_step"] < summary["checkpoint_step"] == preemption["resumed_from"]
     assert preemption["kind"] == "preemption" and any(f["kind"] == "resize" for f in others)

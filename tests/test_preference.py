@@ -313,7 +313,7 @@ def test_exported_adapter_loads_with_plain_peft_and_gives_the_last_eval(runs, to
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from raytrain.data.order import held_out
+    from raytrain.data.order import HeldOut
     from raytrain.data.store import TokenStore
 
     run = runs["dpo", "fsdp2", "lora"]
@@ -321,7 +321,8 @@ def test_exported_adapter_loads_with_plain_peft_and_gives_the_last_eval(runs, to
                                       f"{run.spec.run_dir}/final_model").eval()
     [store_dir] = [p for p in (Path(run.spec.checkpoint.storage_path) / "datasets").iterdir()]
     store = TokenStore.open(str(store_dir))
-    rows = store.read(held_out(store.rows, 0.05)[1])
+    split = HeldOut(store.rows, 0.05)  # under data.eval.max_rows: every held-out row is evaluated
+    rows = store.read(split.held_rows(np.arange(split.held)))
     t = torch.from_numpy(rows).long()
     t = torch.cat([t[:, :3], t[:, 3:]])
     mb = {"input_ids": t[:, 0], "labels": t[:, 1], "position_ids": t[:, 2]}

@@ -18,22 +18,23 @@ from conftest import make_job, metric_history
 from raytrain.data import DataPosition, GlobalOrder, rank_slice
 from raytrain.data.batches import GlobalBatches
 from raytrain.data.order import Stream
-from raytrain.data.prepare import ensure_store
+from raytrain.data.prepare import ensure_store, prepare_unit as _prepare_unit
 from raytrain.data.sources import owned_lines
 from raytrain.data.store import MANIFEST, TokenStore
 from raytrain.errors import JobError
+from raytrain.plan import RunPlan
 
 
 # ---------------------------------------------------------------- pure: order, slices, line ownership
 def test_a_blend_feeds_each_source_its_weight_within_one_row_whatever_the_prefix():
-    stream = Stream([100, 40], [3, 1], seed=0, shuffle=True, window_rows=64, horizon=4000)
+    stream = Stream([100, 40], [3, 1], seed=0, shuffle=True, window_rows=64)
     sources, epochs, rows = stream.at(np.arange(4000))
     counts = np.cumsum(sources == 1)
     assert np.abs(counts - np.arange(1, 4001) * 0.25).max() <= 1  # 3:1 at every prefix, give or take one row
     small = rows[sources == 1]  # the small source repeats, epoch after epoch, each epoch a permutation
     assert sorted(small[:40]) == list(range(40)) and epochs[sources == 1][40] == 1
-    again = Stream([100, 40], [3, 1], seed=0, shuffle=True, window_rows=64, horizon=10_000)
-    assert np.array_equal(again.at(np.arange(2000, 2100))[2], rows[2000:2100])  # a longer job: the same prefix
+    again = Stream([100, 40], [3, 1], seed=0, shuffle=True, window_rows=64)
+    assert np.array_equal(again.at(np.arange(2000, 2100))[2], rows[2000:2100])  # a fresh reader seeks: the same rows
 
 
 def test_each_epoch_is_a_different_permutation_that_depends_only_on_seed_and_epoch():
@@ -82,27 +83,131 @@ def test_a_malformed_json_array_is_named_with_its_byte_position(tmp_path):
         list(read_unit(fs, unit))
 
 
+def test_a_json_array_is_cut_into_units_at_its_own_commas_that_depend_on_the_file_alone(tmp_path, monkeypatch):
+    from raytrain.data import sources
+
+    # Strings holding commas, brackets, escaped quotes and non-ASCII text, and nested values: only
+    # the commas between the array's own elements may cut it.
+    rows = [{"instruction": f'q{i}, "quoted" ]}},[{{ caf\u00e9 \\', "output": "a" * (i % 7), "history": [["x,]", "y"]] * (i % 3)}
+            for i in range(60)]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows, indent=1, ensure_ascii=False))
+    fs, size = pafs.LocalFileSystem(), path.stat().st_size
+    plans = []
+    for chunk in (5, 64, 1 << 20):  # how the scan reads the file must not matter
+        monkeypatch.setattr(sources, "CHUNK", chunk)
+        units = list(sources.array_units(fs, str(path), 500))
+        assert units[0].start == 0 and units[-1].stop == size and len(units) > 5
+        assert all(a.stop + 1 == b.start and path.read_bytes()[a.stop:b.start] == b"," for a, b in zip(units, units[1:]))
+        assert [r for u in units for r in sources.read_unit(fs, u)] == rows
+        plans.append(units)
+    assert plans[0] == plans[1] == plans[2]
+    # Cut or whole, a broken array is named at the same byte: a trailing comma, then a missing one.
+    for broken, why in ((b"[1, 2, 3,]", "Expecting value at byte 9"), (b'[{"a": 1} {"b": 2}]', "Expecting ',' delimiter at byte 10")):
+        path.write_bytes(broken)
+        for step in (1, 100):
+            with pytest.raises(ValueError, match=f"rows.json: not a valid JSON array \\({why}\\)"):
+                [r for u in sources.array_units(fs, str(path), step) for r in sources.read_unit(fs, u)]
+
+
+def test_bad_rows_of_a_json_array_in_several_units_are_named_by_their_row_in_the_file(assets, tmp_path):
+    rows = [{"instruction": f"what color is the fox {i}?", "input": "", "output": "the fox is red."} for i in range(200)]
+    for n in (7, 95, 190):  # 1-based row numbers
+        rows[n - 1]["output"] = n
+    path = tmp_path / "alpaca.json"
+    path.write_text(json.dumps(rows, indent=1))
+    spec = make_job(assets, tmp_path / "runs", data={"path": str(path), "format": "alpaca", "bad_rows": "skip"})
+    store = ensure_store(spec, unit_bytes=2048)  # a few KiB: prepared in this process, no Ray
+    assert len(store.manifest["shards"]) > 5 and store.manifest["docs"] == 197
+    assert store.manifest["bad_examples"] == [f"{path} row {n}: column 'output' (the response) must be a string, got int"
+                                              for n in (7, 95, 190)]
+
+
+@pytest.mark.parametrize("vocab", [300, 100_000])  # 2-byte and 4-byte words
+@pytest.mark.parametrize("shape", ["packed", "padded", "pairs"])
+def test_the_compact_store_reads_back_exactly_the_padded_rows_packing_lays_out(tmp_path, vocab, shape):
+    """2-4 bytes a token on disk, labels and positions from two flag bits and the index: what
+    `read` returns is, plane for plane, what the padded three-plane layout held."""
+    from raytrain.data.records import IGNORE, pack, pad_rows
+    from raytrain.data.store import shard_rows, token_dtype, write_manifest, write_shard
+
+    rng, seq_len, pad = np.random.default_rng(1), 16, 7
+    docs = []
+    for _ in range(40):
+        n = int(rng.integers(1, seq_len + 1 if shape != "packed" else 40))
+        ids = rng.integers(0, vocab, n).tolist()
+        head = int(rng.integers(0, n))  # a prompt that is not trained
+        docs.append((ids, [IGNORE] * head + ids[head:]))
+    if shape == "pairs":
+        docs = [(docs[i], docs[i + 1]) for i in range(0, 40, 2)]
+        chosen, rejected = pad_rows([c for c, _ in docs], seq_len, pad), pad_rows([r for _, r in docs], seq_len, pad)
+        want = np.stack([*chosen, *rejected], axis=1)
+    else:
+        want = np.stack((pack if shape == "packed" else pad_rows)(docs, seq_len, pad), axis=1)
+    fs, rows = pafs.LocalFileSystem(), shard_rows(docs, seq_len, shape == "packed", shape == "pairs")
+    key = "k" * 20
+    store_dir = tmp_path / key
+    store_dir.mkdir()
+    dtype = token_dtype(vocab)
+    entries, first = [], 0
+    for index, part in enumerate((rows[:7], rows[7:])):  # two shards: a read spans both
+        entries.append({**write_shard(fs, str(store_dir), f"part-{index:06d}", part, dtype), "first_row": first})
+        first += len(part)
+    write_manifest(fs, str(store_dir), {"key": key, "rows": first, "seq_len": seq_len, "pad_id": pad, "bad_rows": 0,
+                                        "shards": entries, "sources": [], "sequences_per_row": 1 + (shape == "pairs"),
+                                        "token_dtype": dtype.name})
+    store = TokenStore.open(str(store_dir))
+    order = rng.permutation(first)
+    assert np.array_equal(store.read(order), want[order])
+    tokens = sum(len(i) for d in (docs if shape != "pairs" else [s for p in docs for s in p]) for i, _ in [d])
+    on_disk = sum(p.stat().st_size for p in store_dir.glob("part-*"))
+    assert on_disk <= tokens * dtype.itemsize + first * (16 + 12 * (1 + (shape == "pairs")) + 8) + 8 * 2
+
+    # A token changed on disk: refused by the reader, naming the file, before the row is used.
+    shard = store_dir / "part-000001.bin"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 1
+    shard.write_bytes(bytes(data))
+    fresh = TokenStore.open(str(store_dir))
+    assert np.array_equal(fresh.read(np.arange(7)), want[:7])  # the other shard is fine
+    with pytest.raises(JobError, match=r"refusing the token store .*: part-000001.bin was changed after it was prepared "
+                                       r"\(row 0's tokens are not the signed ones\)"):
+        fresh.read(np.array([7]))
+    index = store_dir / "part-000000.idx"
+    index.write_bytes(index.read_bytes()[:-1])  # a truncated index
+    with pytest.raises(JobError, match=r"part-000000.idx was changed after it was prepared"):
+        TokenStore.open(str(store_dir)).read(np.array([0]))
+
+
 # ---------------------------------------------------------------- the store on a real cluster
 def _tokens_hash(store: TokenStore) -> str:
     digest = hashlib.sha256()
     for shard in store.manifest["shards"]:
-        with store.fs.open_input_file(f"{store.path}/{shard['file']}") as f:
+        with store.fs.open_input_file(f"{store.path}/{shard['file']}.bin") as f:
             digest.update(f.read())
     return digest.hexdigest()
 
 
-def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its_rows(ray_address, assets, tmp_path):
-    one = ensure_store(make_job(assets, tmp_path / "a"), unit_bytes=16_384, concurrency=1)
+def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its_rows(ray_address, assets, tmp_path,
+                                                                                      monkeypatch):
+    from raytrain.data import prepare
+
+    here = []  # the units prepared in this process
+    monkeypatch.setattr(prepare, "prepare_unit", lambda item, **kw: here.append(item) or _prepare_unit(item, **kw))
+    one = ensure_store(make_job(assets, tmp_path / "a"), unit_bytes=16_384)  # 0.4 MB: in the driver, unit after unit
+    assert len(here) == len(one.manifest["shards"]) > 4
+    monkeypatch.setattr(prepare, "LOCAL_BYTES", 0)  # as a big dataset: a Ray Data task per unit, 4 at a time
     four = ensure_store(make_job(assets, tmp_path / "b"), unit_bytes=16_384, concurrency=4)
-    assert one.key == four.key and len(one.manifest["shards"]) > 4
+    assert len(here) == len(one.manifest["shards"])  # none more here
+    assert one.key == four.key and one.manifest["shards"] == four.manifest["shards"]
     assert _tokens_hash(one) == _tokens_hash(four)
     assert one.manifest["docs"] == 4000 and one.bad_rows == 0  # every source row is in it
 
     spec = make_job(assets, tmp_path / "a", training={"global_batch_size": 10, "micro_batch_size": 2})
 
     def reader(rank: int, world: int, position=DataPosition()) -> GlobalBatches:
-        stream = Stream([one.rows], [1.0], seed=0, shuffle=True, window_rows=64, horizon=10**6)
-        return GlobalBatches([TokenStore.open(one.uri)], stream, spec, rank, world, position, one.key)
+        stream = Stream([one.rows], [1.0], seed=0, shuffle=True, window_rows=64)
+        return GlobalBatches([TokenStore.open(one.uri)], stream, RunPlan.of(spec), rank, world, position, one.key)
 
     whole = reader(0, 1)
     ranks = [reader(r, 3) for r in range(3)]
@@ -128,14 +233,15 @@ def test_a_half_written_store_is_rebuilt_a_tampered_one_refused_and_a_changed_so
     assert TokenStore.open(store.uri) is None
     rebuilt = ensure_store(spec)
     assert rebuilt.key == store.key and rebuilt.rows == store.rows
-    shard = Path(store.path, store.manifest["shards"][0]["file"])
+    shard = Path(store.path, store.manifest["shards"][0]["file"] + ".bin")
     rows = shard.read_bytes()
-    shard.write_bytes(rows[:-8])  # a shard shorter than its manifest says
-    assert TokenStore.open(store.uri) is None
-    # Same size, other tokens (poisoned data): the driver hashes each shard when it reuses a store.
-    shard.write_bytes(rows[:8] + bytes(8) + rows[16:])
-    with pytest.raises(JobError, match=f"refusing the token store .*{shard.name} was changed after it was prepared"):
-        ensure_store(spec)
+    # A cut shard, or the same size with other tokens (poisoned data): nothing scans the store at
+    # start (reuse is one manifest read); the rank that reads a changed row refuses it, naming the file.
+    for changed in (rows[:-8], rows[:8] + bytes(8) + rows[16:]):
+        shard.write_bytes(changed)
+        reused = ensure_store(spec)
+        with pytest.raises(JobError, match=f"refusing the token store .*{shard.name} was changed after it was prepared"):
+            reused.read(np.arange(reused.manifest["shards"][0]["rows"]))
     shard.write_bytes(rows)
     signed = Path(store.path, MANIFEST).read_text()
     manifest = json.loads(signed)
@@ -186,7 +292,7 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
     from transformers import AutoModelForCausalLM
 
     from raytrain import launcher
-    from raytrain.data.order import held_out
+    from raytrain.data.order import HeldOut
     from raytrain.data.prepare import ensure_inputs
     from raytrain.errors import JobError
     from raytrain.objectives import token_loss
@@ -225,7 +331,8 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
     prepared = ensure_inputs(two)
     stores = [TokenStore.open(uri) for uri in prepared["train"]]
     for i, store in enumerate(stores):  # each source's first epoch: every training row once, no held-out row
-        train, held = held_out(store.rows, 0.1)
+        split = HeldOut(store.rows, 0.1)
+        train, held = split.train_rows(np.arange(split.train)), split.held_rows(np.arange(split.held))
         first = sorted(x[2] for x in seen if x[0] == i and x[1] == 0)
         assert first == sorted(train.tolist())[: len(first)] and not set(first) & set(held.tolist())
         assert len(first) == min(len(train), sum(x[0] == i for x in seen))
@@ -240,7 +347,9 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
     total = tokens = 0.0
     with torch.no_grad():
         for store in stores:
-            ids, labels, positions = (torch.from_numpy(a).long() for a in store.read(held_out(store.rows, 0.1)[1]).transpose(1, 0, 2))
+            split = HeldOut(store.rows, 0.1)  # under data.eval.max_rows: every held-out row is evaluated
+            held = store.read(split.held_rows(np.arange(split.held)))
+            ids, labels, positions = (torch.from_numpy(a).long() for a in held.transpose(1, 0, 2))
             total += float(token_loss(model(input_ids=ids, position_ids=positions).logits, labels))
             tokens += int((labels[:, 1:] != -100).sum())
     assert evals[10] == pytest.approx(total / tokens, rel=1e-5)

@@ -20,7 +20,7 @@ compare two different things): it is a bad row, skipped and counted or fatal per
 from __future__ import annotations
 
 from ..config import DataSpec
-from .records import IGNORE, _alpaca, _turns, check_messages, decode_line, encode_chat
+from .records import IGNORE, _alpaca, _turns, chat_steps, check_messages, decode_line, run_batch, run_one
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
@@ -96,13 +96,26 @@ def _response(data: DataSpec, value, name: str) -> list[dict]:
 
 def encode_pair(tok, data: DataSpec, row) -> tuple[Sequence, Sequence]:
     """A preference row -> (chosen, rejected) sequences; labels on the response tokens only."""
+    return run_one(tok, pair_steps(tok, data, row, tok.eos_token_id))
+
+
+def encode_pairs(tok, data: DataSpec, rows: list) -> list:
+    """`encode_pair` of each row, tokenized as one batch (records.run_batch): each pair, or its ValueError."""
+    eos = tok.eos_token_id  # once: transformers' special-token attributes cost microseconds a lookup
+    return run_batch(tok, [pair_steps(tok, data, row, eos) for row in rows])
+
+
+def pair_steps(tok, data: DataSpec, row, eos: int):
     prompt, chosen, rejected = to_pair(data, row)
     if data.format == "text":
-        head = tok(prompt, add_special_tokens=True)["input_ids"]
-        pair = tuple(_text_sequence(tok, head, response) for response in (chosen, rejected))
+        (head, _), *tails = yield [(prompt, True, False), (chosen, False, False), (rejected, False, False)]
+        pair = tuple((head + tail + [eos], [IGNORE] * len(head) + tail + [eos]) for tail, _ in tails)
     else:
         check_messages([*prompt, *chosen])
-        pair = tuple(encode_chat(tok, [*prompt, *response], first_trained=len(prompt)) for response in (chosen, rejected))
+        pair = []  # chosen first, then rejected: a row's first problem is the one it reports
+        for response in (chosen, rejected):
+            pair.append((yield from chat_steps(tok, [*prompt, *response], first_trained=len(prompt))))
+        pair = tuple(pair)
     for name, (ids, labels) in zip(("chosen", "rejected"), pair):
         if len(ids) > data.seq_len:
             raise ValueError(f"prompt + {name} response is {len(ids)} tokens, longer than data.seq_len={data.seq_len} "
@@ -110,8 +123,3 @@ def encode_pair(tok, data: DataSpec, row) -> tuple[Sequence, Sequence]:
         if all(label == IGNORE for label in labels):
             raise ValueError(f"the {name} response has no tokens to compare")
     return pair
-
-
-def _text_sequence(tok, head: list[int], response: str) -> Sequence:
-    tail = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    return head + tail, [IGNORE] * len(head) + tail

@@ -1,6 +1,7 @@
-"""Prepare once: a Ray Data job on the cluster's CPUs reads every source, tokenizes and
-packs each read unit on its own, and writes the token store; the driver writes its
-manifest last. Training workers never tokenize.
+"""Prepare once: a Ray Data job on the cluster's CPUs reads every source, tokenizes (a batch
+of rows per tokenizer call) and packs each read unit on its own, and writes the token store;
+the driver writes its manifest last. A small dataset is prepared by the driver itself, unit
+after unit, in less time than Ray Data's workers take to start. Training workers never tokenize.
 
 The store's key hashes everything that changes its tokens (the sources' paths, sizes and
 modification times; the tokenizer's files and library versions; the format settings,
@@ -14,23 +15,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from importlib import metadata
+from itertools import islice
 from pathlib import Path
-
-import numpy as np
 
 from .. import storage
 from ..config import DataSpec, JobSpec
 from ..errors import BadRowError, JobError
-from .pairs import encode_pair
-from .records import encode_row, pack, pad_rows
+from .pairs import encode_pairs
+from .records import encode_rows
 from .sources import Source, Unit, list_sources, plan_units, read_unit
-from .store import PLANES, TokenStore, write_manifest
+from .store import TokenStore, shard_rows, token_dtype, write_manifest, write_shard
 
-PACKER_VERSION = 3  # 2: units sized from the file; 3: positions per document, chat labels from one rendering
+PACKER_VERSION = 4  # 2: units sized from the file; 3: positions per document, chat labels from one rendering; 4: store format 4
 UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
+# Less source data than this is prepared in the driver, unit after unit: done before Ray Data's
+# workers would have started and imported transformers.
+LOCAL_BYTES = 4 << 20
+BATCH_ROWS = 256  # rows tokenized per tokenizer call: its per-call cost is spread thin, a batch's memory stays small
 BAD_EXAMPLES = 10
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
                    "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json")
@@ -110,8 +115,7 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
     data = data or spec.data
     key, uri, fs, sources = _planned(spec, data, unit_bytes)
     store = TokenStore.open(uri)
-    if store is not None:
-        store.verify_contents()
+    if store is not None:  # its rows are checked as they are read (store.py): nothing to scan here
         print(f"[raytrain] data: reusing token store {store.describe()}", flush=True)
         return store
     started = time.perf_counter()
@@ -120,7 +124,8 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
     out_fs.create_dir(out_path, recursive=True)
     out_fs.delete_dir_contents(out_path, missing_dir_ok=True)  # a half-written earlier attempt
     results = _run_units(spec, data, fs, units, out_fs, out_path, concurrency)
-    manifest = {**_manifest(data, key, sources, units, results), "planes": PLANES * spec.sequences_per_row}
+    manifest = {**_manifest(data, key, sources, units, results), "sequences_per_row": spec.sequences_per_row,
+                "token_dtype": next((r["token_dtype"] for r in results if "token_dtype" in r), "uint32")}
     write_manifest(out_fs, out_path, manifest)
     store = TokenStore.open(uri)
     if store is None:
@@ -132,7 +137,15 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
 
 def _run_units(spec: JobSpec, data: DataSpec, fs, units: list[Unit], out_fs, out_path: str,
                concurrency: int | None) -> list[dict]:
-    """One Ray Data task per unit (its own read, tokenize, pack and shard write)."""
+    """Each unit's own read, tokenize, pack and shard write (`prepare_unit`), results in unit
+    order: in this process for a small dataset (one unit, or under LOCAL_BYTES of sources), else
+    one Ray Data task per unit on the cluster's CPUs (`concurrency` of them at most). The same
+    function on the same units either way, so the same store."""
+    kwargs = {"fs": fs, "out_fs": out_fs, "out_path": out_path, "spec": spec.model_dump(mode="json"),
+              "data": data.model_dump(mode="json")}
+    if len(units) <= 1 or _source_bytes(fs, units) < LOCAL_BYTES:
+        return [json.loads(prepare_unit({"index": i, "unit": u.to_json()}, **kwargs)["result"])
+                for i, u in enumerate(units)]
     import logging
 
     import ray.data
@@ -142,19 +155,23 @@ def _run_units(spec: JobSpec, data: DataSpec, fs, units: list[Unit], out_fs, out
     ctx.enable_progress_bars = False
     ctx.execution_options.preserve_order = True
     items = [{"index": i, "unit": u.to_json()} for i, u in enumerate(units)]
-    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
-    kwargs = {"fs": fs, "out_fs": out_fs, "out_path": out_path, "spec": spec.model_dump(mode="json"),
-              "data": data.model_dump(mode="json")}
-    results = ds.map(prepare_unit, fn_kwargs=kwargs, concurrency=concurrency, num_cpus=1).take_all()
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    results = ds.map(prepare_unit, fn_kwargs={**kwargs, "one_core": True}, concurrency=concurrency, num_cpus=1).take_all()
     return [json.loads(r["result"]) for r in sorted(results, key=lambda r: r["index"])]
+
+
+def _source_bytes(fs, units: list[Unit]) -> int:
+    parquet = sorted({u.file for u in units if u.kind == "parquet"})
+    return sum(u.stop - u.start for u in units if u.kind != "parquet") + sum(i.size for i in fs.get_file_info(parquet))
 
 
 _TOKENIZERS: dict = {}
 
 
-def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict) -> dict:
-    """Ray Data task: one unit -> one shard file. Bad rows are counted and the first few
-    kept (by row number within the unit: the driver numbers them within the file)."""
+def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, one_core: bool = False) -> dict:
+    """One unit -> one shard file (a Ray Data task, or a call in the driver). Bad rows are counted
+    and the first few kept (by row number within the unit: the driver numbers them within the file).
+    `one_core`: a task holds one CPU, so the tokenizer's batches stay on one thread."""
     from ..modeling import load_tokenizer  # torch-free callers (validate) never reach this
 
     job, d = JobSpec.model_validate(spec), DataSpec.model_validate(data)
@@ -162,37 +179,42 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict) 
     if tok_key not in _TOKENIZERS:
         _TOKENIZERS[tok_key] = load_tokenizer(job)
     tok = _TOKENIZERS[tok_key]
-    unit = Unit(**json.loads(item["unit"]))
+    if one_core:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at each call: else a thread per core of the node
+    unit, encode = Unit(**json.loads(item["unit"])), encode_pairs if job.preference else encode_rows
     docs, bad, examples, lines = [], 0, [], 0
-    try:
-        for lines, row in enumerate(read_unit(fs, unit), start=1):
-            try:
-                docs.append(encode_pair(tok, d, row) if job.preference else encode_row(tok, d, row))
-            except ValueError as why:
+    rows, problem, done = read_unit(fs, unit), None, False
+    while not done:  # BATCH_ROWS rows at a time, each row's result as if encoded alone
+        batch = []
+        try:
+            batch.extend(islice(rows, BATCH_ROWS))  # keeps the rows read before a problem
+        except ValueError as file_problem:  # a file that cannot be read as its kind at all
+            problem = file_problem
+        done = problem is not None or len(batch) < BATCH_ROWS
+        for encoded in encode(tok, d, batch):
+            lines += 1
+            if isinstance(encoded, ValueError):
                 bad += 1
                 if len(examples) < BAD_EXAMPLES:
-                    examples.append([lines, str(why)])
-                if d.bad_rows == "fail":
+                    examples.append([lines, str(encoded)])
+                if d.bad_rows == "fail":  # stops here, as reading row by row did: a later problem is not met
+                    done, problem = True, None
                     break
-    except ValueError as file_problem:  # a file that cannot be read as its kind at all
-        return {"index": item["index"], "result": json.dumps({"file_error": str(file_problem)})}
+            else:
+                docs.append(encoded)
+    if problem is not None:
+        return {"index": item["index"], "result": json.dumps({"file_error": str(problem)})}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    if job.preference:  # a row is a pair: the chosen sequence's planes, then the rejected one's
-        planes = [*pad_rows([c for c, _ in docs], d.seq_len, pad), *pad_rows([r for _, r in docs], d.seq_len, pad)]
-        sequences = [c for c, _ in docs] + [r for _, r in docs]
-    else:
-        planes, sequences = (pack if d.pack else pad_rows)(docs, d.seq_len, pad), docs
-    ids = planes[0]
-    rows = np.stack(planes, axis=1).astype(np.int32).tobytes()
-    with out_fs.open_output_stream(f"{out_path}/{shard_name(item['index'])}") as f:
-        f.write(rows)
-    result = {"rows": len(ids), "sha256": hashlib.sha256(rows).hexdigest(), "lines": lines, "pad_id": int(pad), "bad": bad, "examples": examples, "docs": len(docs),
-              "tokens": int(sum(len(ids) for ids, _ in sequences))}
+    dtype = token_dtype(len(tok))
+    entry = write_shard(out_fs, out_path, shard_name(item["index"]), shard_rows(docs, d.seq_len, d.pack, job.preference), dtype)
+    sequences = [s for pair in docs for s in pair] if job.preference else docs
+    result = {**entry, "lines": lines, "pad_id": int(pad), "token_dtype": dtype.name, "bad": bad, "examples": examples,
+              "docs": len(docs), "tokens": int(sum(len(ids) for ids, _ in sequences))}
     return {"index": item["index"], "result": json.dumps(result)}
 
 
 def shard_name(index: int) -> str:
-    return f"part-{index:06d}.bin"
+    return f"part-{index:06d}"  # .bin and .idx
 
 
 def _manifest(data: DataSpec, key: str, sources: list[Source], units: list[Unit], results: list[dict]) -> dict:
@@ -206,7 +228,8 @@ def _manifest(data: DataSpec, key: str, sources: list[Source], units: list[Unit]
         before = first_line.get(unit.file, 0)  # a file's units are consecutive, in file order
         named += [f"{unit.file} row {before + n}: {why}" for n, why in r["examples"]]
         first_line[unit.file] = before + r["lines"]
-        shards.append({"file": shard_name(index), "rows": r["rows"], "first_row": row, "sha256": r["sha256"]})
+        shards.append({"file": r["file"], "rows": r["rows"], "first_row": row, "tokens": r["tokens"],
+                       "index_sha256": r["index_sha256"]})
         row += r["rows"]
     bad = sum(r["bad"] for r in results)
     if bad and data.bad_rows == "fail":

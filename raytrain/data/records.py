@@ -124,17 +124,44 @@ def check_messages(messages: list) -> list:
 
 
 # ---------------------------------------------------------------- tokens
+# Each row's encoding is a generator of the format rules: it yields the texts it needs tokenized,
+# as [(text, add_special_tokens, offsets), ...], receives their [(ids, offsets or None), ...] and
+# returns (ids, labels), or raises ValueError saying why the row is unusable. `encode_row` runs one,
+# tokenizing text by text; `encode_rows` runs a batch of them in lockstep and tokenizes what they all
+# ask for in one tokenizer call per kind of request: one set of rules, so a batch gives each row
+# exactly what it gets alone, at the tokenizer's batch speed (its per-call cost is most of a short row's).
+Ask = tuple[str, bool, bool]  # text, add_special_tokens, with character offsets
+
+
 def encode_row(tok, data: DataSpec, row) -> tuple[list[int], list[int]]:
     """A source row -> (token ids, labels); ValueError says why the row is unusable."""
+    return run_one(tok, row_steps(tok, data, row, tok.eos_token_id))
+
+
+def encode_rows(tok, data: DataSpec, rows: list) -> list:
+    """`encode_row` of each row, tokenized as one batch: each (ids, labels), or the ValueError it raises."""
+    eos = tok.eos_token_id  # once: transformers' special-token attributes cost microseconds a lookup
+    return run_batch(tok, [row_steps(tok, data, row, eos) for row in rows])
+
+
+def row_steps(tok, data: DataSpec, row, eos: int):
     value = to_value(data, row)
-    ids, labels = encode_text(tok, value) if data.format == "text" else encode_chat(tok, value, data.train_on_inputs)
+    if data.format == "text":
+        ids, labels = yield from text_steps(value, eos)  # checked by to_value
+    else:
+        ids, labels = yield from chat_steps(tok, value, data.train_on_inputs)
     if not data.pack and len(ids) > data.seq_len:
         raise ValueError(f"{len(ids)} tokens, longer than data.seq_len={data.seq_len} (raise seq_len or set data.pack: true)")
     return ids, labels
 
 
 def encode_text(tok, text: str) -> tuple[list[int], list[int]]:
-    ids = tok(check_text(text), add_special_tokens=True)["input_ids"] + [tok.eos_token_id]
+    return run_one(tok, text_steps(check_text(text), tok.eos_token_id))
+
+
+def text_steps(text: str, eos: int):
+    [(ids, _)] = yield [(text, True, False)]
+    ids = ids + [eos]
     return ids, list(ids)
 
 
@@ -142,18 +169,22 @@ def encode_chat(tok, messages: list, train_on_inputs: bool = False, first_traine
     """The conversation rendered once; labels on each assistant turn's content and the
     end-of-turn token after it (everything, with `train_on_inputs`), from message
     `first_trained` on (a preference pair's response: its prompt's turns are never trained)."""
+    return run_one(tok, chat_steps(tok, messages, train_on_inputs, first_trained))
+
+
+def chat_steps(tok, messages: list, train_on_inputs: bool = False, first_trained: int = 0):
     check_messages(messages)
     try:
         text = tok.apply_chat_template(messages, tokenize=False)
     except Exception as exc:  # the template's own refusal (jinja's raise_exception): this row is unusable
         raise ValueError(f"the chat template rejects this conversation ({type(exc).__name__}: {exc})") from None
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
+    [(ids, offsets)] = yield [(text, False, not train_on_inputs)]
+    ids = list(ids)
     if train_on_inputs:
         return ids, list(ids)
     labels = [IGNORE] * len(ids)
     for start, end in assistant_spans(tok, text, messages)[first_trained:]:
-        for t, (a, b) in enumerate(enc["offset_mapping"]):
+        for t, (a, b) in enumerate(offsets):
             if b <= start or a >= end:
                 continue
             outside = text[a:max(a, min(b, start))] + text[max(a, end):b] if (a < start or b > end) else ""
@@ -163,6 +194,78 @@ def encode_chat(tok, messages: list, train_on_inputs: bool = False, first_traine
                                  "ambiguous")
             labels[t] = ids[t]
     return ids, labels
+
+
+def run_one(tok, steps):
+    """Run one encoding generator, tokenizing each text it asks for on its own."""
+    try:
+        asked = next(steps)
+        while True:
+            got = [_tokenize_one(tok, *ask) for ask in asked]
+            failed = next((g for g in got if isinstance(g, Exception)), None)
+            asked = steps.throw(failed) if failed else steps.send(got)
+    except StopIteration as done:
+        return done.value
+
+
+def run_batch(tok, steps: list) -> list:
+    """Run encoding generators in lockstep: each round tokenizes every text they ask for in one
+    call per (add_special_tokens, offsets). Each generator's result, or the ValueError it raised."""
+    results: list = [None] * len(steps)
+    asked: list[tuple[int, list[Ask]]] = []
+
+    def advance(i: int, got=None, failed=None) -> None:
+        try:
+            asks = steps[i].throw(failed) if failed else steps[i].send(got)
+        except StopIteration as done:
+            results[i] = done.value
+        except ValueError as why:
+            results[i] = why
+        else:
+            asked.append((i, asks))
+
+    for i in range(len(steps)):
+        advance(i)
+    while asked:
+        now, asked = asked, []
+        encoded, refused = _tokenize_all(tok, [ask for _, asks in now for ask in asks])
+        k = 0
+        for i, asks in now:
+            got, k = encoded[k:k + len(asks)], k + len(asks)
+            advance(i, got, refused and next((g for g in got if isinstance(g, Exception)), None))
+    return results
+
+
+def _tokenize_all(tok, asks: list[Ask]) -> tuple[list, bool]:
+    """Each ask's (ids, offsets or None), one tokenizer call per kind of ask; a text the tokenizer
+    refuses fails only its own row (then the second value is True)."""
+    out, refused, kinds = [None] * len(asks), False, {}
+    for k, (_, special, offsets) in enumerate(asks):
+        kinds.setdefault((special, offsets), []).append(k)
+    for (special, offsets), ks in kinds.items():
+        texts = [asks[k][0] for k in ks]
+        try:
+            enc = tok(texts, add_special_tokens=special, return_offsets_mapping=offsets, return_attention_mask=False,
+                      return_token_type_ids=False)
+            got = zip(enc["input_ids"], enc["offset_mapping"] if offsets else [None] * len(ks))
+        except Exception:  # e.g. a lone surrogate: each text alone, so only its row fails
+            got, refused = [_tokenize_one(tok, text, special, offsets) for text in texts], True
+        for k, one in zip(ks, got):
+            out[k] = one
+    return out, refused
+
+
+def _tokenize_one(tok, text: str, special: bool, offsets: bool):
+    """(ids, offsets or None) of one text, or the ValueError that makes its row unusable."""
+    try:
+        enc = tok(text, add_special_tokens=special, return_offsets_mapping=offsets, return_attention_mask=False,
+                  return_token_type_ids=False)
+    except TypeError:  # the tokenizer's only word for a lone surrogate (JSON's "\ud800" decodes to one)
+        bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+        if bad is None:
+            raise
+        return ValueError(f"not valid Unicode text (a lone surrogate \\u{ord(text[bad]):04x} at character {bad})")
+    return enc["input_ids"], enc["offset_mapping"] if offsets else None
 
 
 def assistant_spans(tok, text: str, messages: list) -> list[tuple[int, int]]:

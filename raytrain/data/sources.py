@@ -6,16 +6,19 @@ A unit is what one prepare task reads, tokenizes and packs on its own:
   from the file's size (`lines_unit_bytes`); a unit owns every line whose first byte lies in its range (Hadoop's split
   rule), so a range boundary never cuts a row and nothing depends on how many CPUs read.
   Lines split on `\\n` only: a U+2028 inside a JSON string is data, not a line break.
-- A JSON array (`.json` starting with `[`): the whole file (it must be parsed whole).
+- A JSON array (`.json` starting with `[`): a byte range too, cut at the array's own commas
+  (`array_units`: the first top-level comma after each unit's size, found by one streaming
+  scan), so a big array file is read by many tasks, and each parses only its elements.
 - Parquet: one row group.
 Every source is read streaming through pyarrow's filesystem (local or s3://, gs://, ...),
-never whole into memory (a JSON array excepted).
+never whole into memory.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
@@ -36,7 +39,7 @@ class Source:
 class Unit:
     file: str
     kind: str  # "lines" | "array" | "parquet"
-    start: int  # byte offset (lines) or row group (parquet)
+    start: int  # byte offset (lines, array) or row group (parquet)
     stop: int
 
     def to_json(self) -> str:
@@ -86,11 +89,45 @@ def plan_units(fs: pafs.FileSystem, sources: list[Source], unit_bytes: int) -> l
                 groups = pq.ParquetFile(f).num_row_groups
             units += [Unit(s.path, "parquet", g, g + 1) for g in range(groups)]
         elif is_json_array(fs, s.path):
-            units.append(Unit(s.path, "array", 0, s.size))
+            units += array_units(fs, s.path, lines_unit_bytes(s.size, unit_bytes))
         else:
             step = lines_unit_bytes(s.size, unit_bytes)
             units += [Unit(s.path, "lines", a, min(a + step, s.size)) for a in range(0, max(s.size, 1), step)]
     return units
+
+
+# A JSON string (its closing quote captured: absent, it runs past the chunk) or a structural character.
+_ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(")?|([][{},])', re.S)
+
+
+def array_units(fs: pafs.FileSystem, path: str, step: int) -> Iterator[Unit]:
+    """A JSON array file's units, in order: byte ranges between the commas that separate its
+    elements, each cut at the first such comma at least `step` bytes after the last cut (the
+    file alone decides). The file is scanned in chunks, tracking only strings and nesting; its
+    JSON is checked where each unit is parsed (`read_unit`)."""
+    with fs.open_input_file(path) as f:
+        size = f.size()
+        start = depth = 0
+        if size > step:
+            pos, carry = 0, b""  # carry: an unfinished string from the chunk before
+            while pos < size:
+                read = min(max(CHUNK, len(carry)), size - pos)  # a string longer than a chunk: read as much again
+                chunk = carry + f.read_at(read, pos)
+                base, pos, carry = pos - len(carry), pos + read, b""
+                for m in _ARRAY_TOKEN.finditer(chunk):
+                    char = m.group(2)
+                    if char is None:  # a string: skipped whole, unless it goes on in the next chunk
+                        if m.group(1) is None and pos < size:
+                            carry = chunk[m.start():]
+                            break
+                    elif char in b"[{":
+                        depth += 1
+                    elif char in b"]}":
+                        depth -= 1
+                    elif depth == 1 and base + m.start() - start >= step:
+                        yield Unit(path, "array", start, base + m.start())
+                        start = base + m.start() + 1
+        yield Unit(path, "array", start, size)
 
 
 def read_unit(fs: pafs.FileSystem, unit: Unit) -> Iterator[bytes | object]:
@@ -103,19 +140,32 @@ def read_unit(fs: pafs.FileSystem, unit: Unit) -> Iterator[bytes | object]:
                 yield from batch.to_pylist()
     elif unit.kind == "array":
         with fs.open_input_file(unit.file) as f:
-            raw = f.read()
-        try:
-            rows = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            at = getattr(exc, "pos", getattr(exc, "start", "?"))
-            raise ValueError(f"{unit.file}: not a valid JSON array ({getattr(exc, 'msg', exc)} at byte {at})") from None
-        if not isinstance(rows, list):
-            raise ValueError(f"{unit.file}: a .json file is a JSON array of rows or JSON Lines")
-        yield from rows
+            size = f.size()
+            raw = f.read_at(unit.stop - unit.start, unit.start)
+        yield from _array_elements(unit, raw, size)
     else:
         with fs.open_input_file(unit.file) as f:
             for line in owned_lines(f, unit.start, unit.stop, f.size()):
                 yield line.removesuffix(b"\r")  # decoded per row: a bad byte is that row's problem
+
+
+def _array_elements(unit: Unit, raw: bytes, size: int) -> list:
+    """The elements of one unit of a JSON array (the first unit holds its `[`, the last its `]`,
+    the others are bracketed here); a problem is named with its byte offset in the file."""
+    head, tail = ("" if unit.start == 0 else "["), ("" if unit.stop == size else "]")
+    try:
+        text = head + raw.decode("utf-8") + tail
+        rows = json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{unit.file}: not a valid JSON array (not UTF-8 text: {exc.reason} at byte "
+                         f"{unit.start + exc.start})") from None
+    except json.JSONDecodeError as exc:
+        at = unit.start + len(exc.doc[len(head):max(len(head), exc.pos)].encode())
+        raise ValueError(f"{unit.file}: not a valid JSON array ({exc.msg} at byte {at})") from None
+    if not rows and (head or tail):  # nothing between two cuts: `[,`, `,,` or a trailing `,]`, valid once bracketed
+        at = unit.start + len(raw) - len(raw.lstrip()) if not tail else unit.stop
+        raise ValueError(f"{unit.file}: not a valid JSON array (Expecting value at byte {at})")
+    return rows
 
 
 def owned_lines(f, start: int, stop: int, size: int) -> Iterator[bytes]:
@@ -149,17 +199,19 @@ def _line_start_at_or_after(f, start: int, size: int) -> int:
 
 def sample_rows(fs: pafs.FileSystem, path: str, n: int) -> list[tuple[int, bytes | object]]:
     """(row number, row) of a file's first n rows, numbered as the prepare step numbers them."""
-    kind = "parquet" if path.endswith(".parquet") else "array" if is_json_array(fs, path) else "lines"
-    if kind == "lines":
+    if path.endswith(".parquet"):
+        units = iter([Unit(path, "parquet", 0, 1)])
+    elif is_json_array(fs, path):
+        units = array_units(fs, path, 1 << 20)  # lazily: the first unit's rows, the next unit's if need be
+    else:
         with fs.open_input_file(path) as f:
             size = f.size()
             head = f.read_at(min(size, 1 << 20), 0)
-        units = Unit(path, kind, 0, len(head) if len(head) < size else head.rfind(b"\n") + 1)
-    else:
-        units = Unit(path, kind, 0, 1)
+        units = iter([Unit(path, "lines", 0, len(head) if len(head) < size else head.rfind(b"\n") + 1)])
     out = []
-    for i, row in enumerate(read_unit(fs, units), start=1):
-        if i > n:
-            break
-        out.append((i, row))
+    for unit in units:
+        for row in read_unit(fs, unit):
+            if len(out) == n:
+                return out
+            out.append((len(out) + 1, row))
     return out
