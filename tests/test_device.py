@@ -110,6 +110,7 @@ class DeviceStrategy:
 
     @staticmethod
     def build(spec, device):
+        from raytrain.plan import RunPlan
         from raytrain.strategies.base import TorchStrategy, to_fp32_master
 
         class Plain(TorchStrategy):
@@ -120,7 +121,7 @@ class DeviceStrategy:
             def backward(self, loss, sync):
                 loss.backward()
 
-        strategy = Plain(spec, device)
+        strategy = Plain(spec, device, RunPlan.of(spec))
         strategy.setup()
         return strategy
 
