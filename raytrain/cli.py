@@ -81,8 +81,9 @@ def cmd_validate(args) -> int:
         lo, hi = spec.scaling.worker_range
         budget = "any number of" if spec.failure.max_failures < 0 else spec.failure.max_failures
         objective = "" if spec.training.objective == "sft" else f", {spec.training.objective}"
+        plan = RunPlan.of(spec)
         print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}{objective}, workers {lo}..{hi}, "
-              f"accumulation {RunPlan.of(spec).accumulation_steps(hi)}..{RunPlan.of(spec).accumulation_steps(lo)}; survives {budget} worker "
+              f"accumulation {plan.accumulation_steps(hi)}..{plan.accumulation_steps(lo)}; survives {budget} worker "
               "failures, preemptions not counted)")
     _report(report, args.json)
     return EXIT_OK

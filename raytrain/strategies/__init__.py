@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..plan import RunPlan
+
 if TYPE_CHECKING:
     import torch
 
     from ..config import JobSpec
-    from ..plan import RunPlan
     from .base import Strategy
 
 
@@ -27,8 +28,6 @@ def __getattr__(name: str):
 def build_strategy(spec: JobSpec, device: torch.device, plan: RunPlan | None = None) -> Strategy:
     """The strategy the plan names, set up. Without a driver's plan (tests, benchmarks, the GPU
     suite) the job's own: `RunPlan.of(spec)`."""
-    from ..plan import RunPlan
-
     plan = plan or RunPlan.of(spec)
     name = spec.training.strategy
     if name == "fsdp2":
