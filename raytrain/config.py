@@ -321,6 +321,19 @@ class ScalingSpec(Section):
     across nodes once per step), instead of one flat mesh over every rank. auto: HSDP on GPU
     clusters when the job spans more than one node; true: whenever it spans more than one node;
     false: one flat mesh. Checkpoints reshard between any meshes."""
+    sequence_parallel: int = Field(1, gt=0)
+    """Ranks one sequence is split over along its length (DeepSpeed-Ulysses: attention gathers the
+    sequence and scatters the heads with one all-to-all each way), for sequences whose activations
+    do not fit one device. These ranks read the same rows; a global batch is cut into
+    N / (sequence_parallel x tensor_parallel) data-parallel slices."""
+    tensor_parallel: int = Field(1, gt=0)
+    """Ranks each decoder layer's weights are split over (fsdp2): q/k/v/gate/up by output column,
+    o/down by input row, so a layer is never gathered whole on one device. Keep it within a node."""
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that share one data-parallel slice: sequence_parallel x tensor_parallel."""
+        return self.sequence_parallel * self.tensor_parallel
 
     @model_validator(mode="after")
     def _one_way_to_size(self):
@@ -333,6 +346,19 @@ class ScalingSpec(Section):
         if any(n % self.workers_per_node for n in self.worker_range):
             raise ValueError(f"workers_per_node={self.workers_per_node} does not divide the worker count(s) "
                              f"{sorted(set(self.worker_range))}: nodes are whole, so use multiples of it")
+        group = self.model_parallel
+        if group > 1 and any(n % group for n in self.worker_range):
+            raise ValueError(f"sequence_parallel x tensor_parallel = {group} does not divide the worker count(s) "
+                             f"{sorted(set(self.worker_range))}: use multiples of {group} (only the data-parallel "
+                             "ranks change with the worker count)")
+        if group > 1 and self.workers_per_node > 1 and self.workers_per_node % group:
+            raise ValueError(f"workers_per_node={self.workers_per_node} is not a multiple of sequence_parallel x "
+                             f"tensor_parallel = {group}: a sequence's ranks must share a node (their exchanges run "
+                             f"every layer); use a sequence_parallel x tensor_parallel that divides {self.workers_per_node}")
+        if group > 1 and self.min_workers and self.workers_per_node % group:
+            raise ValueError(f"an elastic job with sequence_parallel x tensor_parallel = {group} must grow and shrink "
+                             f"by whole groups: set scaling.workers_per_node to a multiple of {group} (its nodes hold "
+                             "that many workers), or give a fixed num_workers")
         return self
 
     @property
@@ -402,10 +428,11 @@ class JobSpec(Section):
         # Any worker count splits a global batch (ranks get ceil or floor of G/N rows), as long
         # as no rank is left without a row.
         lo, hi = self.scaling.worker_range
-        gbs = self.training.global_batch_size
-        if gbs < hi:
-            raise ValueError(f"training.global_batch_size={gbs} is smaller than the {hi} workers the job may run with: "
-                             f"some ranks would get no rows; use global_batch_size >= {hi} or at most {gbs} workers")
+        gbs, group = self.training.global_batch_size, self.scaling.model_parallel
+        if gbs < hi // group:
+            what = f"{hi // group} data-parallel ranks ({hi} workers / {group})" if group > 1 else f"{hi} workers"
+            raise ValueError(f"training.global_batch_size={gbs} is smaller than the {what} the job may run with: "
+                             f"some ranks would get no rows; use global_batch_size >= {hi // group} or fewer workers")
         return self
 
     @model_validator(mode="after")
@@ -488,6 +515,26 @@ class JobSpec(Section):
         if self.scaling.hsdp is True and self.scaling.workers_per_node == 1:
             raise ValueError("scaling.hsdp=true shards within a node: set scaling.workers_per_node to the training "
                              "workers of one node (e.g. 8)")
+        return self
+
+    @model_validator(mode="after")
+    def _model_parallel_fits(self):
+        s, t = self.scaling, self.training
+        if s.tensor_parallel > 1 and t.strategy != "fsdp2":
+            raise ValueError(f"scaling.tensor_parallel={s.tensor_parallel} composes with fsdp2 (a 2-D mesh of DTensors), "
+                             f"not {t.strategy}: set training.strategy: fsdp2, or remove scaling.tensor_parallel")
+        if s.sequence_parallel > 1 and t.strategy == "zero3":
+            raise ValueError(f"scaling.sequence_parallel={s.sequence_parallel} runs under fsdp2 and ddp; DeepSpeed "
+                             "sizes its batch by world size, which sequence-parallel ranks would multiply: set "
+                             "training.strategy: fsdp2, or remove scaling.sequence_parallel")
+        if self.data.seq_len % s.sequence_parallel:
+            fit = self.data.seq_len // s.sequence_parallel * s.sequence_parallel
+            raise ValueError(f"data.seq_len={self.data.seq_len} is not divisible by scaling.sequence_parallel="
+                             f"{s.sequence_parallel}: each rank takes an equal part of a sequence; use seq_len {fit} "
+                             f"or {fit + s.sequence_parallel}")
+        if t.compile and s.model_parallel > 1:
+            raise ValueError("training.compile with sequence or tensor parallelism is not supported (the all-to-all "
+                             "and DTensor layers are not traced): remove training.compile")
         return self
 
     @model_validator(mode="after")

@@ -58,11 +58,13 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     flags. The global batch's units are summed over ranks first, on the device, and scale the
     loss there: nothing in between stalls the host while kernels run (FSDP2's prefetch keeps
     overlapping)."""
-    device, world = strategy.device, strategy.world_size
+    device, mesh = strategy.device, strategy.layout
     units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
-    torch.distributed.all_reduce(units)  # the global batch's units
-    units = units.clamp(min=1)
-    scale = world / units  # data-parallel reduction averages over ranks: this makes it a sum / units
+    torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's sp x tp ranks
+    units = (units / (mesh.sp * mesh.tp)).clamp(min=1)
+    # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts add
+    # up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
+    scale = mesh.gradient_ranks / units
     sums = torch.zeros(1 + len(objective.metrics), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
         loss, stats = objective(strategy, mb)
@@ -72,7 +74,7 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     reduced = torch.cat([sums, objectives.to_device(stops.local(), device)])
     torch.distributed.all_reduce(reduced)  # the stop flags ride along
     n = len(sums)
-    values = host_values(torch.cat([reduced[:n] / units, grad_norm.detach().double().view(1).to(device), reduced[n:]]))
+    values = host_values(torch.cat([reduced[:n] / mesh.tp / units, grad_norm.detach().double().view(1).to(device), reduced[n:]]))
     return StepResult(loss=values[0], means=values[1:n], grad_norm=values[n], flags=values[n + 1:])
 
 
@@ -101,7 +103,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
     checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
     while state.step < t.max_steps:
         step_start = time.perf_counter()
-        seed_step(t.seed, state.step, rank)
+        seed_step(t.seed, state.step, rank // strategy.layout.tp)  # a layer's tp ranks drop out alike
         lr = lr_at(state.step, spec)
         batch = next(batches)
         data_wait = time.perf_counter() - step_start

@@ -32,37 +32,41 @@ class Hidden:
     autocast: Callable  # the strategy's compute precision, which the output layer runs in as in the model
 
 
-def token_loss(out: torch.Tensor | Hidden, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the labelled tokens."""
+def token_loss(out: torch.Tensor | Hidden, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over the labelled tokens; `targets` are the labels shifted by one
+    (`targets_of`), aligned with `out`'s positions."""
     if isinstance(out, Hidden):
-        return chunked_cross_entropy(out, labels[:, 1:]).sum()
-    return F.cross_entropy(out[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+        return chunked_cross_entropy(out, targets).sum()
+    return F.cross_entropy(out.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def sequence_logps(out: torch.Tensor | Hidden, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence: the summed log-probability of its labelled tokens, and their count.
-    (Cross-entropy per token rather than a log-softmax over the vocabulary: one fp32 copy of
-    the logits, not two.)"""
-    target = labels[:, 1:]
+def sequence_logps(out: torch.Tensor | Hidden, targets: torch.Tensor) -> torch.Tensor:
+    """Per sequence: the summed log-probability of its labelled tokens (of this rank's part of it
+    under sequence parallelism). Cross-entropy per token rather than a log-softmax over the
+    vocabulary: one fp32 copy of the logits, not two."""
     if isinstance(out, Hidden):
-        per_token = -chunked_cross_entropy(out, target)
-    else:
-        per_token = -F.cross_entropy(out[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE,
-                                     reduction="none").view(target.shape)
-    return per_token.sum(-1), (target != IGNORE).sum(-1)
+        return -chunked_cross_entropy(out, targets).sum(-1)
+    return -F.cross_entropy(out.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                            reduction="none").view(targets.shape).sum(-1)
 
 
-def chunked_cross_entropy(out: Hidden, target: torch.Tensor) -> torch.Tensor:
-    """Per-token next-token cross-entropy (0 where unlabelled), `out.chunk` tokens at a time. Each
-    chunk's logits are recomputed in backward (a checkpoint), so at most one chunk's exist at once:
-    at a 128k vocabulary a 4k-token sequence's fp32 logits and their gradient are 4 GiB, a chunk 256 MiB."""
-    states, labels = out.states[:, :-1].flatten(0, 1), target.flatten()
+def targets_of(labels: torch.Tensor) -> torch.Tensor:
+    """The next token's label at each position (IGNORE at the last): position t predicts label t+1.
+    Shifted before a sequence is split over ranks, so a part's last position is scored against the
+    next part's first label."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+
+
+def chunked_cross_entropy(out: Hidden, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy (0 where unlabelled), `out.chunk` tokens at a time. Each chunk's
+    logits are recomputed in backward (a checkpoint), so at most one chunk's exist at once: at a
+    128k vocabulary a 4k-token sequence's fp32 logits and their gradient are 4 GiB, a chunk 256 MiB."""
+    states, labels = out.states.flatten(0, 1), targets.flatten()
     weight, bias = out.head.weight, out.head.bias
     with out.autocast():  # recorded by each checkpoint and restored when backward recomputes it
         parts = [checkpoint(_chunk_cross_entropy, states[i:i + out.chunk], weight, bias, labels[i:i + out.chunk],
                             use_reentrant=False) for i in range(0, len(labels), out.chunk)]
-    return torch.cat(parts).view(target.shape)
+    return torch.cat(parts).view(targets.shape)
 
 
 def _chunk_cross_entropy(states, weight, bias, labels) -> torch.Tensor:
@@ -99,7 +103,8 @@ class SFT:
         return int((mb["labels"][:, 1:] != IGNORE).sum())
 
     def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return token_loss(forward(strategy, strategy.model, mb), mb["labels"].to(strategy.device)), []
+        out, targets = forward(strategy, strategy.model, mb)
+        return token_loss(out, targets), []  # a sequence part's share: the parts' losses add up
 
 
 class Preference:
@@ -116,13 +121,17 @@ class Preference:
         return int(_real_pairs(mb).sum())
 
     def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        labels = mb["labels"].to(strategy.device)
-        logps, counts = sequence_logps(forward(strategy, strategy.model, mb), labels)
+        split = strategy.sequence
+        out, targets = forward(strategy, strategy.model, mb)
+        logps = sequence_logps(out, targets)
+        counts = (targets_of(mb["labels"]) != IGNORE).sum(-1).to(logps.device)  # whole sequences
         if self.objective == "dpo":
             with torch.no_grad(), strategy.reference() as reference:
-                ref_logps, _ = sequence_logps(forward(strategy, reference, mb), labels)
+                ref_logps = sequence_logps(*forward(strategy, reference, mb))
         else:
             ref_logps = torch.zeros_like(logps)
+        if split:  # each rank scored its part: the pair losses need whole sequences' log-probs
+            logps, ref_logps = split.sum(logps), split.sum(ref_logps).detach()
         pairs = len(logps) // 2
         (chosen, rejected), (ref_c, ref_r), (n_c, n_r) = (t.split(pairs) for t in (logps, ref_logps, counts))
         if self.objective == "simpo":  # TRL's CPO logs the length-normalized log-probs SimPO trains on
@@ -131,6 +140,10 @@ class Preference:
             chosen_logged, rejected_logged = chosen, rejected
         loss, reward_c, reward_r = pair_losses(self.objective, self.settings, chosen, rejected, ref_c, ref_r, n_c, n_r)
         real = _real_pairs(mb).to(loss.device).float()  # a padding pair adds nothing
+        # Under sequence parallelism every rank of the group holds the pair's loss: each adds 1/sp of
+        # it, so the group's sums are the pair's values, and the summed log-probs' gradient flows to
+        # each part once (`SequenceSplit.sum`).
+        real = real / (split.size if split else 1)
         stats = [reward_c, reward_r, (reward_c > reward_r).float(), reward_c - reward_r, chosen_logged.detach(),
                  rejected_logged.detach()]
         return (loss * real).sum(), [(s * real).sum() for s in stats]
@@ -141,15 +154,22 @@ def _real_pairs(mb: dict) -> torch.Tensor:
     return (chosen_labels != IGNORE).any(-1)
 
 
-def forward(strategy, model, mb: dict) -> torch.Tensor | Hidden:
-    """Logits of a micro-batch, or under `training.chunked_loss` its last hidden states with the
-    output layer; per-document positions, so packed documents never attend to each other."""
+def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Tensor]:
+    """(logits, or under `training.chunked_loss` the last hidden states with the output layer; the
+    targets they are scored against) of a micro-batch. Per-document positions, so packed documents
+    never attend to each other. Under sequence parallelism: this rank's part of each sequence."""
     chunk, head = strategy.loss_chunk, getattr(model, "module", model).get_output_embeddings()  # (DDP's wrapper)
-    with strategy.autocast(), _skipped(head) if chunk else contextlib.nullcontext():
-        out = model(input_ids=mb["input_ids"].to(strategy.device), position_ids=mb["position_ids"].to(strategy.device))
+    ids, positions, targets = mb["input_ids"], mb["position_ids"], targets_of(mb["labels"])
+    split = strategy.sequence
+    attending = split.attending(positions) if split else contextlib.nullcontext()
+    if split:
+        ids, positions, targets = split.part(ids), split.part(positions), split.part(targets)
+    with strategy.autocast(), attending, _skipped(head) if chunk else contextlib.nullcontext():
+        out = model(input_ids=ids.to(strategy.device), position_ids=positions.to(strategy.device))
     # The output layer is used after the model's forward: FSDP2 keeps the root's parameters (the
     # output layer's among them) gathered from its forward to its backward, so this is the same weight.
-    return Hidden(out.logits, head, chunk, strategy.autocast) if chunk else out.logits
+    targets = targets.to(strategy.device)
+    return (Hidden(out.logits, head, chunk, strategy.autocast) if chunk else out.logits), targets
 
 
 @contextlib.contextmanager
@@ -182,7 +202,8 @@ def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, fl
             sums[-1] += objective.units(mb)
     strategy.model.train()
     torch.distributed.all_reduce(sums)
-    totals = (sums[:-1] / sums[-1].clamp(min=1)).tolist()  # host: once per evaluation
+    mesh = strategy.layout  # a row's sp x tp ranks each count its units; its tp ranks each add its loss
+    totals = (sums[:-1] / mesh.tp / (sums[-1] / (mesh.sp * mesh.tp)).clamp(min=1)).tolist()  # host: once per evaluation
     return {f"eval_{name}": value for name, value in zip(("loss", *objective.metrics), totals)}
 
 

@@ -22,6 +22,34 @@ from .config import JobSpec
 
 
 @dataclass(frozen=True)
+class Mesh:
+    """N ranks laid out as replicate x shard x sp x tp, tp fastest: rank = ((r·shard + d)·sp + k)·tp + t.
+    Ranks that differ only in (k, t) read the same rows (one data-parallel rank, `dp_rank`); FSDP2
+    shards and averages gradients over replicate x (shard·sp); the tp ranks of a layer split its
+    weights and compute the same loss."""
+    replicate: int
+    shard: int
+    sp: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: how many slices a global batch is cut into."""
+        return self.replicate * self.shard
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks a gradient is averaged over (all but the tp copies)."""
+        return self.dp * self.sp
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // (self.sp * self.tp)
+
+    def sp_rank(self, rank: int) -> int:
+        return rank // self.tp % self.sp
+
+
+@dataclass(frozen=True)
 class RunPlan:
     strategy: str
     bf16: bool  # training.precision resolved: auto is bf16 on GPU, fp32 on CPU
@@ -30,6 +58,8 @@ class RunPlan:
     global_batch: int
     micro_batch: int
     sync_every_micro_batch: bool  # training.gradient_sync resolved
+    sequence_parallel: int = 1  # scaling.sequence_parallel: ranks one sequence is split over (Ulysses)
+    tensor_parallel: int = 1  # scaling.tensor_parallel: ranks one layer's weights are split over
     stores: dict = field(default_factory=dict)  # {"train": [uri], "weights": [...], "eval": uri | None, "key": ...}
 
     @classmethod
@@ -40,22 +70,39 @@ class RunPlan:
         return cls(strategy=t.strategy, bf16=t.precision == "bf16" or (t.precision == "auto" and s.use_gpu),
                    hsdp=bool(s.use_gpu if s.hsdp == "auto" else s.hsdp) and t.strategy == "fsdp2",
                    workers_per_node=s.workers_per_node, global_batch=t.global_batch_size,
-                   micro_batch=t.micro_batch_size, sync_every_micro_batch=sync, stores=dict(stores or {}))
+                   micro_batch=t.micro_batch_size, sync_every_micro_batch=sync,
+                   sequence_parallel=s.sequence_parallel, tensor_parallel=s.tensor_parallel, stores=dict(stores or {}))
 
     # --- rules of the world size N
+    def mesh(self, workers: int) -> Mesh:
+        """The one mesh rule: N ranks as dp_replicate x dp_shard x sp x tp (`Mesh`). sp and tp are
+        the job's; only the data-parallel ranks change with N (an elastic job resizes them alone).
+        Under HSDP a node's ranks are one dp_shard group with its sp and tp ranks, so the per-layer
+        gathers and the sequence and tensor exchanges stay on the node's links."""
+        group = self.sequence_parallel * self.tensor_parallel
+        if workers % group:
+            raise ValueError(f"{workers} workers cannot form sequence_parallel x tensor_parallel = {group} groups: "
+                             f"use a multiple of {group} workers")
+        dp = workers // group
+        if self.hsdp and 1 < self.workers_per_node < workers and self.workers_per_node % group == 0:
+            per_node = self.workers_per_node // group
+            return Mesh(dp // per_node, per_node, self.sequence_parallel, self.tensor_parallel)
+        return Mesh(1, dp, self.sequence_parallel, self.tensor_parallel)
+
     def mesh_shape(self, workers: int) -> tuple[int, ...]:
-        """FSDP2's device mesh at N ranks: (replicas, shard size) under HSDP, else (N,)."""
-        if self.hsdp and 1 < self.workers_per_node < workers:
-            return workers // self.workers_per_node, self.workers_per_node
-        return (workers,)
+        """FSDP2's data-parallel mesh at N ranks: (replicas, shard size) under HSDP, else (shard size,).
+        Sequence-parallel ranks are in the shard dimension: they hold one model and average gradients."""
+        m = self.mesh(workers)
+        return (m.replicate, m.shard * m.sp) if m.replicate > 1 else (m.shard * m.sp,)
 
     def shard_degree(self, workers: int) -> int:
         """Ranks one copy of the model is sharded over (1: every rank holds it whole)."""
-        return {"fsdp2": self.mesh_shape(workers)[-1], "zero3": workers}.get(self.strategy, 1)
+        return {"fsdp2": self.mesh_shape(workers)[-1] * self.tensor_parallel, "zero3": workers}.get(self.strategy, 1)
 
     def accumulation_steps(self, workers: int) -> int:
-        """Micro-batches per step on every rank: enough for the largest slice, ceil(G/N) rows."""
-        rows = -(-self.global_batch // workers)
+        """Micro-batches per step on every rank: enough for the largest slice, ceil(G/dp) rows, where
+        dp = N / (sp x tp): a sequence's sp and tp ranks share its rows."""
+        rows = -(-self.global_batch // self.mesh(workers).dp)
         return -(-rows // self.micro_batch)
 
     # --- driver -> workers
@@ -70,3 +117,37 @@ class RunPlan:
         signing.require_place(doc, "run_dir", signing.place(run_dir), what)
         doc.pop("run_dir")
         return cls(**doc)
+
+
+TP_FAMILIES = ("llama", "mistral", "qwen2")  # decoder layouts the tensor-parallel plan names (strategies/tensor_parallel.py)
+
+
+def model_parallel_problems(config: dict, sp: int, tp: int) -> list[tuple[str, str, str]]:
+    """(field, value, what to do) for each way this model's config.json cannot be split over sp x tp.
+    Heads: tp splits them by rank, then Ulysses splits each rank's heads over sp. KV heads fewer
+    than sp are repeated up to sp when sp is a multiple of them (each rank gets one)."""
+    heads = config.get("num_attention_heads") or 0
+    kv = config.get("num_key_value_heads") or heads
+    out = []
+    if tp > 1:
+        family = config.get("model_type", "?")
+        if family not in TP_FAMILIES:
+            out.append(("scaling.tensor_parallel", str(tp), f"the tensor-parallel plan knows {', '.join(TP_FAMILIES)} "
+                        f"decoders, not {family!r}: remove scaling.tensor_parallel (FSDP2 alone shards any model)"))
+        for key, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
+                       ("intermediate_size", config.get("intermediate_size") or 0)):
+            if n % tp:
+                fits = [d for d in range(1, tp) if n % d == 0 and d & (d - 1) == 0]
+                out.append(("scaling.tensor_parallel", str(tp), f"the model's {key}={n} is not divisible by {tp}: "
+                            f"each rank takes an equal part; use tensor_parallel {max(fits or [1])}"))
+    if sp > 1 and heads and not out:
+        local_heads, local_kv = heads // tp, max(1, kv // tp)
+        if local_heads % sp:
+            out.append(("scaling.sequence_parallel", str(sp), f"{local_heads} attention heads per tensor-parallel rank "
+                        f"are not divisible by {sp}: Ulysses gives each rank an equal part of the heads; use a "
+                        f"sequence_parallel that divides {local_heads}"))
+        elif local_kv % sp and sp % local_kv:
+            out.append(("scaling.sequence_parallel", str(sp), f"{local_kv} key/value heads per tensor-parallel rank "
+                        f"neither divide by {sp} nor divide it: use a sequence_parallel that divides {local_kv} or is a "
+                        f"multiple of it"))
+    return out

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import memory, probes, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
+from .plan import model_parallel_problems
 from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
                        secret_problems)
 
@@ -220,6 +221,9 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
                            f"use data.seq_len <= {window}", "model"))
     if "training" not in broken and spec.training.finetune == "lora" and facts.exact_names:
         out += lora_problems(spec, facts)
+    if "scaling" not in broken:
+        out += [Problem(field, value, text, "model") for field, value, text in
+                model_parallel_problems(config, spec.scaling.sequence_parallel, spec.scaling.tensor_parallel)]
     if not cached:  # a cache snapshot may hold config.json alone: its tokenizer is the cluster's to load
         out += tokenizer_problems(spec, folder, broken)
     if not broken & {"training", "scaling", "data"} and not any(p.severity == ERROR for p in out):

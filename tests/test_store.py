@@ -295,7 +295,7 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
     from raytrain.data.order import HeldOut
     from raytrain.data.prepare import ensure_inputs
     from raytrain.errors import JobError
-    from raytrain.objectives import token_loss
+    from raytrain.objectives import targets_of, token_loss
 
     sources = user_datasets(tmp_path / "data", assets)
 
@@ -350,7 +350,7 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
             split = HeldOut(store.rows, 0.1)  # under data.eval.max_rows: every held-out row is evaluated
             held = store.read(split.held_rows(np.arange(split.held)))
             ids, labels, positions = (torch.from_numpy(a).long() for a in held.transpose(1, 0, 2))
-            total += float(token_loss(model(input_ids=ids, position_ids=positions).logits, labels))
+            total += float(token_loss(model(input_ids=ids, position_ids=positions).logits, targets_of(labels)))
             tokens += int((labels[:, 1:] != -100).sum())
     assert evals[10] == pytest.approx(total / tokens, rel=1e-5)
 

@@ -1,8 +1,9 @@
 """This rank's micro-batches of each global batch, read straight from the token stores;
 and its share of the evaluation rows.
 
-Rank r of N reads only its slice of each global batch (`order.rank_slice`): ceil(G/N) or
-floor(G/N) rows, nothing else. Every rank runs the same number of micro-batches per step
+Data-parallel rank r of dp reads only its slice of each global batch (`order.rank_slice`):
+ceil(G/dp) or floor(G/dp) rows, nothing else. dp = N / (sp x tp): the ranks that hold parts of
+the same sequences or of the same layers read the same slice (`plan.Mesh`). Every rank runs the same number of micro-batches per step
 (`RunPlan.accumulation_steps`), so FSDP's and ZeRO-3's collectives stay matched when the
 slices differ by a row; a rank with fewer rows than micro-batches gets a padding row whose
 labels are all ignored (it adds nothing to the loss, which is the token mean over the whole
@@ -73,7 +74,8 @@ class GlobalBatches:
                  position: DataPosition, key: str):
         self.stores, self.stream, self.global_batch = stores, stream, plan.global_batch
         self.micro = plan.accumulation_steps(world_size)
-        self.start, self.stop = rank_slice(self.global_batch, world_size, rank)
+        mesh = plan.mesh(world_size)  # a sequence's sp x tp ranks read the same slice
+        self.start, self.stop = rank_slice(self.global_batch, mesh.dp, mesh.dp_rank(rank))
         self.position = DataPosition(position.consumed, key)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-prefetch")
         self._next = self._pool.submit(self._read, self.position.consumed)
@@ -137,4 +139,5 @@ def open_data(spec: JobSpec, plan: RunPlan, rank: int, world: int, position: Dat
         rows = EvalSet([eval_stores[0].rows], d.eval.max_rows)
     else:
         eval_stores, rows = stores, EvalSet(splits, d.eval.max_rows)
-    return batches, EvalBatches(eval_stores, rows, rank, world, t.micro_batch_size), key
+    mesh = plan.mesh(world)
+    return batches, EvalBatches(eval_stores, rows, mesh.dp_rank(rank), mesh.dp, t.micro_batch_size), key

@@ -33,7 +33,7 @@ from ..config import JobSpec
 from ..plan import RunPlan
 from ..errors import JobError
 from ..signing import SignedCheckpoint
-from . import hf_files
+from . import hf_files, ulysses
 from .hf_files import export_entries, write_full_export, write_hf_export
 
 
@@ -110,6 +110,10 @@ class Strategy(ABC):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.compute_bf16 = plan.bf16
+        self.layout = plan.mesh(self.world_size)  # dp_replicate x dp_shard x sp x tp (`plan.Mesh`)
+        # This rank's part of each sequence (objectives.forward), None without sequence parallelism.
+        self.sequence = ulysses.SequenceSplit.create(self.layout, self.rank, self.world_size,
+                                                     spec.model.attn_implementation)
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives.py); 0: the whole logits
 
@@ -181,6 +185,10 @@ class TorchStrategy(Strategy):
         self.trainable = modeling.trainable_names(self.hf_model)
         if self.spec.reference_copy:
             self.reference_model = self.build_reference()
+        if self.sequence:  # attention over whole sequences through the all-to-all
+            self.sequence.use_for(self.hf_model)
+            if self.spec.reference_copy:
+                self.sequence.use_for(self.reference_model)
 
     def build_model(self) -> torch.nn.Module:
         self.hf_model = modeling.load_model(self.spec)

@@ -9,12 +9,14 @@ holds the whole model at any point. Trained weights are fp32 shards (the master 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .. import modeling
-from . import weights
+from . import tensor_parallel, weights
 from .base import TorchStrategy, needs_fp32_master, to_fp32_master
 
 
@@ -37,10 +39,11 @@ class FSDP2Strategy(TorchStrategy):
         # Offload moves shards from the accelerator to host memory; on a CPU worker they are there
         # already (and CPUOffloadPolicy needs an accelerator to move them back to).
         cpu_offload = (offload.params or offload.optimizer) and self.device.type != "cpu"
-        shape = self.plan.mesh_shape(self.world_size)
+        dp_mesh, tp_mesh = self.device_meshes()
+        if tp_mesh is not None:  # split each block's projections over tp first, then shard what each rank holds
+            tensor_parallel.parallelize(modeling.decoder_blocks(model), tp_mesh)
         kwargs = dict(
-            # One flat mesh, or HSDP: replicate across nodes x shard within one (`RunPlan.mesh_shape`).
-            mesh=init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):]),
+            mesh=dp_mesh,
             # bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU.
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.compute_bf16 else None,
                                            reduce_dtype=torch.float32),
@@ -53,6 +56,28 @@ class FSDP2Strategy(TorchStrategy):
         modeling.init_buffers(model)
         self.loaded_by = weights.fill(self.spec, model, adapters)
         return model
+
+    def device_meshes(self):
+        """(FSDP2's mesh, the tp mesh or None) as `RunPlan.mesh_shape` lays the ranks out: one flat
+        mesh or HSDP's replicate x shard, the sequence-parallel ranks inside shard (they hold one
+        model and average gradients), x tp when tensor parallel (a 2-D/3-D mesh of DTensors)."""
+        shape = self.plan.mesh_shape(self.world_size)
+        names = ("replicate", "shard")[-len(shape):]
+        if self.layout.tp == 1:
+            return init_device_mesh(self.device.type, shape, mesh_dim_names=names), None
+        mesh = init_device_mesh(self.device.type, (*shape, self.layout.tp), mesh_dim_names=(*names, "tp"))
+        return mesh[names], mesh["tp"]
+
+    def optimizer_step(self, lr: float) -> torch.Tensor:
+        if self.layout.tp == 1:
+            return super().optimizer_step(lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # Split and replicated weights live on different meshes: torch's clip cannot stack their norms.
+        norm = tensor_parallel.clip_(self.params, self.spec.training.grad_clip or math.inf)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         # Skipping the reduce-scatter before the last micro-batch keeps each parameter's whole fp32

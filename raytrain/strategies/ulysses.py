@@ -1,0 +1,194 @@
+"""Sequence parallelism, DeepSpeed-Ulysses style: each of a group's sp ranks holds 1/sp of every
+sequence (contiguous parts, in rank order) through the whole model, and attention, the one
+layer that mixes positions, sees whole sequences by trading heads for positions: one all-to-all
+before it (each rank gets all positions of 1/sp of the heads), one after (back to its positions
+with all heads). Everything else (norms, MLP, the loss) is per token, so it runs on the rank's
+part unchanged.
+
+It wraps whatever attention the job names (eager, sdpa, flash): the model is loaded with it, then
+its config names `ULYSSES`, registered here with transformers, whose function exchanges, calls the
+named one on whole sequences, and exchanges back. The mask the model builds is for the rank's part
+only, so it is skipped (`ULYSSES` has no mask function) and made here from the whole rows' position
+ids, by transformers' own packing rule: a document starts where the position does not step by one.
+Packed documents keep attending only to themselves; rotary embeddings use the part's own position
+ids, which are the whole row's.
+
+Model code stays free of torch.distributed: the group and the rows' positions reach the attention
+through `SequenceSplit.attending`, a context the objective's forward enters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ULYSSES = "raytrain_ulysses"
+_current: contextvars.ContextVar["_Forward | None"] = contextvars.ContextVar("raytrain_ulysses", default=None)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 (part j goes to rank j); its gradient is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()  # a permuted view here: empty_like would keep its strides, and
+        out = torch.empty_like(grad)  # the exchange writes its output as contiguous memory
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce(SUM) whose gradient is also summed over the group: every rank's copy of the sum
+    feeds its own loss, so each part's gradient is the sum of what the copies send back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def heads_to_positions(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+    """[b, h, s/sp, d] (all heads, my positions) -> [b, h/sp, s, d] (my heads, all positions)."""
+    b, h, s, d = x.shape
+    x = _AllToAll.apply(x.reshape(b, sp, h // sp, s, d).transpose(0, 1).contiguous(), group)
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * s, d)  # rank j's positions come j-th
+
+
+def positions_to_heads(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+    """[b, s, h/sp, d] (attention's output layout) -> [b, s/sp, h, d]."""
+    b, s, h, d = x.shape
+    x = _AllToAll.apply(x.reshape(b, sp, s // sp, h, d).transpose(0, 1).contiguous(), group)
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * h, d)  # rank j's heads come j-th
+
+
+@dataclass
+class _Forward:
+    split: "SequenceSplit"
+    positions: torch.Tensor  # the whole rows' position ids, [b, s]
+    masks: dict  # built once per forward, shared by the layers
+
+
+@dataclass
+class SequenceSplit:
+    """This rank's place in its sequence-parallel group, and what the objective does with it."""
+
+    size: int
+    rank: int  # 0..size-1: which part of each sequence this rank holds
+    group: object
+    inner: str  # the attention implementation the job named
+
+    @classmethod
+    def create(cls, mesh, rank: int, world: int, inner: str) -> "SequenceSplit | None":
+        """Collective (every rank makes every group): the sp groups of `mesh` (`plan.Mesh`)."""
+        if mesh.sp == 1:
+            return None
+        sp, tp = mesh.sp, mesh.tp
+        groups = [[start + k * tp + t for k in range(sp)] for start in range(0, world, sp * tp) for t in range(tp)]
+        mine, _ = dist.new_subgroups_by_enumeration(groups)
+        _register()
+        return cls(sp, mesh.sp_rank(rank), mine, inner)
+
+    def part(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of [rows, s] (ids, positions, shifted labels)."""
+        n = t.shape[1] // self.size
+        return t[:, self.rank * n:(self.rank + 1) * n]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's sum of per-rank partial values (a sequence's log-prob), differentiably."""
+        return _SumOverGroup.apply(t, self.group)
+
+    @contextlib.contextmanager
+    def attending(self, positions: torch.Tensor):
+        """Forward passes inside attend over whole rows with these position ids."""
+        token = _current.set(_Forward(self, positions, {}))
+        try:
+            yield
+        finally:
+            _current.reset(token)
+
+    def use_for(self, model: torch.nn.Module) -> None:
+        """Route `model`'s attention through the exchange (its config is shared by its layers)."""
+        model.config._attn_implementation = ULYSSES
+
+
+def _mask(f: _Forward, query: torch.Tensor) -> torch.Tensor | None:
+    """The whole rows' mask in the form the inner implementation takes: None (causal) for sdpa
+    on unpacked rows, a boolean one for sdpa on packed rows, an additive one for eager."""
+    key = (f.split.inner, query.dtype)
+    if key not in f.masks:
+        pos = f.positions.to(query.device)
+        doc = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # transformers' packing rule
+        s = pos.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
+        allowed = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+        if f.split.inner == "eager":
+            f.masks[key] = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~allowed, torch.finfo(query.dtype).min)
+        else:  # host: once per forward, whether any row holds a second document
+            f.masks[key] = allowed if bool((doc[:, -1] > 1).any()) else None
+    return f.masks[key]
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    f = _current.get()
+    if f is None:
+        raise RuntimeError("sequence-parallel attention called outside SequenceSplit.attending")
+    sp, group, inner = f.split.size, f.split.group, f.split.inner
+    groups = module.num_key_value_groups
+    if key.shape[1] % sp:  # fewer KV heads than ranks (validated: sp is a multiple): one each
+        repeat = sp // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        groups = groups // repeat
+    query, key, value = (heads_to_positions(t, sp, group) for t in (query, key, value))
+    if inner.startswith("flash"):  # varlen from the whole rows' positions, no mask
+        kwargs["position_ids"], mask = f.positions.to(query.device), None
+    else:
+        mask = _mask(f, query)
+    function = _inner_function(module, inner)
+    saved, module.num_key_value_groups = module.num_key_value_groups, groups
+    try:
+        out, _ = function(module, query, key, value, mask, **kwargs)
+    finally:
+        module.num_key_value_groups = saved
+    return positions_to_heads(out, sp, group), None
+
+
+def _inner_function(module, inner: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if inner == "eager":  # each model's own, in its modeling module
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[inner]
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the model's mask would be for the rank's part: `_mask` makes the whole rows' one
+
+
+def _register() -> None:
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ULYSSES, _attention)
+    AttentionMaskInterface.register(ULYSSES, _no_mask)

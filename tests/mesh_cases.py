@@ -1,0 +1,121 @@
+"""Train the same rows under several meshes inside one process group, for the sequence- and
+tensor-parallel parity tests: each case builds the product's strategy (`build_strategy`) from a
+job whose `scaling` names the mesh, and takes a few optimizer steps (`loop.train_step`) on one
+fixed global batch, each rank reading its data-parallel slice as `GlobalBatches` cuts it. Runs
+in Ray Train workers (tests/test_mesh.py) and under `python tests/mesh_cases.py` for debugging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+import numpy as np
+import torch
+
+SEQ = 64
+
+
+def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0) -> np.ndarray:
+    """[rows, planes, SEQ] int32 as the token store gives them: ids, labels, positions (a pair row:
+    chosen then rejected). Packed: three documents of ragged length per sequence, each its own
+    positions; else one document and right padding. A prompt is unlabelled."""
+    g = np.random.default_rng(seed)
+    out = []
+    for _ in range(rows):
+        planes = []
+        for _ in range(2 if pairs else 1):
+            ids = g.integers(3, 380, SEQ)
+            labels = ids.copy()
+            if packed:
+                cuts = sorted(g.choice(np.arange(8, SEQ - 8), 2, replace=False))
+                starts = [0, *cuts]
+                pos = np.concatenate([np.arange(b - a) for a, b in zip(starts, [*cuts, SEQ])])
+                for a in starts:
+                    labels[a:a + 3] = -100  # each document's prompt
+            else:
+                n = int(g.integers(SEQ // 2, SEQ))
+                pos = np.arange(SEQ)
+                labels[:5] = -100
+                labels[n:] = -100
+                ids[n:] = 0
+            planes += [ids, labels, pos]
+        out.append(np.stack(planes))
+    return np.stack(out).astype(np.int32)
+
+
+def run_case(spec, rows: np.ndarray, steps: int) -> dict:
+    """Per-step losses and grad norms of `spec` (its scaling names the mesh) on `rows`, every step on
+    the same global batch; with this rank's peak resident memory during the steps."""
+    from raytrain import loop, objectives
+    from raytrain.data.batches import micro_batches
+    from raytrain.data.order import rank_slice
+    from raytrain.plan import RunPlan
+    from raytrain.preemption import StopSignals
+    from raytrain.strategies import build_strategy
+
+    torch.manual_seed(0)
+    plan = RunPlan.of(spec)
+    strategy = build_strategy(spec, torch.device("cpu"), plan)
+    mesh, rank = strategy.layout, strategy.rank
+    start, stop = rank_slice(len(rows), mesh.dp, mesh.dp_rank(rank))
+    store = _Rows(rows)
+    batch = micro_batches([store], [(0, r) for r in range(start, stop)], plan.accumulation_steps(strategy.world_size))
+    objective = objectives.build(spec)
+    losses, norms = [], []
+    for step in range(steps):
+        loop.seed_step(0, step, rank // mesh.tp)
+        result = loop.train_step(strategy, objective, batch, 1e-2, StopSignals(None, check_ray_notice=False))
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"losses": losses, "grad_norms": norms, "means": result.means, "peak_mb": peak_mb}
+
+
+class _Rows:
+    """The part of TokenStore that `micro_batches` reads."""
+
+    def __init__(self, rows: np.ndarray):
+        self.rows, self.seq_len, self.planes = rows, rows.shape[2], rows.shape[1]
+        self.manifest = {"pad_id": 0}
+
+    def read(self, index):
+        return self.rows[index]
+
+
+def job(model: str, storage: str, sp: int = 1, tp: int = 1, finetune: str = "full", objective: str = "sft",
+        workers: int = 4, attn: str = "sdpa", strategy: str = "fsdp2"):
+    from raytrain.config import JobSpec
+
+    return JobSpec.model_validate({
+        "name": "mesh", "model": {"path": model, "attn_implementation": attn},
+        "data": {"path": "unused.jsonl", "seq_len": SEQ},
+        "training": {"strategy": strategy, "finetune": finetune, "objective": objective, "global_batch_size": 8,
+                     "micro_batch_size": 1, "max_steps": 3, "seed": 0, "precision": "fp32",
+                     "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}},
+        "scaling": {"num_workers": workers, "sequence_parallel": sp, "tensor_parallel": tp},
+        "checkpoint": {"storage_path": storage}, "tracking": {"experiment": "tests"}})
+
+
+def _debug_main(rank, world, model, cases, port):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for case in cases:
+        case = json.loads(case)
+        pairs, packed = case.pop("objective", "sft") != "sft", case.pop("packed", True)
+        rows = global_rows(pairs, packed, 8)
+        out = run_case(job(model, "/tmp/mesh-runs", objective="dpo" if pairs else "sft", **case), rows, 3)
+        if rank == 0:
+            print(json.dumps({"case": case, "pairs": pairs, "packed": packed, **out}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # torchrun-free: python tests/mesh_cases.py MODEL_DIR '{"sp": 2}' ...
+    import torch.multiprocessing as mp
+
+    mp.spawn(_debug_main, args=(4, sys.argv[1], sys.argv[2:], 29517), nprocs=4)
