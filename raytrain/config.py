@@ -484,7 +484,7 @@ class JobSpec(Section):
         vocab, chunked = model_config.get("vocab_size") or 0, self.training.chunked_loss
         if any(model_config.get(k) is not None for k in ("final_logit_softcapping", "logit_scale")):
             chunked = False
-        tokens = self.training.micro_batch_size * self.sequences_per_row * self.data.seq_len
+        tokens = self.training.micro_batch_size * self.sequences_per_row * self.data.seq_len // self.scaling.sequence_parallel
         if chunked is False or not vocab or self.training.strategy == "zero3" or (
                 chunked == "auto" and tokens * vocab * 4 <= 1 << 30):
             return 0

@@ -227,8 +227,9 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         out.device.append(Term("parameters kept gathered (stage3_max_live_parameters)",
                                f"{_n(live)} × {c} B", live * c))
     elif sharded and P > 1:
-        layer = facts.layer_params
-        out.device.append(Term("gathered layers", f"2 × {_n(layer)} × {c} B", 2 * layer * c))
+        tp = plan.tensor_parallel  # a rank gathers its tp part of each layer
+        layer, per_tp = facts.layer_params / tp, f" / {tp}" if tp > 1 else ""
+        out.device.append(Term("gathered layers", f"2 × {_n(facts.layer_params)}{per_tp} × {c} B", 2 * layer * c))
     out.device.extend(activation_terms(spec, facts))
     if spec.scaling.use_gpu:
         out.device.append(Term("runtime (CUDA context, NCCL) ≈", "", GiB))
@@ -254,23 +255,36 @@ def checkpoint_bytes(spec: JobSpec, facts: ModelFacts) -> int:
 def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     # A preference micro-batch of b pairs is 2b sequences (chosen and rejected in one forward).
     b, s, c = spec.training.micro_batch_size * spec.sequences_per_row, spec.data.seq_len, compute_bytes(spec)
+    sp, tp = spec.scaling.sequence_parallel, spec.scaling.tensor_parallel
     d = facts.dim("hidden_size", "n_embd", "d_model")
     n_layers = facts.dim("num_hidden_layers", "n_layer", "num_layers")
     vocab, heads = facts.dim("vocab_size"), facts.dim("num_attention_heads", "n_head", default=1)
     if not (d and n_layers and vocab):
         return [Term("activations", "unknown (config.json has no hidden_size/num_hidden_layers/vocab_size)", 0)]
-    quad = 5 * heads * s / d if spec.model.attn_implementation == "eager" else 0  # sdpa/flash never store s×s
-    layer = b * s * d * (34 + quad) * c / 2
-    quad_text = f" + 5·{heads}·{s}/{d}" if quad else ""
+    # A rank holds s/sp tokens of each sequence (Ulysses); tp splits the attention and MLP's 24 of
+    # the 34 (Korthikanti et al. 2022, without sequence-parallel norms: 10 + 24/t).
+    local = s // sp
+    tokens = f"{b}·{s}/{sp}·{d}" if sp > 1 else f"{b}·{s}·{d}"
+    eager = spec.model.attn_implementation == "eager"
+    quad = 5 * heads * s / d if eager else 0  # sdpa/flash never store s×s per head
+    per = 10 + (24 + quad) / tp
+    layer = b * local * d * per * c / 2
+    shape = f"10 + (24{f' + 5·{heads}·{s}/{d}' if quad else ''}) / {tp}" if tp > 1 or quad else "34"
     if spec.training.activation_checkpointing:
-        act = Term("activations (checkpointed)", f"{n_layers} × {b}·{s}·{d} × {c} B + one layer 34{quad_text} × {b}·{s}·{d} × {c}/2 B",
-                   n_layers * b * s * d * c + layer)
+        act = Term("activations (checkpointed)", f"{n_layers} × {tokens} × {c} B + one layer ({shape}) × {tokens} × {c}/2 B",
+                   n_layers * b * local * d * c + layer)
     else:
-        act = Term("activations", f"{n_layers} × (34{quad_text}) × {b}·{s}·{d} × {c}/2 B", n_layers * layer)
+        act = Term("activations", f"{n_layers} × ({shape}) × {tokens} × {c}/2 B", n_layers * layer)
+    terms = [act]
+    if spec.data.pack and not spec.preference and not spec.model.attn_implementation.startswith("flash") or eager:
+        # Packed rows under sdpa attend through a boolean s×s mask (eager: an additive one); whole
+        # rows' under sequence parallelism too. flash_attention_2 takes the positions instead.
+        mask_b = c if eager else 1
+        terms.append(Term("attention mask (s×s: packed rows)", f"{b}·{s}² × {mask_b} B", b * s * s * mask_b))
     chunk = spec.loss_chunk_tokens(facts.config)
     if chunk:  # one chunk's logits exist at a time (training.chunked_loss)
-        return [act, Term("logits (one chunk)", f"{chunk}·{vocab} × ({c} + 4 + 4) B", chunk * vocab * (c + 8))]
-    return [act, Term("logits", f"{b}·{s}·{vocab} × ({c} + 4 + 4) B", b * s * vocab * (c + 8))]
+        return terms + [Term("logits (one chunk)", f"{chunk}·{vocab} × ({c} + 4 + 4) B", chunk * vocab * (c + 8))]
+    return terms + [Term("logits", f"{b}·{local}·{vocab} × ({c} + 4 + 4) B", b * local * vocab * (c + 8))]
 
 
 def _lora_targets(spec: JobSpec, facts: ModelFacts) -> list[str]:

@@ -86,7 +86,9 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
     state.require_same_data(key, f"the checkpoint at step {state.step}")
     state.bad_rows = sum(s.bad_rows for s in batches.stores)
     timeline.mark("data")
-    sample_log = _sample_logger(spec.data.sample_log, rank, world, batches.stores)
+    # A row's sp x tp ranks all read it: the first of them records it, so each row is logged once.
+    sample_log = _sample_logger(spec.data.sample_log, rank, world, batches.stores,
+                                records_rows=rank % spec.scaling.model_parallel == 0)
     on_step = _first_step_reporter(timeline, logger, attempt, sample_log)
     state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=on_step, eval_batches=eval_batches)
 
@@ -157,7 +159,7 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _sample_logger(folder: str | None, rank: int, world: int, stores):
+def _sample_logger(folder: str | None, rank: int, world: int, stores, records_rows: bool = True):
     """`data.sample_log`: which samples each rank trained on at each step, per attempt, with the
     rank's resident memory and the bytes it has read from the token stores so far."""
     if not folder:
@@ -170,7 +172,8 @@ def _sample_logger(folder: str | None, rank: int, world: int, stores):
     def on_step(state, batch) -> None:
         with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": state.step,
-                                "time": time.time(), "samples": batch.sample_ids, "rss_mb": _rss_mb(),
+                                "time": time.time(), "samples": batch.sample_ids if records_rows else [],
+                                "rss_mb": _rss_mb(),
                                 "read_bytes": sum(s.read_counters.bytes for s in stores)}) + "\n")
 
     return on_step

@@ -1,7 +1,7 @@
 """Chaos for raytrain: break a running job for real and check what a user relies on.
 
     python tests/chaos.py kill   [--kills 3] [--steps 32] [--seed 0]
-    python tests/chaos.py spot   [--steps 40] [--nodes 2 --per-node 1]   (16-rank rehearsal: --nodes 4 --per-node 4)
+    python tests/chaos.py spot   [--steps 40] [--nodes 2 --per-node 1] [--sp 1]   (16-rank rehearsal: --nodes 4 --per-node 4)
     python tests/chaos.py soak   [--minutes 10] [--seed 0]
 
 `kill` SIGKILLs a random training worker every few seconds during a run on a local Ray
@@ -203,7 +203,8 @@ def chaos_spot(args, root: Path, assets: Path) -> dict:
     every = 10  # the notice's checkpoint is the only one that can fall between multiples of 10
     over = {"checkpoint": {"every_n_steps": every, "keep_last": 3},
             "training": {"global_batch_size": max(8, 2 * full), "micro_batch_size": 2}}
-    mesh = {"resources_per_worker": {"slot": 1}, "workers_per_node": per_node, "hsdp": per_node > 1}
+    mesh = {"resources_per_worker": {"slot": 1}, "workers_per_node": per_node, "hsdp": per_node > 1,
+            "sequence_parallel": args.sp}
     ref_spec = _job(assets, root / "ref", "ref", args.steps, scaling={"num_workers": full, **mesh}, **over)
     _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
 
@@ -389,6 +390,7 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--nodes", type=int, default=2, help="spot: nodes of the local cluster")
     parser.add_argument("--per-node", type=int, default=1, help="spot: training workers a node (HSDP when > 1)")
+    parser.add_argument("--sp", type=int, default=1, help="spot: scaling.sequence_parallel (dividing --per-node)")
     parser.add_argument("--out", help="folder for runs and logs (default: a temp dir)")
     args = parser.parse_args(argv)
     from raytrain.demo_assets import make_all

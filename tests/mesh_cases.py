@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 
 import numpy as np
@@ -18,11 +17,12 @@ import torch
 SEQ = 64
 
 
-def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0) -> np.ndarray:
+def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ) -> np.ndarray:
     """[rows, planes, SEQ] int32 as the token store gives them: ids, labels, positions (a pair row:
     chosen then rejected). Packed: three documents of ragged length per sequence, each its own
     positions; else one document and right padding. A prompt is unlabelled."""
     g = np.random.default_rng(seed)
+    SEQ = seq  # noqa: N806
     out = []
     for _ in range(rows):
         planes = []
@@ -46,9 +46,10 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0) -> np.ndarr
     return np.stack(out).astype(np.int32)
 
 
-def run_case(spec, rows: np.ndarray, steps: int) -> dict:
+def run_case(spec, rows: np.ndarray, steps: int, on_step=None) -> dict:
     """Per-step losses and grad norms of `spec` (its scaling names the mesh) on `rows`, every step on
-    the same global batch; with this rank's peak resident memory during the steps."""
+    the same global batch; and this rank's peak resident memory above where the steps started
+    (activations, gradients, AdamW's state: the model is loaded before)."""
     from raytrain import loop, objectives
     from raytrain.data.batches import micro_batches
     from raytrain.data.order import rank_slice
@@ -61,17 +62,26 @@ def run_case(spec, rows: np.ndarray, steps: int) -> dict:
     strategy = build_strategy(spec, torch.device("cpu"), plan)
     mesh, rank = strategy.layout, strategy.rank
     start, stop = rank_slice(len(rows), mesh.dp, mesh.dp_rank(rank))
-    store = _Rows(rows)
-    batch = micro_batches([store], [(0, r) for r in range(start, stop)], plan.accumulation_steps(strategy.world_size))
+    batch = micro_batches([_Rows(rows)], [(0, r) for r in range(start, stop)], plan.accumulation_steps(strategy.world_size))
     objective = objectives.build(spec)
     losses, norms = [], []
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set starts again from here
+    before = _status_mb("VmRSS")
     for step in range(steps):
         loop.seed_step(0, step, rank // mesh.tp)
         result = loop.train_step(strategy, objective, batch, 1e-2, StopSignals(None, check_ray_notice=False))
         losses.append(result.loss)
         norms.append(result.grad_norm)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"losses": losses, "grad_norms": norms, "means": result.means, "peak_mb": peak_mb}
+        if on_step:
+            on_step()
+    return {"losses": losses, "grad_norms": norms, "means": result.means, "loaded_by": getattr(strategy, "loaded_by", "whole"),
+            "step_peak_mb": _status_mb("VmHWM") - before}
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) / 1024
 
 
 class _Rows:
@@ -86,13 +96,13 @@ class _Rows:
 
 
 def job(model: str, storage: str, sp: int = 1, tp: int = 1, finetune: str = "full", objective: str = "sft",
-        workers: int = 4, attn: str = "sdpa", strategy: str = "fsdp2"):
+        workers: int = 4, attn: str = "sdpa", strategy: str = "fsdp2", seq: int = SEQ, batch: int = 8):
     from raytrain.config import JobSpec
 
     return JobSpec.model_validate({
         "name": "mesh", "model": {"path": model, "attn_implementation": attn},
-        "data": {"path": "unused.jsonl", "seq_len": SEQ},
-        "training": {"strategy": strategy, "finetune": finetune, "objective": objective, "global_batch_size": 8,
+        "data": {"path": "unused.jsonl", "seq_len": seq},
+        "training": {"strategy": strategy, "finetune": finetune, "objective": objective, "global_batch_size": batch,
                      "micro_batch_size": 1, "max_steps": 3, "seed": 0, "precision": "fp32",
                      "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}},
         "scaling": {"num_workers": workers, "sequence_parallel": sp, "tensor_parallel": tp},

@@ -30,14 +30,16 @@ def run_chaos(tmp_path, *args) -> dict:
 
 
 def test_a_spot_node_noticed_reclaimed_and_replaced(tmp_path):
-    # 6 ranks on 2 nodes of 3, HSDP (2 x 3 mesh). Ray's drain notice (KubeRay's preStop runs `ray
-    # drain-node --reason PREEMPTION`) on the second node: a checkpoint within a few steps, although
-    # none is due; the node is then reclaimed (the job resumes from that checkpoint on the 3 ranks of
-    # one node) and replaced (it grows back to 6), with every sample once, a constant global batch and
-    # the uninterrupted 6-rank run's losses. The 16-rank rehearsal is the same run at --nodes 4 --per-node 4.
-    summary = run_chaos(tmp_path, "spot", "--steps", "30", "--nodes", "2", "--per-node", "3")
+    # 4 ranks on 2 nodes of 2, each node one sequence-parallel pair (sp=2), HSDP across the nodes
+    # (replicate 2 x shard 2, the shard dimension being the pair). Ray's drain notice (KubeRay's
+    # preStop runs `ray drain-node --reason PREEMPTION`) on the second node: a checkpoint within a
+    # few steps, although none is due; the node is then reclaimed (the job resumes from that
+    # checkpoint on one node: sp=2 x dp=1) and replaced (it grows back to dp=2): only the
+    # data-parallel dimension resizes. Every sample once, a constant global batch and the
+    # uninterrupted 4-rank run's losses. The 16-rank rehearsal is --nodes 4 --per-node 4 (--sp 1).
+    summary = run_chaos(tmp_path, "spot", "--steps", "30", "--nodes", "2", "--per-node", "2", "--sp", "2")
     worlds = summary["worlds_per_step"]
-    assert worlds[0] == 6 and 3 in worlds and worlds[-1] == 6
+    assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4
     [preemption, *others] = summary["failures"]
     assert summary["noticed_after_step"] < summary["checkpoint_step"] == preemption["resumed_from"]
     assert preemption["kind"] == "preemption" and any(f["kind"] == "resize" for f in others)

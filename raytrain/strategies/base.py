@@ -110,7 +110,10 @@ class Strategy(ABC):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.compute_bf16 = plan.bf16
-        self.layout = plan.mesh(self.world_size)  # dp_replicate x dp_shard x sp x tp (`plan.Mesh`)
+        try:
+            self.layout = plan.mesh(self.world_size)  # dp_replicate x dp_shard x sp x tp (`plan.Mesh`)
+        except ValueError as exc:  # an elastic group of a size no whole number of sp x tp groups makes
+            raise JobError(str(exc)) from None
         # This rank's part of each sequence (objectives.forward), None without sequence parallelism.
         self.sequence = ulysses.SequenceSplit.create(self.layout, self.rank, self.world_size,
                                                      spec.model.attn_implementation)

@@ -66,7 +66,7 @@ def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
             mesh = g.device_mesh
             split = 1
             for dim, placement in enumerate(g.placements):
-                if placement.is_shard():
+                if not placement.is_replicate():  # Shard, or FSDP2's _StridedShard over a tp split
                     split *= mesh.size(dim)
             copies = world // split
             g = g.to_local()

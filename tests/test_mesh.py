@@ -1,0 +1,117 @@
+"""Sequence and tensor parallelism train as data parallelism does: the same rows, the same
+per-step losses and gradient norms (fp32, within rounding), whatever the mesh.
+
+One Ray Train job of 4 gloo workers on the session's cluster runs every case in turn
+(tests/mesh_cases.py): each builds the product's strategy from a job whose `scaling` names the
+mesh, reads its data-parallel slice of one fixed global batch and takes 3 optimizer steps with
+`loop.train_step`, the loop's own step. The baseline of each comparison is dp=4 (sp=1, tp=1) on
+the same rows. The rows hold 3 packed documents a sequence (each must attend only to itself,
+across the parts ranks hold) or one document and padding; preference rows are (chosen, rejected)
+pairs, whose losses need whole sequences' log-probabilities (summed over the parts).
+
+How a mesh's checkpoint resumes under another, a kill at sp=2 x dp=2 and the launcher's plan are
+tests/test_meshes.py's; an elastic resize with sp=2 is tests/test_elastic.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import make_job
+
+pytestmark = pytest.mark.slow
+REL_TOL = 1e-5  # another reduction order (per part, per rank): fp32 rounding, not bit equality
+
+# name -> (the job's mesh and training, rows: (pairs, packed)); compared with BASELINE[name]
+CASES = {
+    "sft": ({}, (False, True)),
+    "sft sp=2": ({"sp": 2}, (False, True)),
+    "sft sp=4": ({"sp": 4}, (False, True)),  # 4 heads, 2 KV heads: each rank gets a repeated KV head
+    "sft sp=2 eager": ({"sp": 2, "attn": "eager"}, (False, True)),  # the additive mask
+    "sft sp=2 ddp": ({"sp": 2, "strategy": "ddp"}, (False, True)),
+    "sft tp=2": ({"tp": 2}, (False, True)),
+    "sft unpacked": ({}, (False, False)),
+    "sft unpacked sp=4": ({"sp": 4}, (False, False)),  # no mask: sdpa's causal kernel
+    "lora": ({"finetune": "lora"}, (False, True)),
+    "lora tp=2": ({"finetune": "lora", "tp": 2}, (False, True)),
+    "dpo lora": ({"finetune": "lora", "objective": "dpo"}, (True, False)),
+    "dpo lora sp=2": ({"finetune": "lora", "objective": "dpo", "sp": 2}, (True, False)),
+    "dpo lora sp=2 tp=2": ({"finetune": "lora", "objective": "dpo", "sp": 2, "tp": 2}, (True, False)),
+    "dpo full": ({"objective": "dpo"}, (True, False)),
+    "dpo full sp=4": ({"objective": "dpo", "sp": 4}, (True, False)),
+    # Activation memory: one 2,048-token sequence a rank, whole or in quarters.
+    "memory sp=1": ({"seq": 2048, "batch": 4}, (False, False)),
+    "memory sp=4": ({"seq": 2048, "batch": 4, "sp": 4}, (False, False)),
+}
+BASELINE = {name: next(b for b in ("dpo full", "dpo lora", "lora", "sft unpacked", "sft")
+                       if name.startswith(b) and CASES[b][1] == rows)
+            for name, (_, rows) in CASES.items() if not name.startswith("memory")}
+
+
+def run_cases(config: dict) -> None:
+    import torch.distributed as dist
+
+    sys.path.insert(0, config["tests"])
+    import mesh_cases
+
+    out = {}
+    for name, (mesh, (pairs, packed)) in config["cases"].items():
+        rows = mesh_cases.global_rows(pairs, packed, mesh.get("batch", 8), seq=mesh.get("seq", mesh_cases.SEQ))
+        spec = mesh_cases.job(config["model"], config["storage"], objective="dpo" if pairs else "sft",
+                              **{k: v for k, v in mesh.items() if k != "objective"})
+        result = mesh_cases.run_case(spec, rows, steps=3)
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, result["step_peak_mb"])
+        out[name] = {**result, "step_peak_mb": peaks}
+    if dist.get_rank() == 0:
+        with open(config["out"], "w") as f:
+            json.dump(out, f)
+
+
+@pytest.fixture(scope="module")
+def results(ray_address, assets, tmp_path_factory) -> dict:
+    import ray.cloudpickle
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers import no tests/ module by name
+    tmp = tmp_path_factory.mktemp("mesh")
+    out = tmp / "cases.json"
+    make_job(assets, tmp)  # the demo model is valid as a job's model
+    TorchTrainer(run_cases, train_loop_config={"cases": CASES, "model": str(assets / "model"), "storage": str(tmp),
+                                               "tests": str(Path(__file__).parent),
+                                               "out": str(out)},
+                 scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
+                 run_config=RunConfig(name="mesh-cases", storage_path=str(tmp / "ray"))).fit()
+    return json.loads(out.read_text())
+
+
+def rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", sorted(BASELINE.keys() - set(BASELINE.values())))
+def test_a_mesh_trains_with_data_parallelisms_losses_and_gradients(results, name):
+    case, base = results[name], results[BASELINE[name]]
+    print(f"\n[mesh] {name} vs {BASELINE[name]}: losses {rel(case['losses'], base['losses']):.1e}, "
+          f"grad norms {rel(case['grad_norms'], base['grad_norms']):.1e} (max relative)")
+    assert base["losses"][2] < base["losses"][0]  # the baseline learns: agreement is not two flat lines
+    assert rel(case["losses"], base["losses"]) <= REL_TOL, (case["losses"], base["losses"])
+    # Gradients, not only the forward: a wrong exchange's backward parts from the first step's norm.
+    assert rel(case["grad_norms"], base["grad_norms"]) <= REL_TOL, (case["grad_norms"], base["grad_norms"])
+    if base["means"]:  # DPO's rewards, accuracies, margins and log-probs (TRL's names)
+        assert rel(case["means"], base["means"]) <= 1e-4, (case["means"], base["means"])
+    if "strategy" not in CASES[name][0]:
+        assert case["loaded_by"] == "sharded"  # tp-split and FSDP-sharded: each rank read only its slices
+
+
+def test_a_ranks_activation_memory_falls_with_sequence_parallelism(results):
+    whole, quarter = (max(results[f"memory sp={n}"]["step_peak_mb"]) for n in (1, 4))
+    print(f"\n[mesh] a rank's peak memory over 3 steps of one 2,048-token sequence: sp=1 {whole:.1f} MiB, "
+          f"sp=4 {quarter:.1f} MiB (ratio {whole / max(quarter, 1e-9):.2f})")
+    assert rel(results["memory sp=4"]["losses"], results["memory sp=1"]["losses"]) <= REL_TOL
+    assert quarter < 0.5 * whole
