@@ -105,7 +105,7 @@ def llama_shaped(folder: Path) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="this 2-core machine's sizes (the defaults)")
-    p.add_argument("--cap-mb", type=float, default=48.0, help="L1: the per-rank step memory cap")
+    p.add_argument("--cap-mb", type=float, default=96.0, help="L1: the per-rank step memory cap")
     p.add_argument("--l2-seq", type=int, default=4096)
     p.add_argument("--l3-seq", type=int, default=512)
     p.add_argument("--only", default="l1,l2,l3")

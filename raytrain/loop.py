@@ -1,10 +1,11 @@
 """The training loop: the same for every strategy.
 
 Loss is the mean over the global batch's units (label tokens for SFT, pairs for DPO/SimPO;
-objectives.py), whatever the worker count and micro-batch split: each micro-batch
-contributes its summed loss / the global units, scaled by world size because data-parallel
-gradient reduction averages across ranks. So a run resumed at another world size continues
-the same optimization, not a reweighted one.
+objectives.py), whatever the worker count, mesh and micro-batch split: each micro-batch
+contributes its summed loss / the global units, scaled by the ranks gradients are averaged
+over (`Mesh.gradient_ranks`: data- and sequence-parallel; tensor-parallel ranks compute the same
+loss). So a run resumed at another world size or mesh continues the same optimization, not a
+reweighted one.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ SEQ = 64
 
 def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ) -> np.ndarray:
     """[rows, planes, SEQ] int32 as the token store gives them: ids, labels, positions (a pair row:
-    chosen then rejected). Packed: three documents of ragged length per sequence, each its own
-    positions; else one document and right padding. A prompt is unlabelled."""
+    chosen then rejected). Packed: one to three documents of ragged length per sequence, each its
+    own positions; else one document and right padding. A prompt is unlabelled."""
     g = np.random.default_rng(seed)
     SEQ = seq  # noqa: N806
     out = []
@@ -30,7 +30,8 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
             ids = g.integers(3, 380, SEQ)
             labels = ids.copy()
             if packed:
-                cuts = sorted(g.choice(np.arange(8, SEQ - 8), 2, replace=False))
+                # 1, 2 or 3 documents: one is unpacked, two is the fewest a mask must isolate
+                cuts = sorted(g.choice(np.arange(8, SEQ - 8), int(g.integers(0, 3)), replace=False))
                 starts = [0, *cuts]
                 pos = np.concatenate([np.arange(b - a) for a, b in zip(starts, [*cuts, SEQ])])
                 for a in starts:

@@ -33,3 +33,37 @@ def test_workers_refuse_a_plan_changed_or_made_for_another_run(assets, tmp_path)
     other = make_job(assets, tmp_path, name="other")
     with pytest.raises(JobError, match="refusing the run plan .*: it is signed for run_dir"):
         RunPlan.verified(doc, other.run_dir)
+
+
+def test_the_mesh_rule_places_sequence_and_tensor_ranks_and_resizes_only_data_parallel_ones(assets, tmp_path):
+    spec = make_job(assets, tmp_path, scaling={"num_workers": 16, "use_gpu": True, "workers_per_node": 8,
+                                               "sequence_parallel": 2, "tensor_parallel": 2},
+                    training={"finetune": "full", "global_batch_size": 8, "micro_batch_size": 1})
+    plan = RunPlan.of(spec)
+    mesh = plan.mesh(16)  # 2 nodes of 8: each node 2 dp ranks of one sp pair of tp pairs
+    assert (mesh.replicate, mesh.shard, mesh.sp, mesh.tp, mesh.dp, mesh.gradient_ranks) == (2, 2, 2, 2, 4, 8)
+    assert plan.mesh_shape(16) == (2, 4)  # FSDP2: replicate x (shard · sp); tp is the DTensors' own dimension
+    assert plan.shard_degree(16) == 8 and plan.accumulation_steps(16) == 2  # 8 rows over dp 4, 1 a micro-batch
+    # tp fastest, then sp: ranks 0-3 read dp slice 0 (sp parts 0, 0, 1, 1), ranks 4-7 slice 1
+    assert [mesh.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [mesh.sp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    one_node = plan.mesh(8)  # elastic: a node fewer halves dp, sp and tp stay
+    assert (one_node.replicate, one_node.shard, one_node.sp, one_node.tp) == (1, 2, 2, 2)
+    with pytest.raises(ValueError, match="use a multiple of 4 workers"):
+        plan.mesh(6)
+    assert RunPlan.of(make_job(assets, tmp_path)).mesh(2) == type(mesh)(1, 2, 1, 1)  # the default: dp only
+
+
+def test_model_parallel_limits_name_the_heads_and_the_fix():
+    from raytrain.plan import model_parallel_problems
+
+    llama = {"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336}
+    assert model_parallel_problems(llama, 8, 1) == [] and model_parallel_problems(llama, 4, 2) == []
+    assert model_parallel_problems(llama, 16, 1) == []  # 8 KV heads over 16 ranks: each repeated twice
+    [(field, value, text)] = model_parallel_problems(llama, 3, 1)
+    assert field == "scaling.sequence_parallel" and "32 attention heads per tensor-parallel rank" in text
+    qwen = {"model_type": "qwen2", "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944}
+    assert "num_attention_heads=28 is not divisible by 8: each rank takes an equal part; use tensor_parallel 4" in \
+        model_parallel_problems(qwen, 1, 8)[0][2]
+    [(field, _, text)] = model_parallel_problems({**llama, "model_type": "gpt2"}, 1, 2)
+    assert field == "scaling.tensor_parallel" and "not 'gpt2'" in text

@@ -372,6 +372,43 @@ def preference_prompt_not_a_string(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [{**PAIR_OK, "prompt": ["the fox"]}] * 3)
     job["training"]["objective"] = "dpo"
 
+@case("scaling.sequence_parallel", "set training.strategy: fsdp2")
+def sequence_parallel_asked_of_zero3(job, tmp, assets):
+    job["training"]["strategy"] = "zero3"
+    job["scaling"]["sequence_parallel"] = 2
+
+@case("scaling.tensor_parallel", "composes with fsdp2")
+def tensor_parallel_asked_of_ddp(job, tmp, assets):
+    job["training"]["strategy"] = "ddp"
+    job["scaling"]["tensor_parallel"] = 2
+
+@case("data.seq_len", "not divisible by scaling.sequence_parallel=3: each rank takes an equal part of a sequence; use seq_len 30 or 33")
+def seq_len_not_split_evenly(job, tmp, assets):
+    job["data"]["seq_len"] = 32
+    job["scaling"].update(num_workers=3, sequence_parallel=3)
+
+@case("scaling", "does not divide the worker count(s) [2]: use multiples of 4")
+def workers_not_whole_groups(job, tmp, assets):
+    job["scaling"].update(sequence_parallel=2, tensor_parallel=2)
+
+@case("scaling", "a sequence's ranks must share a node")
+def group_spans_nodes(job, tmp, assets):
+    job["scaling"].update(num_workers=12, workers_per_node=6, sequence_parallel=4)
+    job["training"]["global_batch_size"] = 12
+
+@case("scaling", "must grow and shrink by whole groups")
+def elastic_without_whole_groups(job, tmp, assets):
+    job["scaling"] = {"min_workers": 2, "max_workers": 4, "sequence_parallel": 2}
+
+@case("scaling.sequence_parallel", "4 attention heads per tensor-parallel rank are not divisible by 3")
+def heads_not_split_evenly(job, tmp, assets):  # the demo model: 4 heads, 2 KV heads
+    job["data"]["seq_len"] = 33
+    job["scaling"].update(num_workers=3, sequence_parallel=3)
+
+@case("scaling.tensor_parallel", "num_key_value_heads=2 is not divisible by 4")
+def kv_heads_not_split_evenly(job, tmp, assets):
+    job["scaling"].update(num_workers=4, tensor_parallel=4)
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_job_exits_2_naming_the_field(name, assets, tmp_path):
     fn, field, text = CASES[name]

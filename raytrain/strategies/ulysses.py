@@ -146,7 +146,7 @@ def _mask(f: _Forward, query: torch.Tensor) -> torch.Tensor | None:
             f.masks[key] = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~allowed, torch.finfo(query.dtype).min)
         else:  # host: once per forward, whether any row holds a second document
-            f.masks[key] = allowed if bool((doc[:, -1] > 1).any()) else None
+            f.masks[key] = allowed if bool((doc[:, -1] > 0).any()) else None  # doc ids count from 0
     return f.masks[key]
 
 
