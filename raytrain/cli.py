@@ -82,7 +82,11 @@ def cmd_validate(args) -> int:
         budget = "any number of" if spec.failure.max_failures < 0 else spec.failure.max_failures
         objective = "" if spec.training.objective == "sft" else f", {spec.training.objective}"
         plan = RunPlan.of(spec)
-        print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}{objective}, workers {lo}..{hi}, "
+        m, mesh = plan.mesh(lo), ""
+        if m.sp * m.tp > 1:  # only dp changes with the worker count
+            dp = f"{m.dp}..{plan.mesh(hi).dp}" if hi != lo else str(m.dp)
+            mesh = f", mesh dp {dp}" + "".join(f" x {k} {v}" for k, v in (("sp", m.sp), ("tp", m.tp)) if v > 1)
+        print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}{objective}, workers {lo}..{hi}{mesh}, "
               f"accumulation {plan.accumulation_steps(hi)}..{plan.accumulation_steps(lo)}; survives {budget} worker "
               "failures, preemptions not counted)")
     _report(report, args.json)

@@ -47,7 +47,7 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
     return np.stack(out).astype(np.int32)
 
 
-def run_case(spec, rows: np.ndarray, steps: int, on_step=None) -> dict:
+def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | None = None) -> dict:
     """Per-step losses and grad norms of `spec` (its scaling names the mesh) on `rows`, every step on
     the same global batch; and this rank's peak resident memory above where the steps started
     (activations, gradients, AdamW's state: the model is loaded before)."""
@@ -76,8 +76,11 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None) -> dict:
         norms.append(result.grad_norm)
         if on_step:
             on_step()
+    peak = _status_mb("VmHWM") - before
+    if export_to:  # the HF model (or peft adapter) as the job's export writes it (collective)
+        strategy.export(export_to, None)
     return {"losses": losses, "grad_norms": norms, "means": result.means, "loaded_by": getattr(strategy, "loaded_by", "whole"),
-            "step_peak_mb": _status_mb("VmHWM") - before}
+            "step_peak_mb": peak}
 
 
 def _status_mb(field: str) -> float:

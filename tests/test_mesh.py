@@ -20,24 +20,23 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import make_job
+import torch
 
 pytestmark = pytest.mark.slow
 REL_TOL = 1e-5  # another reduction order (per part, per rank): fp32 rounding, not bit equality
 
 # name -> (the job's mesh and training, rows: (pairs, packed)); compared with BASELINE[name]
 CASES = {
-    "sft": ({}, (False, True)),
+    "sft": ({"export": True}, (False, True)),
     "sft sp=2": ({"sp": 2}, (False, True)),
     "sft sp=4": ({"sp": 4}, (False, True)),  # 4 heads, 2 KV heads: each rank gets a repeated KV head
     "sft sp=2 eager": ({"sp": 2, "attn": "eager"}, (False, True)),  # the additive mask
     "sft sp=2 ddp": ({"sp": 2, "strategy": "ddp"}, (False, True)),
-    "sft tp=2": ({"tp": 2}, (False, True)),
+    "sft tp=2": ({"tp": 2, "export": True}, (False, True)),
     "sft unpacked": ({}, (False, False)),
     "sft unpacked sp=4": ({"sp": 4}, (False, False)),  # no mask: sdpa's causal kernel
-    "lora": ({"finetune": "lora"}, (False, True)),
-    "lora tp=2": ({"finetune": "lora", "tp": 2}, (False, True)),
+    "lora": ({"finetune": "lora", "export": True}, (False, True)),
+    "lora tp=2": ({"finetune": "lora", "tp": 2, "export": True}, (False, True)),
     "dpo lora": ({"finetune": "lora", "objective": "dpo"}, (True, False)),
     "dpo lora sp=2": ({"finetune": "lora", "objective": "dpo", "sp": 2}, (True, False)),
     "dpo lora sp=2 tp=2": ({"finetune": "lora", "objective": "dpo", "sp": 2, "tp": 2}, (True, False)),
@@ -62,8 +61,9 @@ def run_cases(config: dict) -> None:
     for name, (mesh, (pairs, packed)) in config["cases"].items():
         rows = mesh_cases.global_rows(pairs, packed, mesh.get("batch", 8), seq=mesh.get("seq", mesh_cases.SEQ))
         spec = mesh_cases.job(config["model"], config["storage"], objective="dpo" if pairs else "sft",
-                              **{k: v for k, v in mesh.items() if k != "objective"})
-        result = mesh_cases.run_case(spec, rows, steps=3)
+                              **{k: v for k, v in mesh.items() if k not in ("objective", "export")})
+        export = f"{config['storage']}/exports/{name}" if mesh.get("export") else None
+        result = mesh_cases.run_case(spec, rows, steps=3, export_to=export)
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, result["step_peak_mb"])
         out[name] = {**result, "step_peak_mb": peaks}
@@ -81,13 +81,12 @@ def results(ray_address, assets, tmp_path_factory) -> dict:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers import no tests/ module by name
     tmp = tmp_path_factory.mktemp("mesh")
     out = tmp / "cases.json"
-    make_job(assets, tmp)  # the demo model is valid as a job's model
     TorchTrainer(run_cases, train_loop_config={"cases": CASES, "model": str(assets / "model"), "storage": str(tmp),
                                                "tests": str(Path(__file__).parent),
                                                "out": str(out)},
                  scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
                  run_config=RunConfig(name="mesh-cases", storage_path=str(tmp / "ray"))).fit()
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "exports": str(tmp / "exports")}
 
 
 def rel(a: list[float], b: list[float]) -> float:
@@ -107,6 +106,22 @@ def test_a_mesh_trains_with_data_parallelisms_losses_and_gradients(results, name
         assert rel(case["means"], base["means"]) <= 1e-4, (case["means"], base["means"])
     if "strategy" not in CASES[name][0]:
         assert case["loaded_by"] == "sharded"  # tp-split and FSDP-sharded: each rank read only its slices
+
+
+@pytest.mark.parametrize("name", ["sft tp=2", "lora tp=2"])
+def test_a_tensor_parallel_export_is_the_same_model(results, tmp_path_factory, name):
+    """The export gathers each split weight (and adapter) whole: the files equal dp=4's export
+    within the training's fp32 rounding, with the same names and shapes."""
+    from safetensors.torch import load_file
+
+    exports = results["exports"]
+    files = {n: sorted(Path(exports, n).glob("*.safetensors")) for n in (name, BASELINE[name])}
+    assert [f.name for f in files[name]] == [f.name for f in files[BASELINE[name]]] != []
+    for ours, theirs in zip(files[name], files[BASELINE[name]]):
+        a, b = load_file(str(ours)), load_file(str(theirs))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
 
 
 def test_a_ranks_activation_memory_falls_with_sequence_parallelism(results):

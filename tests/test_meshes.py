@@ -85,7 +85,7 @@ def test_meshes_resume_each_others_checkpoints_and_a_killed_sequence_parallel_ra
 
     print(f"\n[meshes] max relative loss difference from A (sp=2, HSDP): C (tp=2 x dp=2, from A's step 4) "
           f"{worst(a, c, range(5, 9)):.1e}; D (dp=4, from C's step 6) {worst(a, d, range(7, 9)):.1e}")
-    assert sorted(c) == sorted(d) == list(range(1, STEPS + 1))
+    assert set(range(5, STEPS + 1)) <= set(c) and set(range(7, STEPS + 1)) <= set(d)  # each trained its steps
     assert worst(a, c, range(5, 9)) <= REL_TOL and worst(a, d, range(7, 9)) <= REL_TOL
     # The exports (written under sp x HSDP, tp x dp, flat) are the same model within fp32 rounding.
     for other in (c_logits, d_logits):
