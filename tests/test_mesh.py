@@ -28,7 +28,6 @@ REL_TOL = 1e-5  # another reduction order (per part, per rank): fp32 rounding, n
 # name -> (the job's mesh and training, rows: (pairs, packed)); compared with BASELINE[name]
 CASES = {
     "sft": ({"export": True}, (False, True)),
-    "sft sp=2": ({"sp": 2}, (False, True)),
     "sft sp=4": ({"sp": 4}, (False, True)),  # 4 heads, 2 KV heads: each rank gets a repeated KV head
     "sft sp=2 eager": ({"sp": 2, "attn": "eager"}, (False, True)),  # the additive mask
     "sft sp=2 ddp": ({"sp": 2, "strategy": "ddp"}, (False, True)),
@@ -121,7 +120,9 @@ def test_a_tensor_parallel_export_is_the_same_model(results, tmp_path_factory, n
         a, b = load_file(str(ours)), load_file(str(theirs))
         assert a.keys() == b.keys()
         for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+            # 3 AdamW steps at lr 1e-2 amplify the meshes' last-bit differences to ~1e-5 (where a gradient is
+            # near 0); a weight gathered into the wrong place would be off by its own size, ~2e-2.
+            torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4)
 
 
 def test_a_ranks_activation_memory_falls_with_sequence_parallelism(results):

@@ -362,3 +362,20 @@ def resume_case(rank: int, world: int, device: torch.device, spec_json: str, pre
     resumed = train(spec, again, prepared, state=restore(again, step=2))
     release(again)
     return {"loaded_by": loaded_by, "first": first.losses, "resumed": resumed.losses}
+
+
+def mesh_case(rank: int, world: int, device: torch.device, spec_jsons: list[str], prepared: dict) -> dict:
+    """On every rank (spawned): each job in turn (their scaling names the mesh) trains from the start
+    without checkpoints; rank 0's losses of each."""
+    from raytrain.config import JobSpec
+    from raytrain.strategies import build_strategy
+
+    out = {}
+    for spec_json in spec_jsons:
+        spec = JobSpec.model_validate_json(spec_json)
+        strategy = build_strategy(spec, device)
+        out[f"sp{spec.scaling.sequence_parallel}-tp{spec.scaling.tensor_parallel}"] = \
+            train(spec, strategy, prepared, checkpoints=False).losses
+        release(strategy)
+        del strategy
+    return out

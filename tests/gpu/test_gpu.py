@@ -345,3 +345,23 @@ def test_two_ranks_fsdp2_resume(assets, storage, bf16_model, device):
     assert result["loaded_by"] == "sharded"
     assert sorted(first) == [1, 2, 3, 4] and finite(first)
     assert resumed[3] == first[3]
+
+
+@pytest.mark.skipif(DEVICE is None or lr.device_count(DEVICE) < 2, reason="needs 2 GPUs (or the CPU mode's 2 gloo ranks)")
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_two_ranks_sequence_and_tensor_parallel_train_as_data_parallel(assets, storage, bf16_model, device, finetune):
+    """sp=2 (Ulysses' all-to-all over NCCL) and tp=2 (DTensor layers) on 2 ranks give dp=2's
+    losses, within the rounding of another reduction order: fp32's on CPU, bf16's on a GPU."""
+    specs = [job(assets, storage, bf16_model, f"mesh-{finetune}", "fsdp2", finetune, steps=3,
+                 scaling={"num_workers": 2, **mesh})
+             for mesh in ({}, {"sequence_parallel": 2}, {"tensor_parallel": 2})]
+    prepared = lr.prepare_data(specs[0])
+    result = {k: {int(s): v for s, v in losses.items()} for k, losses in
+              lr.spawn(lr.mesh_case, 2, DEVICE, [s.model_dump_json() for s in specs], prepared).items()}
+    print(f"\n[mesh {finetune}] {result}")
+    base = result["sp1-tp1"]
+    assert sorted(base) == [1, 2, 3] and finite(base)
+    # LoRA keeps the bf16 base frozen in bf16, so tp's row-wise partial sums round in bf16 even on CPU.
+    tol = 2e-2 if CUDA else (1e-4 if finetune == "lora" else 1e-5)
+    for key in ("sp2-tp1", "sp1-tp2"):
+        assert max(abs(result[key][s] - base[s]) / base[s] for s in base) <= tol, (key, result[key], base)
