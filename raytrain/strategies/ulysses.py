@@ -139,14 +139,17 @@ def _mask(f: _Forward, query: torch.Tensor) -> torch.Tensor | None:
     if key not in f.masks:
         pos = f.positions.to(query.device)
         doc = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # transformers' packing rule
+        eager = f.split.inner == "eager"
+        # host: once per forward, whether any row holds a second document (ids count from 0). Unpacked
+        # rows under sdpa build nothing: its causal kernel needs no mask, and an s×s one is s² bytes.
+        if not eager and not bool((doc[:, -1] > 0).any()):
+            f.masks[key] = None
+            return None
         s = pos.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
-        allowed = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
-        if f.split.inner == "eager":
-            f.masks[key] = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~allowed, torch.finfo(query.dtype).min)
-        else:  # host: once per forward, whether any row holds a second document
-            f.masks[key] = allowed if bool((doc[:, -1] > 0).any()) else None  # doc ids count from 0
+        allowed = torch.ones(s, s, dtype=torch.bool, device=query.device).tril() & (doc[:, :, None] == doc[:, None, :])
+        allowed = allowed[:, None]
+        f.masks[key] = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~allowed, torch.finfo(query.dtype).min) if eager else allowed
     return f.masks[key]
 
 
