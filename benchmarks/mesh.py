@@ -6,7 +6,9 @@ per arm, arms run in turn by one command:
 
 L1  the longest sequence one step trains within a fixed per-rank memory cap (the step's peak
     resident memory above where it started: activations, logits, gradients, AdamW's state), the
-    tiny demo model with sdpa, sp=4 / sp=1; found by doubling, then halving the gap to 256 tokens
+    tiny demo model with sdpa, sp=4 / sp=1; found by doubling, then halving the gap to 256 tokens.
+    Also on the demo model with 4 KV heads: the demo's 2 are fewer than sp=4, so Ulysses repeats
+    them (each rank needs one), which a Llama-shaped model (8 KV heads) does not need
 L2  step time on the same tokens (4 sequences of --l2-seq tokens over 4 ranks), sp=2 / sp=1,
     median of the steps after the first
 L3  a full fine-tune of a Llama-shaped model (hidden 1024, 4 layers, 16 heads, 4 KV heads, MLP
@@ -55,7 +57,8 @@ def _arm(rank: int, port: int, args: dict, out: str) -> None:
     dist.all_gather_object(gathered, figures)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    dist.barrier()
+    os._exit(0)  # the arm is done: no teardown of the group for another arm's timing to wait on
 
 
 def run_arm(**args) -> list[dict]:
@@ -64,8 +67,16 @@ def run_arm(**args) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "figures.json")
-        mp.spawn(_arm, args=(29600 + os.getpid() % 300, args, out), nprocs=WORLD)
+        mp.spawn(_arm, args=(_free_port(), args, out), nprocs=WORLD)
         return json.loads(Path(out).read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def fits(model: str, sp: int, seq: int, cap_mb: float) -> tuple[bool, float]:
@@ -87,6 +98,18 @@ def longest(model: str, sp: int, cap_mb: float, start: int) -> tuple[int, list]:
         tried.append((mid, round(peak, 1)))
         good, bad = (mid, bad) if ok else (good, mid)
     return good, tried
+
+
+def own_kv_heads(tiny: str, folder: Path) -> str:
+    """The demo model with one KV head per attention head (4 and 4): at sp=4 each rank gets its own
+    KV head, as Llama 3 8B's 8 KV heads do up to sp=8. The demo's 2 KV heads are repeated to 4."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (folder / "config.json").exists():
+        config = AutoConfig.from_pretrained(tiny)
+        config.num_key_value_heads = config.num_attention_heads
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+    return str(folder)
 
 
 def llama_shaped(folder: Path) -> str:
@@ -119,11 +142,15 @@ def main() -> int:
     print(f"load average {os.getloadavg()}")
     figures = {}
     if "l1" in args.only:
-        whole, tried1 = longest(tiny, 1, args.cap_mb, 1024)
-        split, tried4 = longest(tiny, 4, args.cap_mb, 4096)
-        figures["l1"] = {"sp1": whole, "sp4": split, "ratio": split / whole, "tried_sp1": tried1, "tried_sp4": tried4}
-        print(f"L1 longest sequence within {args.cap_mb:g} MiB of step memory a rank: sp=4 {split} tokens / sp=1 "
-              f"{whole} tokens = ratio {split / whole:.2f} (tried: sp=1 {tried1}; sp=4 {tried4})")
+        for label, model in (("demo model, 4 heads, 2 KV heads", tiny),
+                             ("4 heads, 4 KV heads", own_kv_heads(tiny, cache / "tiny-mha"))):
+            whole, tried1 = longest(model, 1, args.cap_mb, 1024)
+            split, tried4 = longest(model, 4, args.cap_mb, 4096)
+            figures.setdefault("l1", {})[label] = {"sp1": whole, "sp4": split, "ratio": split / whole,
+                                                   "tried_sp1": tried1, "tried_sp4": tried4}
+            print(f"L1 ({label}) longest sequence within {args.cap_mb:g} MiB of step memory a rank: sp=4 {split} "
+                  f"tokens / sp=1 {whole} tokens = ratio {split / whole:.2f} (tried: sp=1 {tried1}; sp=4 {tried4})",
+                  flush=True)
     if "l2" in args.only:
         arms = {}
         for sp in (1, 2, 1, 2):  # alternated

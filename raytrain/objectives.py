@@ -168,8 +168,10 @@ def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Ten
         out = model(input_ids=ids.to(strategy.device), position_ids=positions.to(strategy.device))
     # The output layer is used after the model's forward: FSDP2 keeps the root's parameters (the
     # output layer's among them) gathered from its forward to its backward, so this is the same weight.
-    targets = targets.to(strategy.device)
-    return (Hidden(out.logits, head, chunk, strategy.autocast) if chunk else out.logits), targets
+    logits, targets = out.logits, targets.to(strategy.device)
+    if split is None or split.rank == split.size - 1:  # a sequence's last position predicts nothing: its
+        logits, targets = logits[:, :-1], targets[:, :-1]  # sums then add exactly the terms they always did
+    return (Hidden(logits, head, chunk, strategy.autocast) if chunk else logits), targets
 
 
 @contextlib.contextmanager
