@@ -326,8 +326,9 @@ def _options(spec: JobSpec, n: int):
         yield [Change("training.finetune: lora", {"finetune": "lora"})]
     if t.strategy != "ddp":  # more devices: the last resort, it costs money rather than speed
         key = "num_workers" if spec.scaling.num_workers else "min_workers"
+        group = spec.scaling.model_parallel  # whole sequence- and tensor-parallel groups only
         yield [Change(f"scaling.{key}: {k}" + (f" and scaling.max_workers: {k}" if k > hi else ""), workers=k)
-               for k in range(n + 1, min(t.global_batch_size, max(64, 8 * n)) + 1)]
+               for k in range(n + group, min(t.global_batch_size * group, max(64, 8 * n)) + 1, group)]
 
 
 def smallest_fix(spec: JobSpec, facts: ModelFacts, budget: float) -> tuple[str, Estimate] | None:
