@@ -541,7 +541,10 @@ def test_cached_hub_config_gets_the_memory_check(assets, tmp_path, hf_cache):
     assert "unsharded gradients" not in problem["message"]
     # 8 x 4096 tokens at a 128k vocabulary: training.chunked_loss (auto) keeps 523 tokens' logits, not 40 GiB.
     assert "logits (one chunk) 523·128256 × (2 + 4 + 4) B = 0.62 GiB" in problem["message"]
-    assert "smallest change that fits: training.micro_batch_size: 3 (≈ 68.39 GiB)" in problem["message"]
+    # Packed rows under sdpa attend through a boolean s×s mask a sequence (transformers', or Ulysses'
+    # whole rows'): 8 x 4096² B.
+    assert "attention mask (s×s: packed rows) 8·4096² × 1 B = 0.12 GiB" in problem["message"]
+    assert "smallest change that fits: training.micro_batch_size: 3 (≈ 68.44 GiB)" in problem["message"]
 
 
 def test_keeping_whole_gradients_while_accumulating_is_counted(assets, tmp_path, hf_cache):
