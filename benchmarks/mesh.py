@@ -11,9 +11,9 @@ L1  the longest sequence one step trains within a fixed per-rank memory cap (the
     them (each rank needs one), which a Llama-shaped model (8 KV heads) does not need
 L2  step time on the same tokens (4 sequences of --l2-seq tokens over 4 ranks), sp=2 / sp=1,
     median of the steps after the first
-L3  a full fine-tune of a Llama-shaped model (hidden 1024, 4 layers, 16 heads, 4 KV heads, MLP
-    2816, vocab 32000: 110M parameters) at tp=2 x dp=2 / dp=4: the step's peak per rank (of it
-    the gathered layers' share is halved by tp) and the process's peak per rank (load + steps)
+L3  a full fine-tune at tp=2 x dp=2 / dp=4: the step's peak per rank and the process's peak per
+    rank (load + steps), for two Llama shapes (`L3_SHAPES`): one whose embeddings and head are most
+    of it (tp replicates them over its ranks), one whose blocks are (tp halves what a gather holds)
 
 Each arm is a fresh group of 4 processes (torch.multiprocessing, no Ray: this measures the
 strategy, not the launcher). Figures go to benchmarks/RESULTS.md with this command.
@@ -112,14 +112,20 @@ def own_kv_heads(tiny: str, folder: Path) -> str:
     return str(folder)
 
 
-def llama_shaped(folder: Path) -> str:
-    """A 110M-parameter Llama (random weights, saved as safetensors) and its demo tokenizer."""
+L3_SHAPES = {  # name: (vocab, hidden, MLP, layers); 16 heads, 4 KV heads
+    "110M Llama shape (vocab 32000, hidden 1024, 4 layers: embeddings and head are 60%)": (32000, 1024, 2816, 4),
+    "wide layers (hidden 2048, MLP 7168, 2 layers, vocab 384: blocks are 99%)": (384, 2048, 7168, 2),
+}
+
+
+def llama_shaped(folder: Path, vocab: int, hidden: int, mlp: int, layers: int) -> str:
+    """A Llama of this shape (random weights, saved as safetensors)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
         AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
     return str(folder)
@@ -161,20 +167,21 @@ def main() -> int:
         print(f"L2 step time, {WORLD} sequences of {args.l2_seq} tokens on {WORLD} ranks: sp=2 median {two:.3f} s / "
               f"sp=1 median {one:.3f} s = ratio {two / one:.2f}")
     if "l3" in args.only:
-        model = llama_shaped(cache / "llama-110m")
-        arms = {}
-        for tp in (1, 2):
-            ranks = run_arm(model=model, tp=tp, seq=args.l3_seq, batch=WORLD, steps=2)
-            arms[tp] = {"step_peak_mb": max(r["step_peak_mb"] for r in ranks),
-                        "process_peak_mb": max(r["process_peak_mb"] for r in ranks), "loss": ranks[0]["loss"]}
-        figures["l3"] = {"dp4": arms[1], "tp2_dp2": arms[2],
-                         "step_ratio": arms[2]["step_peak_mb"] / arms[1]["step_peak_mb"],
-                         "process_ratio": arms[2]["process_peak_mb"] / arms[1]["process_peak_mb"]}
-        print(f"L3 full fine-tune, 110M Llama shape, {args.l3_seq} tokens a rank: step peak a rank tp=2 x dp=2 "
-              f"{arms[2]['step_peak_mb']:.0f} MiB / dp=4 {arms[1]['step_peak_mb']:.0f} MiB = ratio "
-              f"{figures['l3']['step_ratio']:.2f}; process peak {arms[2]['process_peak_mb']:.0f} / "
-              f"{arms[1]['process_peak_mb']:.0f} MiB = ratio {figures['l3']['process_ratio']:.2f}; "
-              f"first losses {arms[2]['loss']:.6f} / {arms[1]['loss']:.6f}")
+        for label, shape in L3_SHAPES.items():
+            model = llama_shaped(cache / ("llama-" + "-".join(map(str, shape))), *shape)
+            arms = {}
+            for tp in (1, 2):
+                ranks = run_arm(model=model, tp=tp, seq=args.l3_seq, batch=WORLD, steps=2)
+                arms[tp] = {"step_peak_mb": max(r["step_peak_mb"] for r in ranks),
+                            "process_peak_mb": max(r["process_peak_mb"] for r in ranks), "loss": ranks[0]["loss"]}
+            l3 = {"dp4": arms[1], "tp2_dp2": arms[2], "step_ratio": arms[2]["step_peak_mb"] / arms[1]["step_peak_mb"],
+                  "process_ratio": arms[2]["process_peak_mb"] / arms[1]["process_peak_mb"]}
+            figures.setdefault("l3", {})[label] = l3
+            print(f"L3 full fine-tune, {label}, {args.l3_seq} tokens a rank: step peak a rank tp=2 x dp=2 "
+                  f"{arms[2]['step_peak_mb']:.0f} MiB / dp=4 {arms[1]['step_peak_mb']:.0f} MiB = ratio "
+                  f"{l3['step_ratio']:.2f}; process peak {arms[2]['process_peak_mb']:.0f} / "
+                  f"{arms[1]['process_peak_mb']:.0f} MiB = ratio {l3['process_ratio']:.2f}; "
+                  f"first losses {arms[2]['loss']:.6f} / {arms[1]['loss']:.6f}", flush=True)
     print("FIGURES " + json.dumps(figures))
     return 0
 
