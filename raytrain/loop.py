@@ -61,8 +61,8 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     overlapping)."""
     device, mesh = strategy.device, strategy.layout
     units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
-    torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's sp x tp ranks
-    units = (units / (mesh.sp * mesh.tp)).clamp(min=1)
+    torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's ranks
+    units = (units / mesh.row_ranks).clamp(min=1)
     # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts add
     # up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
     scale = mesh.gradient_ranks / units

@@ -204,8 +204,8 @@ def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, fl
             sums[-1] += objective.units(mb)
     strategy.model.train()
     torch.distributed.all_reduce(sums)
-    mesh = strategy.layout  # a row's sp x tp ranks each count its units; its tp ranks each add its loss
-    totals = (sums[:-1] / mesh.tp / (sums[-1] / (mesh.sp * mesh.tp)).clamp(min=1)).tolist()  # host: once per evaluation
+    mesh = strategy.layout  # a row's ranks each count its units; its tp ranks each add its loss (as in the loop)
+    totals = (sums[:-1] / mesh.tp / (sums[-1] / mesh.row_ranks).clamp(min=1)).tolist()  # host: once per evaluation
     return {f"eval_{name}": value for name, value in zip(("loss", *objective.metrics), totals)}
 
 

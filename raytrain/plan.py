@@ -42,11 +42,22 @@ class Mesh:
         """Ranks a gradient is averaged over (all but the tp copies)."""
         return self.dp * self.sp
 
+    @property
+    def row_ranks(self) -> int:
+        """Ranks that read one row: each counts its units (labelled tokens, pairs) once; of them, a
+        row's loss is added by each of its tp ranks (its sp ranks add a part each)."""
+        return self.sp * self.tp
+
     def dp_rank(self, rank: int) -> int:
-        return rank // (self.sp * self.tp)
+        return rank // self.row_ranks
 
     def sp_rank(self, rank: int) -> int:
         return rank // self.tp % self.sp
+
+    def sp_groups(self) -> list[list[int]]:
+        """The ranks of each sequence-parallel group (one per dp rank and tp rank)."""
+        return [[start + k * self.tp + t for k in range(self.sp)]
+                for start in range(0, self.dp * self.row_ranks, self.row_ranks) for t in range(self.tp)]
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_contr
     timeline.mark("data")
     # A row's sp x tp ranks all read it: the first of them records it, so each row is logged once.
     sample_log = _sample_logger(spec.data.sample_log, rank, world, batches.stores,
-                                records_rows=rank % spec.scaling.model_parallel == 0)
+                                records_rows=rank % plan.mesh(world).row_ranks == 0)
     on_step = _first_step_reporter(timeline, logger, attempt, sample_log)
     state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=on_step, eval_batches=eval_batches)
 

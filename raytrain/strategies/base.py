@@ -115,8 +115,7 @@ class Strategy(ABC):
         except ValueError as exc:  # an elastic group of a size no whole number of sp x tp groups makes
             raise JobError(str(exc)) from None
         # This rank's part of each sequence (objectives.forward), None without sequence parallelism.
-        self.sequence = ulysses.SequenceSplit.create(self.layout, self.rank, self.world_size,
-                                                     spec.model.attn_implementation)
+        self.sequence = ulysses.SequenceSplit.create(self.layout, self.rank, spec.model.attn_implementation)
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives.py); 0: the whole logits
 
@@ -204,12 +203,15 @@ class TorchStrategy(Strategy):
     def optimizer_step(self, lr: float) -> torch.Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        max_norm = self.spec.training.grad_clip or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = self.clip_gradients(self.spec.training.grad_clip or math.inf)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip every gradient by the global norm; returns the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     # --- checkpoints: DCP, each rank writes its shards; resharding on load is DCP's ---
     def _state(self) -> dict:

@@ -9,8 +9,6 @@ holds the whole model at any point. Trained weights are fp32 shards (the master 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -68,16 +66,11 @@ class FSDP2Strategy(TorchStrategy):
         mesh = init_device_mesh(self.device.type, (*shape, self.layout.tp), mesh_dim_names=(*names, "tp"))
         return mesh[names], mesh["tp"]
 
-    def optimizer_step(self, lr: float) -> torch.Tensor:
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
         if self.layout.tp == 1:
-            return super().optimizer_step(lr)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            return super().clip_gradients(max_norm)
         # Split and replicated weights live on different meshes: torch's clip cannot stack their norms.
-        norm = tensor_parallel.clip_(self.params, self.spec.training.grad_clip or math.inf)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return tensor_parallel.clip_(self.params, max_norm)
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         # Skipping the reduce-scatter before the last micro-batch keeps each parameter's whole fp32

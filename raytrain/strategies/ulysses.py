@@ -84,9 +84,25 @@ def positions_to_heads(x: torch.Tensor, sp: int, group) -> torch.Tensor:
 
 @dataclass
 class _Forward:
+    """One forward's whole rows, shared by its layers: what is derived from them is made once."""
     split: "SequenceSplit"
-    positions: torch.Tensor  # the whole rows' position ids, [b, s]
-    masks: dict  # built once per forward, shared by the layers
+    positions: torch.Tensor  # the whole rows' position ids, [b, s], in host memory (the micro-batch's)
+    documents: torch.Tensor  # each position's document number in its row, counted from 0
+    packed: bool  # a row holds more than one document
+    on_device: dict  # (what, device, dtype) -> the positions or mask there
+
+    @classmethod
+    def of(cls, split: "SequenceSplit", positions: torch.Tensor) -> "_Forward":
+        # transformers' packing rule: a document starts where the position does not step by one.
+        # Read from the host rows, so knowing whether they pack waits for no device.
+        documents = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        return cls(split, positions, documents, bool((documents[:, -1] > 0).any()), {})  # host: the micro-batch's rows
+
+    def get(self, what: str, device: torch.device, dtype: torch.dtype, make):
+        key = (what, device, dtype)
+        if key not in self.on_device:
+            self.on_device[key] = make()
+        return self.on_device[key]
 
 
 @dataclass
@@ -99,15 +115,13 @@ class SequenceSplit:
     inner: str  # the attention implementation the job named
 
     @classmethod
-    def create(cls, mesh, rank: int, world: int, inner: str) -> "SequenceSplit | None":
+    def create(cls, mesh, rank: int, inner: str) -> "SequenceSplit | None":
         """Collective (every rank makes every group): the sp groups of `mesh` (`plan.Mesh`)."""
         if mesh.sp == 1:
             return None
-        sp, tp = mesh.sp, mesh.tp
-        groups = [[start + k * tp + t for k in range(sp)] for start in range(0, world, sp * tp) for t in range(tp)]
-        mine, _ = dist.new_subgroups_by_enumeration(groups)
+        mine, _ = dist.new_subgroups_by_enumeration(mesh.sp_groups())
         _register()
-        return cls(sp, mesh.sp_rank(rank), mine, inner)
+        return cls(mesh.sp, mesh.sp_rank(rank), mine, inner)
 
     def part(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's positions of [rows, s] (ids, positions, shifted labels)."""
@@ -121,7 +135,7 @@ class SequenceSplit:
     @contextlib.contextmanager
     def attending(self, positions: torch.Tensor):
         """Forward passes inside attend over whole rows with these position ids."""
-        token = _current.set(_Forward(self, positions, {}))
+        token = _current.set(_Forward.of(self, positions))
         try:
             yield
         finally:
@@ -134,23 +148,22 @@ class SequenceSplit:
 
 def _mask(f: _Forward, query: torch.Tensor) -> torch.Tensor | None:
     """The whole rows' mask in the form the inner implementation takes: None (causal) for sdpa
-    on unpacked rows, a boolean one for sdpa on packed rows, an additive one for eager."""
-    key = (f.split.inner, query.dtype)
-    if key not in f.masks:
-        pos = f.positions.to(query.device)
-        doc = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # transformers' packing rule
-        eager = f.split.inner == "eager"
-        # host: once per forward, whether any row holds a second document (ids count from 0). Unpacked
-        # rows under sdpa build nothing: its causal kernel needs no mask, and an s×s one is s² bytes.
-        if not eager and not bool((doc[:, -1] > 0).any()):
-            f.masks[key] = None
-            return None
-        s = pos.shape[1]
-        allowed = torch.ones(s, s, dtype=torch.bool, device=query.device).tril() & (doc[:, :, None] == doc[:, None, :])
-        allowed = allowed[:, None]
-        f.masks[key] = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~allowed, torch.finfo(query.dtype).min) if eager else allowed
-    return f.masks[key]
+    on unpacked rows (its causal kernel needs none, and an s×s one is s² bytes), a boolean one
+    for sdpa on packed rows, an additive one for eager."""
+    eager = f.split.inner == "eager"
+    if not eager and not f.packed:
+        return None
+
+    def make() -> torch.Tensor:
+        doc, s = f.documents.to(query.device), f.positions.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
+        allowed = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+        if not eager:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~allowed, torch.finfo(query.dtype).min)
+
+    return f.get("mask", query.device, query.dtype, make)
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
@@ -165,7 +178,8 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         groups = groups // repeat
     query, key, value = (heads_to_positions(t, sp, group) for t in (query, key, value))
     if inner.startswith("flash"):  # varlen from the whole rows' positions, no mask
-        kwargs["position_ids"], mask = f.positions.to(query.device), None
+        mask = None
+        kwargs["position_ids"] = f.get("positions", query.device, None, lambda: f.positions.to(query.device))
     else:
         mask = _mask(f, query)
     function = _inner_function(module, inner)
