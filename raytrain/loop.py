@@ -71,6 +71,9 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
         loss, stats = objective(strategy, mb)
         strategy.backward(loss * scale.to(loss.dtype), sync=i == len(micro_batches) - 1)
         sums += torch.stack([t.detach().double() for t in (loss, *stats)])
+        objectives.unstage(mb)
+        if i + 1 < len(micro_batches):  # the next one's copies queue behind this backward
+            objectives.staged(strategy, micro_batches[i + 1])
     grad_norm = strategy.optimizer_step(lr)
     reduced = torch.cat([sums, objectives.to_device(stops.local(), device)])
     torch.distributed.all_reduce(reduced)  # the stop flags ride along

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import attention
 from .config import DEFAULT_LORA_TARGETS, JobSpec  # targets live torch-free: pre-flight checks them too
 from .errors import JobError
 
@@ -82,6 +83,9 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
     else:
         model = AutoModelForCausalLM.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
+    # raytrain tells attention where each micro-batch's documents are (attention.py); the strategy
+    # puts Ulysses' exchange around it under sequence parallelism.
+    attention.install(model, spec.model.attn_implementation)
     if spec.training.finetune == "lora":
         with meta_base(model) if on_meta else contextlib.nullcontext():
             model = apply_lora(spec, model)

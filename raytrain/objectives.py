@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import attention
 from .config import JobSpec, PreferenceSpec
 from .data import IGNORE
 
@@ -124,7 +125,7 @@ class Preference:
         split = strategy.sequence
         out, targets = forward(strategy, strategy.model, mb)
         logps = sequence_logps(out, targets)
-        counts = (targets_of(mb["labels"]) != IGNORE).sum(-1).to(logps.device)  # whole sequences
+        counts = staged(strategy, mb)["counts"]  # whole sequences'
         if self.objective == "dpo":
             with torch.no_grad(), strategy.reference() as reference:
                 ref_logps = sequence_logps(*forward(strategy, reference, mb))
@@ -139,7 +140,7 @@ class Preference:
         else:
             chosen_logged, rejected_logged = chosen, rejected
         loss, reward_c, reward_r = pair_losses(self.objective, self.settings, chosen, rejected, ref_c, ref_r, n_c, n_r)
-        real = _real_pairs(mb).to(loss.device).float()  # a padding pair adds nothing
+        real = staged(strategy, mb)["real"]  # a padding pair adds nothing
         # Under sequence parallelism every rank of the group holds the pair's loss: each adds 1/sp of
         # it, so the group's sums are the pair's values, and the summed log-probs' gradient flows to
         # each part once (`SequenceSplit.sum`).
@@ -156,22 +157,48 @@ def _real_pairs(mb: dict) -> torch.Tensor:
 
 def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Tensor]:
     """(logits, or under `training.chunked_loss` the last hidden states with the output layer; the
-    targets they are scored against) of a micro-batch. Per-document positions, so packed documents
-    never attend to each other. Under sequence parallelism: this rank's part of each sequence."""
+    targets they are scored against) of a micro-batch. Packed documents attend only to themselves
+    (attention.py, told by `staged`). Under sequence parallelism: this rank's part of each sequence."""
     chunk, head = strategy.loss_chunk, getattr(model, "module", model).get_output_embeddings()  # (DDP's wrapper)
-    ids, positions, targets = mb["input_ids"], mb["position_ids"], targets_of(mb["labels"])
-    split = strategy.sequence
-    attending = split.attending(positions) if split else contextlib.nullcontext()
-    if split:
-        ids, positions, targets = split.part(ids), split.part(positions), split.part(targets)
-    with strategy.autocast(), attending, _skipped(head) if chunk else contextlib.nullcontext():
-        out = model(input_ids=ids.to(strategy.device), position_ids=positions.to(strategy.device))
+    x, split = staged(strategy, mb), strategy.sequence
+    with strategy.autocast(), _skipped(head) if chunk else contextlib.nullcontext():
+        out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
     # The output layer is used after the model's forward: FSDP2 keeps the root's parameters (the
     # output layer's among them) gathered from its forward to its backward, so this is the same weight.
-    logits, targets = out.logits, targets.to(strategy.device)
+    logits, targets = out.logits, x["targets"]
     if split is None or split.rank == split.size - 1:  # a sequence's last position predicts nothing: its
         logits, targets = logits[:, :-1], targets[:, :-1]  # sums then add exactly the terms they always did
     return (Hidden(logits, head, chunk, strategy.autocast) if chunk else logits), targets
+
+
+def staged(strategy, mb: dict) -> dict:
+    """The micro-batch on the strategy's device, made once for all its forward passes (DPO's
+    reference reuses it): this rank's part of its ids, positions and shifted labels, its pairs'
+    token counts, and its attention boundaries (from the whole rows' host positions, `masks.py`).
+    Every copy is from pinned memory and asynchronous: nothing here waits for the device.
+    The loop stages the next micro-batch while this one's backward runs and drops each after it."""
+    if "_staged" in mb:
+        return mb["_staged"]
+    device, split = strategy.device, strategy.sequence
+    ids, positions, targets = mb["input_ids"], mb["position_ids"], targets_of(mb["labels"])
+    boundaries = attention.Boundaries.of(positions)  # whole rows: under sp too
+    compute = torch.bfloat16 if strategy.compute_bf16 else torch.float32
+    out = {"attention": attention.model_kwargs(boundaries, strategy.spec.model.attn_implementation,
+                                               strategy.attention_windows, device, compute)}
+    if strategy.spec.preference:  # whole sequences' counts (targets before the split)
+        out["counts"] = attention.to_device((targets != IGNORE).sum(-1), device)
+        out["real"] = attention.to_device(_real_pairs(mb).float(), device)
+    if split:
+        ids, positions, targets = split.part(ids), split.part(positions), split.part(targets)
+    out.update(input_ids=attention.to_device(ids, device), position_ids=attention.to_device(positions, device),
+               targets=attention.to_device(targets, device))
+    mb["_staged"] = out
+    return out
+
+
+def unstage(mb: dict) -> None:
+    """Drop a micro-batch's device copies (its masks are b x s x s)."""
+    mb.pop("_staged", None)
 
 
 @contextlib.contextmanager
@@ -210,9 +237,5 @@ def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, fl
 
 
 def to_device(values: list[float], device: torch.device) -> torch.Tensor:
-    """Host values as a float64 vector on `device`, without waiting for the device's queue (a copy
-    from pageable memory would: it goes through pinned memory on a GPU)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    """Host values as a float64 vector on `device`, without waiting for the device's queue."""
+    return attention.to_device(torch.tensor(values, dtype=torch.float64), device)

@@ -300,8 +300,8 @@ def assistant_spans(tok, text: str, messages: list) -> list[tuple[int, int]]:
 
 
 def document_positions(lengths: list[int]) -> np.ndarray:
-    """Position ids restarting at 0 for each document: transformers reads them as packed
-    sequences (attention never crosses a document boundary)."""
+    """Position ids restarting at 0 for each document: where a position does not step by one, a
+    new document starts (masks.py), and attention never crosses it."""
     if not lengths:
         return np.zeros(0, np.int32)
     starts = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
@@ -320,7 +320,8 @@ def pack(docs, seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     tail = rows * seq_len - len(ids)
     out_ids = np.concatenate([ids, np.full(tail, pad, np.int32)])
     out_labels = np.concatenate([labels, np.full(tail, IGNORE, np.int32)])
-    out_pos = document_positions(lengths + ([tail] if tail else []))
+    pos = document_positions(lengths)  # padding continues the last document (masks.py): never one of its own
+    out_pos = np.concatenate([pos, pos[-1] + 1 + np.arange(tail, dtype=np.int32)])
     return tuple(a.reshape(rows, seq_len) for a in (out_ids, out_labels, out_pos))
 
 
@@ -330,5 +331,5 @@ def pad_rows(docs, seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.n
     out_pos = np.zeros((len(docs), seq_len), np.int32)
     for i, (ids, labels) in enumerate(docs):
         out_ids[i, : len(ids)], out_labels[i, : len(labels)] = ids, labels
-        out_pos[i] = document_positions([len(ids), seq_len - len(ids)] if len(ids) < seq_len else [seq_len])
+        out_pos[i] = np.arange(seq_len)  # one document; its padding continues its positions (masks.py)
     return out_ids, out_labels, out_pos

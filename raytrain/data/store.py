@@ -187,7 +187,9 @@ class TokenStore:
                 plane[0, :length], plane[1, :length] = ids, np.where((w & trained_bit) != 0, ids, IGNORE)
                 plane[2, :length] = pos
                 plane[0, length:], plane[1, length:] = self.pad_id, IGNORE
-                plane[2, length:] = np.arange(self.seq_len - length)
+                # Padding continues the last document's positions: it is never a document of its own
+                # (masks.py), so an unpadded row's attention needs no mask.
+                plane[2, length:] = (int(pos[-1]) + 1 if length else 0) + np.arange(self.seq_len - length)
 
     def _shard_index(self, shard: int) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """A shard's index, checked against the manifest's sha256 the first time it is read."""

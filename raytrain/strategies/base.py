@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor
 
-from .. import modeling
+from .. import masks, modeling
 from ..config import JobSpec
 from ..plan import RunPlan
 from ..errors import JobError
@@ -122,6 +123,13 @@ class Strategy(ABC):
     @abstractmethod
     def setup(self) -> None:
         """Load and wrap the model, build the optimizer."""
+
+    @functools.cached_property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The windows the model's layers attend within (masks.windows), for the masks each micro-batch needs."""
+        config = self.hf_model.config
+        return masks.windows({k: getattr(config, k, None) for k in ("sliding_window", "layer_types", "use_sliding_window")},
+                             self.spec.data.seq_len)
 
     def autocast(self):
         """Context for forward passes (strategies that cast inside the wrapper return a no-op)."""

@@ -5,30 +5,25 @@ before it (each rank gets all positions of 1/sp of the heads), one after (back t
 with all heads). Everything else (norms, MLP, the loss) is per token, so it runs on the rank's
 part unchanged.
 
-It wraps whatever attention the job names (eager, sdpa, flash): the model is loaded with it, then
-its config names `ULYSSES`, registered here with transformers, whose function exchanges, calls the
-named one on whole sequences, and exchanges back. The mask the model builds is for the rank's part
-only, so it is skipped (`ULYSSES` has no mask function) and made here from the whole rows' position
-ids, by transformers' own packing rule: a document starts where the position does not step by one.
-Packed documents keep attending only to themselves; rotary embeddings use the part's own position
-ids, which are the whole row's.
+It wraps whatever attention the job names (eager, sdpa, flash): raytrain's attention
+(attention.py) calls `gather_positions` and `scatter_positions` around the named implementation.
+The boundaries it is given (a mask, or flash's varlen segments) are the whole rows', made from
+the whole rows' positions before they are split (`objectives.forward`); rotary embeddings use the
+part's own position ids, which are the whole row's. They reach each layer as the model's keyword
+arguments, so activation checkpointing's recomputation in backward sees them too.
 
-Model code stays free of torch.distributed: the group and the rows' positions reach the attention
-through `SequenceSplit.attending`, a context the objective's forward enters.
+Model code stays free of torch.distributed: the group reaches the attention through
+`attention.install`, which the strategy calls with this rank's split.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-ULYSSES = "raytrain_ulysses"
-_current: contextvars.ContextVar["_Forward | None"] = contextvars.ContextVar("raytrain_ulysses", default=None)
+from .. import attention
 
 
 class _AllToAll(torch.autograd.Function):
@@ -83,29 +78,6 @@ def positions_to_heads(x: torch.Tensor, sp: int, group) -> torch.Tensor:
 
 
 @dataclass
-class _Forward:
-    """One forward's whole rows, shared by its layers: what is derived from them is made once."""
-    split: "SequenceSplit"
-    positions: torch.Tensor  # the whole rows' position ids, [b, s], in host memory (the micro-batch's)
-    documents: torch.Tensor  # each position's document number in its row, counted from 0
-    packed: bool  # a row holds more than one document
-    on_device: dict  # (what, device, dtype) -> the positions or mask there
-
-    @classmethod
-    def of(cls, split: "SequenceSplit", positions: torch.Tensor) -> "_Forward":
-        # transformers' packing rule: a document starts where the position does not step by one.
-        # Read from the host rows, so knowing whether they pack waits for no device.
-        documents = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
-        return cls(split, positions, documents, bool((documents[:, -1] > 0).any()), {})  # host: the micro-batch's rows
-
-    def get(self, what: str, device: torch.device, dtype: torch.dtype, make):
-        key = (what, device, dtype)
-        if key not in self.on_device:
-            self.on_device[key] = make()
-        return self.on_device[key]
-
-
-@dataclass
 class SequenceSplit:
     """This rank's place in its sequence-parallel group, and what the objective does with it."""
 
@@ -120,7 +92,6 @@ class SequenceSplit:
         if mesh.sp == 1:
             return None
         mine, _ = dist.new_subgroups_by_enumeration(mesh.sp_groups())
-        _register()
         return cls(mesh.sp, mesh.sp_rank(rank), mine, inner)
 
     def part(self, t: torch.Tensor) -> torch.Tensor:
@@ -132,80 +103,21 @@ class SequenceSplit:
         """The group's sum of per-rank partial values (a sequence's log-prob), differentiably."""
         return _SumOverGroup.apply(t, self.group)
 
-    @contextlib.contextmanager
-    def attending(self, positions: torch.Tensor):
-        """Forward passes inside attend over whole rows with these position ids."""
-        token = _current.set(_Forward.of(self, positions))
-        try:
-            yield
-        finally:
-            _current.reset(token)
+    def gather_positions(self, query, key, value, groups: int):
+        """[b, heads, s/sp, d] each -> [b, heads/sp, s, d]: this rank's heads over whole sequences.
+        KV heads fewer than sp (validated: sp is a multiple of them) are repeated, one a rank;
+        returns the key/value groups per query head that the rank's heads keep."""
+        if key.shape[1] % self.size:
+            repeat = self.size // key.shape[1]
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+            groups = groups // repeat
+        query, key, value = (heads_to_positions(t, self.size, self.group) for t in (query, key, value))
+        return query, key, value, groups
+
+    def scatter_positions(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output [b, s, heads/sp, d] -> [b, s/sp, heads, d]: back to this rank's part."""
+        return positions_to_heads(out, self.size, self.group)
 
     def use_for(self, model: torch.nn.Module) -> None:
         """Route `model`'s attention through the exchange (its config is shared by its layers)."""
-        model.config._attn_implementation = ULYSSES
-
-
-def _mask(f: _Forward, query: torch.Tensor) -> torch.Tensor | None:
-    """The whole rows' mask in the form the inner implementation takes: None (causal) for sdpa
-    on unpacked rows (its causal kernel needs none, and an s×s one is s² bytes), a boolean one
-    for sdpa on packed rows, an additive one for eager."""
-    eager = f.split.inner == "eager"
-    if not eager and not f.packed:
-        return None
-
-    def make() -> torch.Tensor:
-        doc, s = f.documents.to(query.device), f.positions.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
-        allowed = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
-        if not eager:
-            return allowed
-        return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~allowed, torch.finfo(query.dtype).min)
-
-    return f.get("mask", query.device, query.dtype, make)
-
-
-def _attention(module, query, key, value, attention_mask, **kwargs):
-    f = _current.get()
-    if f is None:
-        raise RuntimeError("sequence-parallel attention called outside SequenceSplit.attending")
-    sp, group, inner = f.split.size, f.split.group, f.split.inner
-    groups = module.num_key_value_groups
-    if key.shape[1] % sp:  # fewer KV heads than ranks (validated: sp is a multiple): one each
-        repeat = sp // key.shape[1]
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-        groups = groups // repeat
-    query, key, value = (heads_to_positions(t, sp, group) for t in (query, key, value))
-    if inner.startswith("flash"):  # varlen from the whole rows' positions, no mask
-        mask = None
-        kwargs["position_ids"] = f.get("positions", query.device, None, lambda: f.positions.to(query.device))
-    else:
-        mask = _mask(f, query)
-    function = _inner_function(module, inner)
-    saved, module.num_key_value_groups = module.num_key_value_groups, groups
-    try:
-        out, _ = function(module, query, key, value, mask, **kwargs)
-    finally:
-        module.num_key_value_groups = saved
-    return positions_to_heads(out, sp, group), None
-
-
-def _inner_function(module, inner: str):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if inner == "eager":  # each model's own, in its modeling module
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[inner]
-
-
-def _no_mask(*args, **kwargs):
-    return None  # the model's mask would be for the rank's part: `_mask` makes the whole rows' one
-
-
-def _register() -> None:
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(ULYSSES, _attention)
-    AttentionMaskInterface.register(ULYSSES, _no_mask)
+        attention.install(model, self.inner, self)

@@ -1,0 +1,115 @@
+"""Packed rows attend as their documents would alone, under every attention implementation
+(raytrain decides the boundaries, attention.py; the rule is masks.py's).
+
+The reference of each comparison is transformers itself on one document at a time (its own sdpa,
+its own causal and sliding-window masks, nothing packed): a micro-batch of two rows, one starting
+mid-document, several documents a row, padding at the end, must give every token the logits its
+document gives alone. flash_attention_2 runs through transformers' own integration with flash-attn's
+kernels in plain torch (tests/varlen.py), so its varlen kwargs are the ones a GPU gets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import varlen
+from raytrain import attention, masks
+
+varlen.install()
+IMPLEMENTATIONS = masks.IMPLEMENTATIONS
+S = 40
+# Row 0 starts mid-document (positions 30..39 continue a document of the row before), then two
+# documents; row 1 holds two documents and padding that continues the last one's positions.
+POSITIONS = torch.tensor([list(range(30, 40)) + list(range(15)) + list(range(15)),
+                          list(range(25)) + list(range(15))])
+SEGMENTS = [(0, 0, 10), (0, 10, 25), (0, 25, 40), (1, 0, 25), (1, 25, 40)]  # (row, start, end)
+
+
+def models(assets) -> dict:
+    """name -> (config, state dict): the demo Llama, a Mistral with a sliding window of 6 on every
+    layer, a Qwen2 whose first layer is windowed and second is not."""
+    from transformers import AutoConfig, MistralConfig, Qwen2Config
+
+    small = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    configs = {"llama": AutoConfig.from_pretrained(str(assets / "model")),
+               "mistral window 6": MistralConfig(sliding_window=6, **small),
+               "qwen2 window 6 on layer 1": Qwen2Config(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                                        **small)}
+    return configs
+
+
+def build(config, implementation: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch.float32)
+    return model.eval()
+
+
+def alone(config, ids: torch.Tensor) -> torch.Tensor:
+    """Each document through transformers' own sdpa on its own: the logits every token should get."""
+    model = build(config, "sdpa")
+    out = torch.empty(*ids.shape, config.vocab_size)
+    with torch.no_grad():
+        for row, a, b in SEGMENTS:
+            out[row, a:b] = model(input_ids=ids[row:row + 1, a:b], position_ids=POSITIONS[row:row + 1, a:b]).logits[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases(assets):
+    ids = torch.randint(3, 380, POSITIONS.shape, generator=torch.Generator().manual_seed(0))
+    return {name: (config, ids, alone(config, ids)) for name, config in models(assets).items()}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("model", ["llama", "mistral window 6", "qwen2 window 6 on layer 1"])
+def test_packed_rows_attend_as_their_documents_alone(cases, model, implementation):
+    config, ids, expected = cases[model]
+    net = build(config, implementation)
+    attention.install(net, implementation)
+    boundaries = attention.Boundaries.of(POSITIONS)
+    windows = masks.windows(config.to_dict(), S)
+    assert boundaries.packed and len(windows) == {"llama": 1, "mistral window 6": 1}.get(model, 2)
+    with torch.no_grad():
+        got = net(input_ids=ids, position_ids=POSITIONS, **attention.model_kwargs(
+            boundaries, implementation, windows, torch.device("cpu"), torch.float32)).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_own_flash_inference_gets_these_rows_wrong(cases):
+    """Why raytrain passes the boundaries: given only the position ids, transformers' flash path
+    treats a micro-batch of 2 as two unpacked rows (documents attend to each other), and in a row
+    of its own leaves the tokens before the row's first 0 position out of every segment."""
+    config, ids, expected = cases["llama"]
+    net = build(config, "flash_attention_2")
+    with torch.no_grad():
+        both = net(input_ids=ids, position_ids=POSITIONS).logits
+        row0 = net(input_ids=ids[:1], position_ids=POSITIONS[:1]).logits
+    assert (both[1, 25:] - expected[1, 25:]).abs().max() > 1e-3  # row 1's second document saw its first
+    assert (row0[0, 10:25] - expected[0, 10:25]).abs().max() > 1e-3 or \
+        not torch.isfinite(row0[0, :10]).all() or (row0[0, :10] - expected[0, :10]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("positions, packed, segments", [
+    ([[0, 1, 2, 3, 4, 5]], False, [0, 6]),  # padding continues: one document
+    ([[7, 8, 9, 0, 1, 2]], True, [0, 3, 6]),  # mid-document start, then a document
+    ([[0, 1, 0, 0, 1, 2], [3, 4, 5, 6, 7, 8]], True, [0, 2, 3, 6, 12]),  # a one-token document; row 2 its own
+])
+def test_boundaries_follow_the_rule(positions, packed, segments):
+    b = attention.Boundaries.of(torch.tensor(positions))
+    cu, longest = b.varlen()
+    assert b.packed == packed and cu.tolist() == segments and longest == max(torch.tensor(segments).diff().tolist())
+
+
+def test_which_masks_each_implementation_gets():
+    assert masks.mask_windows("flash_attention_2", True, (None, 8)) == ()
+    assert masks.mask_windows("sdpa", False, (None,)) == ()  # one document a row: the causal kernel
+    assert masks.mask_windows("sdpa", False, (None, 8)) == (8,)
+    assert masks.mask_windows("sdpa", True, (None,)) == (None,)
+    assert masks.mask_windows("eager", False, (None,)) == (None,)
+    assert masks.windows({"sliding_window": 4096}, 4096) == (None,)  # a window as long as a row cuts nothing
+    assert masks.windows({"sliding_window": 8, "use_sliding_window": False}, 64) == (None,)
+    assert masks.windows({"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}, 64) == (None, 8)
