@@ -533,8 +533,10 @@ class JobSpec(Section):
                              f"{s.sequence_parallel}: each rank takes an equal part of a sequence; use seq_len {fit} "
                              f"or {fit + s.sequence_parallel}")
         if t.compile and s.model_parallel > 1:
-            raise ValueError("training.compile with sequence or tensor parallelism is not supported (the all-to-all "
-                             "and DTensor layers are not traced): remove training.compile")
+            which = " and ".join(f"scaling.{k}={v}" for k, v in (("sequence_parallel", s.sequence_parallel),
+                                                                  ("tensor_parallel", s.tensor_parallel)) if v > 1)
+            raise ValueError(f"training.compile with {which} is not supported (the all-to-all and DTensor layers are "
+                             "not traced): remove training.compile")
         return self
 
     @model_validator(mode="after")

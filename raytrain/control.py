@@ -12,7 +12,8 @@ It owns the failure budget (`failure.max_failures`): Ray restarts the worker gro
 whenever it breaks, and each new group asks `may_start` first. An attempt that ended after a
 preemption notice committed its checkpoint (SIGTERM, a Ray drain) was a preemption, one
 followed by a larger group was a resize: neither counts. A job error (bad input) is never
-worth a retry: the next group stops at once with its message.
+worth a retry: the next group stops at once with its message; nor is an error that came twice in
+a row at the same step from the same checkpoint (`failed`).
 
 Goodput: a step counts as productive once it is in the final lineage of the run (it was
 never rolled back). Per failure: the steps lost (reached but not checkpointed) and the
@@ -95,9 +96,20 @@ class JobControl:
         self.attempts[-1].preempted_at = step
 
     def failed(self, error: str, retry: bool) -> None:
-        """A worker's error; a job error (retry=False) ends the job at the next group's start."""
+        """A worker's error; a job error (retry=False) ends the job at the next group's start, and so
+        does the same error twice in a row at the same step from the same checkpoint: a restart
+        repeats what failed (a bug, a combination that cannot run), it does not mend it."""
         if self.attempts:
             self.attempts[-1].error = error
+        if retry and len(self.attempts) >= 2:
+            before, now = self.attempts[-2], self.attempts[-1]
+            if (before.error, before.resumed_from, before.last_step) == (error, now.resumed_from, now.last_step) \
+                    and before.preempted_at is None:
+                where = f"in step {now.last_step + 1}" if now.first_step_at or now.last_step else "before the first step"
+                retry, error = False, (f"the same error twice {where}, each time from "
+                                       f"{f'step {now.resumed_from}' if now.resumed_from else 'the start'}: {error}. "
+                                       "A restart repeats it: fix its cause, then run the job again (it resumes from "
+                                       "the latest committed checkpoint, which is kept)")
         if not retry:
             self.spent = error
             self._wake()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from . import masks
 from .config import JobSpec
 from .plan import RunPlan
 from .strategies import deepspeed_config
@@ -276,11 +277,16 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     else:
         act = Term("activations", f"{n_layers} × ({shape}) × {tokens} × {c}/2 B", n_layers * layer)
     terms = [act]
-    if spec.data.pack and not spec.preference and not spec.model.attn_implementation.startswith("flash") or eager:
-        # Packed rows under sdpa attend through a boolean s×s mask (eager: an additive one); whole
-        # rows' under sequence parallelism too. flash_attention_2 takes the positions instead.
-        mask_b = c if eager else 1
-        terms.append(Term("attention mask (s×s: packed rows)", f"{b}·{s}² × {mask_b} B", b * s * s * mask_b))
+    # The masks attention is given (masks.py, the rule the model path follows): whole rows' b·s²
+    # under sequence parallelism too. Rows pack only in SFT with data.pack; padding is no document.
+    impl = spec.model.attn_implementation
+    built = masks.mask_windows(impl, spec.data.pack and not spec.preference, masks.windows(facts.config, s))
+    if built:
+        mask_b = masks.mask_element_bytes(impl, c)
+        why = "packed rows" if spec.data.pack and not spec.preference else "causal" if impl == "eager" else "sliding window"
+        count = f"{len(built)} × " if len(built) > 1 else ""
+        terms.append(Term(f"attention mask{'s' * (len(built) > 1)} (s×s: {why})", f"{count}{b}·{s}² × {mask_b} B",
+                          len(built) * b * s * s * mask_b))
     chunk = spec.loss_chunk_tokens(facts.config)
     if chunk:  # one chunk's logits exist at a time (training.chunked_loss)
         return terms + [Term("logits (one chunk)", f"{chunk}·{vocab} × ({c} + 4 + 4) B", chunk * vocab * (c + 8))]

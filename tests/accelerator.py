@@ -9,7 +9,9 @@ costs nothing and fails nothing. Under `FakeAccelerator()`:
   whose `device` is `accel:0`; every op is computed on the host copies (autograd included);
 - what a GPU tensor refuses is refused: `.numpy()` raises;
 - every host synchronization is counted (`syncs`), with the product frame that asked for it:
-  `.item()`, `float(t)`, `.tolist()`, and each copy from the device into host memory;
+  `.item()`, `float(t)`, `.tolist()`, each copy from the device into host memory, and each copy
+  into the device that a GPU makes the host wait for: from pageable memory, or without
+  `non_blocking` (`pin_memory()` works here, on host copies it marks pinned);
 - the device's module answers what the product asks of any accelerator through
   `torch.get_device_module(device)`: `max_memory_allocated` (the peak of live device bytes),
   `get_device_name` (an H100's, so MFU is computed), `synchronize`.
@@ -68,7 +70,7 @@ class DeviceTensor(torch.Tensor):
 
 @dataclass
 class Sync:
-    kind: str  # "scalar" (.item(), float(t)) or "copy" (device -> host memory: .cpu(), .tolist())
+    kind: str  # "scalar" (.item(), float(t)), "copy" (device -> host: .cpu(), .tolist()) or "upload" (host -> device, blocking)
     where: str  # the innermost raytrain/ frame that asked for it (else the test's)
     origin: str  # the package whose code made the call: raytrain, transformers, torch, tests
 
@@ -115,6 +117,7 @@ class FakeAccelerator:
     live_bytes: int = 0
     peak_bytes: int = 0
     _storages: dict = field(default_factory=dict)  # storage pointer -> live tensors on it
+    _pinned: set = field(default_factory=set)  # storage pointers of pinned host tensors
 
     device = DEVICE
 
@@ -144,6 +147,17 @@ class FakeAccelerator:
         caller = next((f.filename for f in reversed(frames) if "/torch/" not in f.filename), "")
         origin = next((p for p in ("raytrain", "transformers", "peft", "tests") if f"/{p}/" in caller), "torch")
         self.syncs.append(Sync(kind, where, origin))
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """`t.pin_memory()`: a copy in (what stands for) page-locked host memory."""
+        out = t.clone()
+        key = out.untyped_storage().data_ptr()
+        self._pinned.add(key)
+        weakref.finalize(out, self._pinned.discard, key)
+        return out
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._pinned
 
     def allocated(self, t: DeviceTensor) -> None:
         storage = t.inner.untyped_storage()
@@ -229,9 +243,14 @@ class _Dispatch(TorchDispatchMode):
             self.accelerator.sync("scalar")
             return func(*a, **k)
         if func is aten.is_pinned.default:
-            return False
+            return not touched[0] and self.accelerator.is_pinned(a[0])
         if func is aten._pin_memory.default:
-            raise RuntimeError("pin_memory: a device tensor is not in host memory")
+            if touched[0]:
+                raise RuntimeError("pin_memory: a device tensor is not in host memory")
+            return self.accelerator.pin(a[0])
+        if func is aten._to_copy.default and not isinstance(args[0], DeviceTensor) and _is_device(kwargs.get("device")) \
+                and not (kwargs.get("non_blocking") and self.accelerator.is_pinned(args[0])):
+            self.accelerator.sync("upload")  # host -> device from pageable memory (or blocking): waits for the stream
         out = func(*a, **k)
         if not touched[0]:
             return out

@@ -20,7 +20,9 @@ SEQ = 64
 def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ) -> np.ndarray:
     """[rows, planes, SEQ] int32 as the token store gives them: ids, labels, positions (a pair row:
     chosen then rejected). Packed: one to three documents of ragged length per sequence, each its
-    own positions; else one document and right padding. A prompt is unlabelled."""
+    own positions, the first often continuing a document from the row before (its positions start
+    past 0); else one document and right padding, whose positions continue the document's (the
+    store's rule: padding is never a document). A prompt is unlabelled."""
     g = np.random.default_rng(seed)
     SEQ = seq  # noqa: N806
     out = []
@@ -34,6 +36,7 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
                 cuts = sorted(g.choice(np.arange(8, SEQ - 8), int(g.integers(0, 3)), replace=False))
                 starts = [0, *cuts]
                 pos = np.concatenate([np.arange(b - a) for a, b in zip(starts, [*cuts, SEQ])])
+                pos[:starts[1] if len(starts) > 1 else SEQ] += int(g.integers(0, 2)) * int(g.integers(1, 40))
                 for a in starts:
                     labels[a:a + 3] = -100  # each document's prompt
             else:

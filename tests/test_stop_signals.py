@@ -54,12 +54,41 @@ def test_a_group_that_dies_while_loading_counts_against_the_failure_budget():
     from raytrain.control import JobControl
 
     control = JobControl(max_failures=2)
-    for _ in range(3):
+    for error in ("OutOfMemoryError: CUDA out of memory", "DistBackendError: NCCL timeout", "OutOfMemoryError: host"):
         assert control.may_start(2) is None
-        control.failed("TypeError: LlamaForCausalLM.__init__() got an unexpected keyword argument", retry=True)
+        control.failed(error, retry=True)
     verdict = control.may_start(2)
     assert verdict and verdict.startswith("3 worker failures (preemptions and resizes not counted) exceed "
-                                          "failure.max_failures=2; the last: TypeError")
+                                          "failure.max_failures=2; the last: OutOfMemoryError: host")
+
+
+def test_the_same_error_twice_at_the_same_step_ends_the_job_before_its_budget():
+    # The shipped long-context job (sp + activation checkpointing) raised the same RuntimeError at
+    # step 1 four times, spending failure.max_failures on an error no restart could mend.
+    from raytrain.control import JobControl
+
+    control = JobControl(max_failures=10)
+    error = "RuntimeError: sequence-parallel attention called outside SequenceSplit.attending"
+    assert control.may_start(4) is None
+    control.attempt_started(4, 50)
+    control.step_done(51, 1.0)
+    control.failed(error, retry=True)  # in step 52, from step 50
+    assert control.may_start(4) is None  # once may be a fluke: restart
+    control.attempt_started(4, 50)
+    control.step_done(51, 1.0)
+    control.failed(error, retry=True)
+    verdict = control.may_start(4)
+    assert verdict == (f"the same error twice in step 52, each time from step 50: {error}. A restart repeats it: fix "
+                       "its cause, then run the job again (it resumes from the latest committed checkpoint, which is kept)")
+
+    # The same error after progress (a newer checkpoint, or a later step) is another failure: restart.
+    control = JobControl(max_failures=10)
+    for resumed, last in ((50, 51), (100, 101), (100, 120)):
+        assert control.may_start(4) is None
+        control.attempt_started(4, resumed)
+        control.step_done(last, 1.0)
+        control.failed(error, retry=True)
+    assert control.may_start(4) is None
 
 
 def test_a_recovery_interrupted_by_another_failure_ends_where_the_next_begins():

@@ -166,7 +166,8 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None
     """`checkpoint.save_and_report` without Ray Train: each rank saves its part in its own folder
     and rank 0 signs them all (as Ray Train workers do), the parts are merged into `<run_dir>/step_N/`
     (Ray's upload), then rank 0 registers it as Ray Train's controller does (`register`) and records it
-    (`checkpoint.confirm`). Always synchronous."""
+    (`checkpoint.confirm`). Committed before it returns; with `checkpoint.async_save` the files are
+    written by the strategy's background save, as the loop's are."""
     from raytrain import checkpoint
 
     spec, rank = strategy.spec, strategy.rank
@@ -176,7 +177,8 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None
     try:
         if rank == 0:
             Path(own, checkpoint.STATE_FILE).write_text(state.to_json())
-        strategy.save(own)
+        # As the loop saves: in the background where the job says so (its files complete before signing).
+        (strategy.save_async(own) if spec.checkpoint.async_save else strategy.save(own) or (lambda: None))()
         checkpoint.sign(own, spec.run_dir, name)  # collective: rank 0 signs every rank's files
         if rank == 0 and final.exists():
             shutil.rmtree(final)  # an earlier run's folder of the same step (a rerun in the same run_dir)

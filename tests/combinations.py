@@ -1,0 +1,163 @@
+"""Every option with every other: an all-pairs covering set over the job's options, each case
+either trained against its plain data-parallel reference or refused by `raytrain validate`.
+
+The options are read from the config's own types (`options()`): every `Literal` and `bool` field of
+`training` (less `auto`), the attention implementation, packing, the sequence- and tensor-parallel
+degrees 4 ranks can hold, and the model (a Llama, and a Mistral with a sliding window shorter than
+a row). A new Literal or bool field of `training` joins the set without a change here.
+
+`covering()` picks cases greedily until every pair of option values is in a case that validates,
+or is refused on its own (the defaults plus that pair), by the same checks `raytrain validate` runs
+(the schema's rules, then the model-dependent mesh rule). `run_cases` trains each case and each
+reference on 4 gloo ranks (spawned processes, tests/gpu/local_run.py: Ray is not the point here)
+with the product's strategy and step (`loop.train_step`), as tests/mesh_cases.py does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import typing
+from pathlib import Path
+
+WORLD = 4
+SEQ = 64
+SKIPPED = {"preference", "lora", "global_batch_size", "max_steps", "seed", "grad_clip", "deepspeed", "offload",
+           "chunked_loss", "micro_batch_size"}  # values, not options; the last three are set below
+REFERENCE = {"strategy": "ddp", "sequence_parallel": 1, "tensor_parallel": 1, "attention": "sdpa",
+             "micro_batch_size": 1}  # + every bool off; what a case keeps: MATH_KEYS
+MATH_KEYS = ("objective", "finetune", "pack", "precision", "model")  # what changes the numbers themselves
+FIELDS = {"sequence_parallel": "scaling.sequence_parallel", "tensor_parallel": "scaling.tensor_parallel",
+          "attention": "model.attn_implementation", "pack": "data.pack", "model": "model.path"}
+
+
+def options() -> dict[str, tuple]:
+    from raytrain.config import ModelSpec, TrainingSpec
+
+    out: dict[str, tuple] = {}
+    for name, field in TrainingSpec.model_fields.items():
+        if name in SKIPPED:
+            continue
+        if field.annotation is bool:
+            out[name] = (False, True)
+        elif typing.get_origin(field.annotation) is typing.Literal:
+            out[name] = tuple(v for v in typing.get_args(field.annotation) if v != "auto")
+    out.update(chunked_loss=(False, True), offload=(False, True), micro_batch_size=(1, 2))
+    out.update(sequence_parallel=(1, 2, 4), tensor_parallel=(1, 2), pack=(False, True),
+               attention=typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation),
+               model=("llama", "mistral window"))
+    return out
+
+
+def field_of(option: str) -> str:
+    return FIELDS.get(option, f"training.{option}")
+
+
+def job(case: dict, models: dict, storage: str) -> dict:
+    """The job YAML (a dict) of a case."""
+    preference = case["objective"] != "sft"
+    training = {k: v for k, v in case.items() if k not in FIELDS and k != "offload"}
+    training.update(global_batch_size=8, max_steps=3, seed=0, lora={"rank": 4, "alpha": 8, "dropout": 0.0},
+                    offload={"optimizer": case["offload"], "params": case["offload"]})
+    return {"name": "combo", "model": {"path": models[case["model"]], "attn_implementation": case["attention"]},
+            "data": {"path": models["pairs" if preference else "text"], "seq_len": SEQ, "pack": case["pack"]},
+            "training": training, "optimizer": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
+            "scaling": {"num_workers": WORLD, "sequence_parallel": case["sequence_parallel"],
+                        "tensor_parallel": case["tensor_parallel"]},
+            "checkpoint": {"storage_path": storage}, "tracking": {"experiment": "tests"}}
+
+
+def refusal(case: dict, models: dict, configs: dict) -> str | None:
+    """Why validate refuses the case (its messages joined), or None. The schema's rules, then the
+    model's mesh rule: what `raytrain validate` says before its probes of the world."""
+    from pydantic import ValidationError
+
+    from raytrain.config import JobSpec
+    from raytrain.plan import model_parallel_problems
+
+    try:
+        JobSpec.model_validate(job(case, models, "/tmp/unused"))
+    except ValidationError as exc:
+        return "; ".join(e["msg"] for e in exc.errors())
+    problems = model_parallel_problems(configs[case["model"]], case["sequence_parallel"], case["tensor_parallel"])
+    return "; ".join(f"{field}={value}: {fix}" for field, value, fix in problems) or None
+
+
+def defaults(opts: dict) -> dict:
+    return {name: REFERENCE.get(name, values[0]) for name, values in opts.items()} | {"strategy": "fsdp2"}
+
+
+def covering(opts: dict, refused, seed: int = 0) -> tuple[list[dict], dict]:
+    """(cases, refused pairs): cases that validate and together hold every pair of option values
+    that does not fail validation by itself; the pairs that do, with validate's message."""
+    names = list(opts)
+    pairs = {((a, va), (b, vb)) for a, b in itertools.combinations(names, 2) for va in opts[a] for vb in opts[b]}
+    base = defaults(opts)
+    refused_pairs = {}
+    for (a, va), (b, vb) in sorted(pairs, key=repr):
+        why = refused({**base, a: va, b: vb})
+        if why:
+            refused_pairs[((a, va), (b, vb))] = why
+    todo = pairs - refused_pairs.keys()
+    rng, cases = random.Random(seed), []
+
+    def covers(case):
+        return {p for p in todo if case[p[0][0]] == p[0][1] and case[p[1][0]] == p[1][1]}
+
+    while todo:
+        best, gain = None, set()
+        for _ in range(30):
+            (a, va), (b, vb) = rng.choice(sorted(todo, key=repr))
+            case = {**base, a: va, b: vb}
+            for name in rng.sample(names, len(names)):  # the case stays valid at every step
+                if name in (a, b):
+                    continue
+                for value in sorted(opts[name], key=lambda v: -len(covers({**case, name: v})) - rng.random()):
+                    if value == case[name] or refused({**case, name: value}) is None:
+                        case[name] = value
+                        break
+            got = covers(case)
+            if len(got) > len(gain):
+                best, gain = dict(case), got
+        if best is None:  # no random case holds what is left: it cannot be held with this world size
+            break
+        cases.append(best)
+        todo -= gain
+    return cases, {"pairs": refused_pairs, "unheld": sorted(todo, key=repr)}
+
+
+def reference_of(case: dict, opts: dict) -> dict:
+    """The plain data-parallel job with the numbers of `case`: DDP, no sp/tp, every other option off."""
+    ref = {name: False if opts[name] == (False, True) else REFERENCE.get(name, values[0])
+           for name, values in opts.items()}
+    ref.update({k: case[k] for k in MATH_KEYS})
+    if case["objective"] != "sft":
+        ref["pack"] = False  # pairs never pack: the option does nothing to them
+    return ref
+
+
+def key(case: dict) -> str:
+    return json.dumps(case, sort_keys=True)
+
+
+def run_cases(rank: int, world: int, device, cases: list[str], models: dict, storage: str) -> dict:
+    """On every rank (spawned): each case's per-step losses, grad norms and metric means."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import mesh_cases
+    import varlen
+
+    from raytrain.config import JobSpec
+
+    varlen.install()  # flash_attention_2 through transformers' integration, flash-attn's kernels in torch
+    out = {}
+    for text in cases:
+        case = json.loads(text)
+        spec = JobSpec.model_validate(job(case, models, storage))
+        pairs = case["objective"] != "sft"  # the store never packs pairs, whatever data.pack says
+        rows = mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ)
+        result = mesh_cases.run_case(spec, rows, steps=3)
+        out[text] = {k: result[k] for k in ("losses", "grad_norms", "means")}
+    return out

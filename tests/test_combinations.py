@@ -1,0 +1,91 @@
+"""Every option trains with every other, or `raytrain validate` refuses the pair naming both.
+
+tests/combinations.py reads the options from the config's own types, picks an all-pairs covering
+set of cases that validate (each pair of option values in at least one case) and finds the pairs
+validate refuses on their own. Each case trains 3 steps on 4 gloo ranks with the product's strategy
+and step, and its per-step losses and grad norms must equal its plain data-parallel reference's
+(DDP, no sequence/tensor parallelism, every other option off, the same objective, fine-tuning,
+packing, precision and model) on the same rows: fp32 to 1e-5, bf16 compute to bf16's rounding.
+Rows as the token store writes them: packed rows that start mid-document, padded rows whose
+padding continues their positions. flash_attention_2 is transformers' integration with
+flash-attn's kernels in plain torch (tests/varlen.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import combinations as C
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import local_run  # noqa: E402
+
+pytestmark = pytest.mark.slow
+FP32, BF16 = 1e-5, 3e-2  # bf16 compute: two reduction orders round the same sum differently
+
+
+def mistral_with_a_window(assets: Path, out: Path) -> Path:
+    """The demo model's sizes as a Mistral whose every layer attends 16 tokens back (rows are 64)."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    llama = json.loads((assets / "model" / "config.json").read_text())
+    config = MistralConfig(**{k: llama[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                     "num_hidden_layers", "num_attention_heads",
+                                                     "num_key_value_heads", "max_position_embeddings")},
+                           sliding_window=16, tie_word_embeddings=llama.get("tie_word_embeddings", False))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    for f in (assets / "model").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def combos(assets, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("combos")
+    models = {"llama": str(assets / "model"), "mistral window": str(mistral_with_a_window(assets, tmp / "mistral")),
+              "text": str(assets / "text.jsonl"), "pairs": str(assets / "pairs.jsonl")}
+    configs = {name: json.loads(Path(models[name], "config.json").read_text()) for name in ("llama", "mistral window")}
+    opts = C.options()
+    cases, refused = C.covering(opts, lambda case: C.refusal(case, models, configs))
+    references = {C.key(c): C.key(C.reference_of(c, opts)) for c in cases}
+    runs = sorted({C.key(c) for c in cases} | set(references.values()))
+    results = local_run.spawn(C.run_cases, C.WORLD, torch.device("cpu"), runs, models, str(tmp / "runs"))
+    return {"opts": opts, "cases": cases, "refused": refused, "references": references, "results": results}
+
+
+def test_every_pair_of_options_is_trained_or_refused(combos):
+    opts, cases, refused = combos["opts"], combos["cases"], combos["refused"]
+    print(f"\n[combinations] {len(opts)} options, {len(cases)} cases, {len(set(combos['references'].values()))} "
+          f"references, {len(refused['pairs'])} pairs refused")
+    assert not refused["unheld"], f"pairs neither in a case that validates nor refused alone: {refused['unheld']}"
+    assert len(cases) >= max(len(v) for v in opts.values()) ** 2 // 2  # all pairs of two 3-valued options at least
+    for ((a, va), (b, vb)), why in refused["pairs"].items():  # the refusal names both options and a fix
+        for option in (a, b):
+            assert C.field_of(option).rsplit(".", 1)[-1] in why, (a, va, b, vb, why)
+        assert any(w in why for w in ("set ", "remove ", "use ")), why
+
+
+def test_each_combination_trains_like_its_data_parallel_reference(combos):
+    bad, results = [], combos["results"]
+    for case in combos["cases"]:
+        got, want = results[C.key(case)], results[combos["references"][C.key(case)]]
+        tol = FP32 if case["precision"] == "fp32" else BF16
+        worst = max(abs(x - y) / max(abs(y), 1e-12) for k in ("losses", "grad_norms") for x, y in zip(got[k], want[k]))
+        name = " ".join(f"{k}={v}" for k, v in case.items())
+        print(f"[combinations] {worst:.1e} {name}")
+        if not worst <= tol:
+            bad.append(f"{name}: {got['losses']} vs {want['losses']}, grad norms {got['grad_norms']} vs {want['grad_norms']}")
+        if got["means"]:  # DPO's and SimPO's rewards, accuracies, margins, log-probs
+            assert all(abs(x - y) <= max(10 * tol * abs(y), 10 * tol) for x, y in zip(got["means"], want["means"])), name
+    for ref in set(combos["references"].values()):
+        losses = results[ref]["losses"]
+        assert losses[-1] < losses[0], (ref, losses)  # the reference learns: agreement is not two flat lines
+    assert not bad, "\n".join(bad)
