@@ -54,13 +54,27 @@ def tiny_model(hub_id: str, assets: Path, out: Path) -> Path:
     return out
 
 
-def chat_pairs(assets: Path, out: Path) -> Path:
-    """The demo pairs in TRL's conversational shape (what `format: chat` preference rows are)."""
-    rows = [json.loads(line) for line in (assets / "pairs.jsonl").read_text().splitlines()]
-    out.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
-                                       "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                       "rejected": [{"role": "assistant", "content": r["rejected"]}]}) + "\n"
-                           for r in rows))
+def demo_data(assets: Path, fmt: str, preference: bool, tmp: Path) -> Path:
+    """The demo rows in a job's format: text and TRL's pairs as they are; chat rows as ShareGPT or
+    alpaca rows, pairs as TRL's conversational shape (what `format: chat` preference rows are)."""
+    out = tmp / f"{fmt}{'-pairs' if preference else ''}.jsonl"
+    if preference:
+        if fmt != "chat":
+            return assets / "pairs.jsonl"
+        rows = [json.loads(line) for line in (assets / "pairs.jsonl").read_text().splitlines()]
+        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                 "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
+    elif fmt in ("text", "chat"):
+        return assets / f"{fmt}.jsonl"
+    else:
+        chats = [json.loads(line)["messages"] for line in (assets / "chat.jsonl").read_text().splitlines()]
+        if fmt == "sharegpt":
+            names = {"user": "human", "assistant": "gpt", "system": "system"}
+            rows = [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in c]} for c in chats]
+        else:  # alpaca
+            rows = [{"instruction": next(m["content"] for m in c if m["role"] == "user"), "input": "",
+                     "output": next(m["content"] for m in c if m["role"] == "assistant")} for c in chats]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 
 
@@ -71,11 +85,10 @@ def miniature(job: Path, assets: Path, tmp: Path) -> dict:
                                else assets / "model")
     d, t, s = raw["data"], raw.setdefault("training", {}), raw.setdefault("scaling", {})
     preference = t.get("objective", "sft") != "sft"
-    data = chat_pairs(assets, tmp / "pairs.jsonl") if preference and d.get("format") == "chat" else \
-        assets / ("pairs.jsonl" if preference else "chat.jsonl" if d.get("format") == "chat" else "text.jsonl")
-    d["path"] = str(data)
+    for source in d.get("sources") or [d]:
+        source["path"] = str(demo_data(assets, source.get("format") or d.get("format", "text"), preference, tmp))
     if (d.get("eval") or {}).get("path"):
-        d["eval"]["path"] = str(data)
+        d["eval"]["path"] = str(demo_data(assets, d.get("format", "text"), preference, tmp))
     if d.get("eval"):
         d["eval"]["every_n_steps"] = 2
     group = s.get("sequence_parallel", 1) * s.get("tensor_parallel", 1)
