@@ -7,6 +7,8 @@ per arm, arms run in turn by one command:
 L1  the longest sequence one step trains within a fixed per-rank memory cap (the step's peak
     resident memory above where it started: activations, logits, gradients, AdamW's state), the
     tiny demo model with sdpa, sp=4 / sp=1; found by doubling, then halving the gap to 256 tokens.
+    Rows as the token store writes them: one document and padding (whose positions continue it), and
+    packed rows under sdpa (a whole-rows s x s mask) and under flash_attention_2 (varlen boundaries)
     Also on the demo model with 4 KV heads: the demo's 2 are fewer than sp=4, so Ulysses repeats
     them (each rank needs one), which a Llama-shaped model (8 KV heads) does not need
 L2  step time on the same tokens (4 sequences of --l2-seq tokens over 4 ranks), sp=2 / sp=1,
@@ -44,9 +46,14 @@ def _arm(rank: int, port: int, args: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    rows = mesh_cases.global_rows(False, False, args["batch"], seq=args["seq"])
+    if args.get("attn", "sdpa").startswith("flash"):  # flash-attn's kernels in torch (no GPU here)
+        import varlen
+
+        varlen.install()
+    rows = mesh_cases.global_rows(False, args.get("packed", False), args["batch"], seq=args["seq"])
     spec = mesh_cases.job(args["model"], tempfile.mkdtemp(), sp=args.get("sp", 1), tp=args.get("tp", 1),
-                          finetune=args.get("finetune", "full"), seq=args["seq"], batch=args["batch"])
+                          finetune=args.get("finetune", "full"), seq=args["seq"], batch=args["batch"],
+                          attn=args.get("attn", "sdpa"))
     times = []
     started = time.perf_counter()
     result = mesh_cases.run_case(spec, rows, steps=args["steps"], on_step=lambda: times.append(time.perf_counter()))
@@ -79,22 +86,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def fits(model: str, sp: int, seq: int, cap_mb: float) -> tuple[bool, float]:
-    ranks = run_arm(model=model, sp=sp, seq=seq, batch=WORLD // sp, steps=1)
+def fits(model: str, sp: int, seq: int, cap_mb: float, **rows) -> tuple[bool, float]:
+    ranks = run_arm(model=model, sp=sp, seq=seq, batch=WORLD // sp, steps=1, **rows)
     peak = max(r["step_peak_mb"] for r in ranks)
     return peak <= cap_mb, peak
 
 
-def longest(model: str, sp: int, cap_mb: float, start: int) -> tuple[int, list]:
+def longest(model: str, sp: int, cap_mb: float, start: int, **rows) -> tuple[int, list]:
     """The longest sequence (a multiple of 256) whose step stays within the cap."""
     tried, seq, good, bad = [], start, 0, None
     while bad is None:
-        ok, peak = fits(model, sp, seq, cap_mb)
+        ok, peak = fits(model, sp, seq, cap_mb, **rows)
         tried.append((seq, round(peak, 1)))
         good, bad, seq = (seq, None, seq * 2) if ok else (good, seq, seq)
     while bad - good > 256:
         mid = (good + bad) // 512 * 256
-        ok, peak = fits(model, sp, mid, cap_mb)
+        ok, peak = fits(model, sp, mid, cap_mb, **rows)
         tried.append((mid, round(peak, 1)))
         good, bad = (mid, bad) if ok else (good, mid)
     return good, tried
@@ -138,6 +145,7 @@ def main() -> int:
     p.add_argument("--l2-seq", type=int, default=4096)
     p.add_argument("--l3-seq", type=int, default=512)
     p.add_argument("--only", default="l1,l2,l3")
+    p.add_argument("--l1-only", default="", help="L1: only the arms whose label contains this")
     args = p.parse_args()
     from raytrain.demo_assets import make_all
 
@@ -148,10 +156,16 @@ def main() -> int:
     print(f"load average {os.getloadavg()}")
     figures = {}
     if "l1" in args.only:
-        for label, model in (("demo model, 4 heads, 2 KV heads", tiny),
-                             ("4 heads, 4 KV heads", own_kv_heads(tiny, cache / "tiny-mha"))):
-            whole, tried1 = longest(model, 1, args.cap_mb, 1024)
-            split, tried4 = longest(model, 4, args.cap_mb, 4096)
+        for label, model, rows in (
+                ("demo model, 4 heads, 2 KV heads", tiny, {}),
+                ("4 heads, 4 KV heads", own_kv_heads(tiny, cache / "tiny-mha"), {}),
+                ("packed rows (1-3 documents, often starting mid-document), sdpa", tiny, {"packed": True}),
+                ("packed rows, flash_attention_2 (flash-attn's kernels in torch, tests/varlen.py)", tiny,
+                 {"packed": True, "attn": "flash_attention_2"})):
+            if args.l1_only and args.l1_only not in label:
+                continue
+            whole, tried1 = longest(model, 1, args.cap_mb, 1024, **rows)
+            split, tried4 = longest(model, 4, args.cap_mb, 4096, **rows)
             figures.setdefault("l1", {})[label] = {"sp1": whole, "sp4": split, "ratio": split / whole,
                                                    "tried_sp1": tried1, "tried_sp4": tried4}
             print(f"L1 ({label}) longest sequence within {args.cap_mb:g} MiB of step memory a rank: sp=4 {split} "

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .deepspeed_overrides import override_problems
+
 
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, docstrings become field docs."""
@@ -439,8 +441,6 @@ class JobSpec(Section):
     def _deepspeed_block_needs_zero3(self):
         if self.training.deepspeed is not None and self.training.strategy != "zero3":
             raise ValueError(f"training.deepspeed is only used by strategy zero3, not {self.training.strategy!r}: remove it or set training.strategy: zero3")
-        from .strategies.deepspeed_config import override_problems  # pure: no torch import
-
         problems = override_problems(self)
         if problems:
             raise ValueError("; ".join(problems))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import make_job
@@ -67,3 +69,43 @@ def test_model_parallel_limits_name_the_heads_and_the_fix():
         model_parallel_problems(qwen, 1, 8)[0][2]
     [(field, _, text)] = model_parallel_problems({**llama, "model_type": "gpt2"}, 1, 2)
     assert field == "scaling.tensor_parallel" and "not 'gpt2'" in text
+
+
+def test_raytrain_modules_import_in_one_direction():
+    """No import circle among raytrain's modules (module-level imports, the ones that run at import):
+    a circle is a rule living in the wrong module (config -> deepspeed_config -> plan -> config was one,
+    dodged with a function-level import)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "raytrain"
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):  # in functions too: a deferred import is still a circle
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                target = ".".join(base + (node.module.split(".") if node.module else []))
+                if target.startswith("raytrain"):
+                    edges.add(target)
+                    edges.update(f"{target}.{a.name}" for a in node.names)  # `from . import x` names modules
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name.startswith("raytrain"))
+    # A module's own packages are imported before it anyway (their __init__ importing it is no circle).
+    graph = {m: {e for e in edges if e in graph and e != m and not m.startswith(e + ".")} for m, edges in graph.items()}
+
+    def cycle_from(start, path, seen):
+        for nxt in sorted(graph[path[-1]]):
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                found = cycle_from(start, path + [nxt], seen)
+                if found:
+                    return found
+        return None
+
+    cycles = [c for m in sorted(graph) if (c := cycle_from(m, [m], {m}))]
+    assert not cycles, " -> ".join(cycles[0])

@@ -21,15 +21,27 @@ import torch
 WRITTEN_FOR = "5."  # transformers' major version whose private seams install() sets
 
 
+BLOCK = 256  # queries a block: like flash-attn, no s x s score matrix is kept (each block recomputed in backward)
+
+
 def _attention(q, k, v, scale, causal, window, softcap):
-    """One sequence: q [t, h, d], k/v [t, hk, d] -> [t, h, d]."""
+    """One sequence: q [t, h, d], k/v [t, hk, d] -> [t, h, d], a block of queries at a time."""
+    from torch.utils.checkpoint import checkpoint
+
     h, hk = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
+    offset = k.shape[0] - q.shape[0]  # bottom-right alignment, as flash-attn's causal
+    blocks = [checkpoint(_block, q[a:a + BLOCK], k, v, a + offset, scale, causal, window, softcap, use_reentrant=False)
+              for a in range(0, q.shape[0], BLOCK)]
+    return torch.cat(blocks) if blocks else q.new_empty(q.shape)
+
+
+def _block(q, k, v, first, scale, causal, window, softcap):
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     tq, tk = q.shape[0], k.shape[0]
-    back = torch.arange(tq)[:, None] + (tk - tq) - torch.arange(tk)[None, :]  # query index - key index
+    back = torch.arange(tq)[:, None] + first - torch.arange(tk)[None, :]  # query index - key index
     allowed = torch.ones(tq, tk, dtype=torch.bool)
     if causal:
         allowed &= back >= 0
