@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import control, modeling, signing, tracking
-from .worker_env import controller_env, runtime_env, start_relay, with_secrets
+from .worker_env import RELAY_CONFIG, controller_env, runtime_env, start_relay, with_secrets
 from .timeline import Timeline
 from .checkpoint import STATE_FILE, TrainState, forget_deleted, latest_checkpoint
 from .data import prepare
@@ -49,8 +49,7 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 
 
-def build_trainer(spec: JobSpec, run_id: str, prepared: dict, relay: dict[str, str] | None = None,
-                  timeline: Timeline | None = None):
+def build_trainer(spec: JobSpec, run_id: str, prepared: dict, relay=None, timeline: Timeline | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -64,13 +63,14 @@ def build_trainer(spec: JobSpec, run_id: str, prepared: dict, relay: dict[str, s
                     checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
                     # Ray restarts without limit; raytrain's control actor decides what counts (control.py).
                     failure_config=FailureConfig(max_failures=-1),
-                    worker_runtime_env=runtime_env(spec, relay))
+                    worker_runtime_env=runtime_env(spec, relay.env if relay else None))
     # No Ray Data inside the training workers: each rank reads its rows of each global
     # batch straight from the prepared token store (see raytrain/data/). Each worker first
     # receives the secrets its node lacks from the driver's relay (worker_env.with_secrets).
     return TorchTrainer(with_secrets(worker.train_func), scaling_config=scaling, run_config=run,
-                        train_loop_config={"spec": spec.model_dump(mode="json"), "run_id": run_id,
-                                           "plan": RunPlan.of(spec, prepared).signed(spec.run_dir),
+                        train_loop_config={"run_id": run_id,  # the job rides inside the signed plan
+                                           **({RELAY_CONFIG: relay.actor} if relay else {}),
+                                           "plan": RunPlan.of(spec, prepared).signed(spec),
                                            "timeline": (timeline or Timeline()).to_config()})
 
 
@@ -185,8 +185,8 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
             latest.require_same_data(planned["key"], where)
         # Secrets never ride in the workers' runtime_env (Ray's dashboard shows it): a worker whose
         # node lacks some, a spot node added mid-run included, asks this relay for them and says so.
-        relay = start_relay(spec.run_dir)
-        result = _prepare_and_fit(spec, job_control, lambda: build_trainer(spec, run_id, planned, relay.env, timeline))
+        relay = start_relay()
+        result = _prepare_and_fit(spec, job_control, lambda: build_trainer(spec, run_id, planned, relay, timeline))
         verdict = ray.get(job_control.verdict.remote())
         if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
             raise JobError(verdict)

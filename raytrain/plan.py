@@ -117,17 +117,21 @@ class RunPlan:
         return -(-rows // self.micro_batch)
 
     # --- driver -> workers
-    def signed(self, run_dir: str) -> dict:
-        return signing.sign_document({**asdict(self), "run_dir": signing.place(run_dir)})
+    def signed(self, spec: JobSpec) -> dict:
+        """One signed document of everything a worker acts on: this plan and the job itself (its
+        `model.path`, `trust_remote_code`, data, every field), bound to the run directory."""
+        return signing.sign_document({**asdict(self), "spec": spec.model_dump(mode="json"),
+                                      "run_dir": signing.place(spec.run_dir)})
 
     @classmethod
-    def verified(cls, doc: dict, run_dir: str) -> "RunPlan":
-        """The driver's plan, if its signature holds and it was made for this run directory."""
-        what = f"the run plan for {run_dir}"
-        doc = signing.verify_document(doc, what)
-        signing.require_place(doc, "run_dir", signing.place(run_dir), what)
+    def verified(cls, doc: dict) -> tuple[JobSpec, "RunPlan"]:
+        """(the job, the driver's plan), if the signature holds and it was made for the job's run
+        directory; a changed field anywhere in it (a worker config edited on its way) is refused."""
+        doc = signing.verify_document(doc, "the run plan")
+        spec = JobSpec.model_validate(doc.pop("spec"))  # validated again: the rules hold on this side too
+        signing.require_place(doc, "run_dir", signing.place(spec.run_dir), f"the run plan for {spec.run_dir}")
         doc.pop("run_dir")
-        return cls(**doc)
+        return spec, cls(**doc)
 
 
 TP_FAMILIES = ("llama", "mistral", "qwen2")  # decoder layouts the tensor-parallel plan names (strategies/tensor_parallel.py)

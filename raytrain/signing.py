@@ -47,10 +47,14 @@ def key() -> bytes:
     return value.encode()
 
 
-def key_id() -> str | None:
-    """Which key this process would sign with (a hash: the value never leaves the process)."""
+def key_id(salt: str = "") -> str | None:
+    """Which key this process would sign with: an HMAC of `salt` under the key, never a hash of the
+    key itself (the value never leaves the process, and an id cannot be searched for a weak key
+    offline without the salt it was made for). The driver gives its workers a fresh salt each job."""
     value = os.environ.get(KEY_ENV) or _read_key_file()
-    return hashlib.sha256(value.encode()).hexdigest()[:16] if value else None
+    if not value:
+        return None
+    return hmac.new(value.encode(), f"raytrain key id:{salt}".encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def ensure_key() -> None:

@@ -26,7 +26,9 @@ from .timeline import Timeline
 def train_func(config: dict) -> None:
     import ray.train
 
-    spec = JobSpec.model_validate(config["spec"])  # plain JSON crossed the wire: check it again
+    # The job and the driver's decisions, as the driver signed them for the run directory: a worker
+    # acts on nothing that crossed the wire unsigned (model.path, trust_remote_code, ...).
+    spec, plan = RunPlan.verified(config["plan"])
     timeline = Timeline(**config["timeline"])
     timeline.mark("workers")
     ctx = ray.train.get_context()
@@ -48,7 +50,7 @@ def train_func(config: dict) -> None:
             print(f"[raytrain] not restarting: {verdict[0]}", file=sys.stdout, flush=True)
         return
     try:
-        _train(spec, config, rank, world, device, job_control, timeline)
+        _train(spec, plan, config, rank, world, device, job_control, timeline)
     except Preempted:
         raise
     except Exception as exc:  # the control actor keeps what ended this attempt for the job's last word
@@ -59,10 +61,10 @@ def train_func(config: dict) -> None:
         raise
 
 
-def _train(spec: JobSpec, config: dict, rank: int, world: int, device, job_control, timeline: Timeline) -> None:
+def _train(spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, device, job_control,
+           timeline: Timeline) -> None:
     import ray
 
-    plan = RunPlan.verified(config["plan"], spec.run_dir)  # the driver's decisions, executed as made
     strategy = build_strategy(spec, device, plan)
     timeline.mark("model")
     state = checkpoint.restore(strategy) or TrainState(model_commit=spec.model.revision)  # pinned by the driver

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import threading
 from dataclasses import dataclass
 
@@ -43,16 +44,18 @@ SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR"
 SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", signing.KEY_ENV)
 # Names and ids only, never a value: these are in the workers' runtime_env.
-RELAY_ENV = "RAYTRAIN_SECRET_RELAY"  # the relay actor's name
 WANTED_ENV = "RAYTRAIN_SECRETS_WANTED"  # the SECRETS_ENV names set on the driver, comma-separated
-KEY_ID_ENV = "RAYTRAIN_KEY_ID"  # signing.key_id() of the driver: a hash, so a node can tell a different key
+KEY_ID_ENV = "RAYTRAIN_KEY_ID"  # "salt:id", the driver's signing.key_id(salt) with a fresh salt: a node tells a different key
+RELAY_CONFIG = "secret_relay"  # the train_loop_config entry holding the relay's handle (its only way in)
 RELAY_TIMEOUT_S = 30.0
 
 
 class SecretRelay:
     """The driver's secrets, in the memory of one actor on the driver's node, for the worker
     processes of nodes that lack them. The values arrive by a method call (`hold`), never with
-    the actor's creation, whose options and runtime_env Ray's dashboard shows."""
+    the actor's creation, whose options and runtime_env Ray's dashboard shows. The actor has no
+    name: `ray list actors` shows that it exists, but only a holder of its handle can call it, and
+    the driver hands that to its own train workers alone (in their train_loop_config)."""
 
     def __init__(self):
         self._values: dict[str, str] = {}
@@ -69,43 +72,37 @@ class SecretRelay:
         return {n: self._values[n] for n in names if n in self._values}
 
 
-def relay_name(run_dir: str) -> str:
-    return "raytrain-secrets:" + run_dir
-
-
 @dataclass
 class Relay:
-    actor: object  # keep it referenced while the job runs: Ray ends an unreferenced actor, named or not
-    env: dict[str, str]  # names only: for the workers' runtime_env
+    actor: object  # the handle: for the workers' train_loop_config; referenced while the job runs (Ray ends an unreferenced actor)
+    env: dict[str, str]  # names and a salted key id only: for the workers' runtime_env
 
 
-def start_relay(run_dir: str) -> Relay:
+def start_relay() -> Relay:
     """Driver: the job's secret relay, holding the values of the SECRETS_ENV names set here, and
-    the names-only variables by which the workers reach it. Not detached: it ends with the
-    driver at the latest."""
+    the names-only variables that tell the workers what to ask for. Not detached and not named:
+    it ends with the driver at the latest, and only its handle reaches it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    name = relay_name(run_dir)
-    try:
-        ray.kill(ray.get_actor(name))  # a stale one of another driver of this run
-    except ValueError:
-        pass
     values = {k: os.environ[k] for k in SECRETS_ENV if k in os.environ}
     # Pinned to the driver's node (as the control actor): it must not die with a spot node.
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    actor = (ray.remote(num_cpus=0, max_concurrency=4)(SecretRelay)
-             .options(name=name, scheduling_strategy=here).remote())
+    actor = ray.remote(num_cpus=0, max_concurrency=4)(SecretRelay).options(scheduling_strategy=here).remote()
     actor.hold.remote(values)
-    key_id = signing.key_id()
-    return Relay(actor, {RELAY_ENV: name, WANTED_ENV: ",".join(values), **({KEY_ID_ENV: key_id} if key_id else {})})
+    salt = secrets.token_hex(8)
+    key_id = signing.key_id(salt)
+    return Relay(actor, {WANTED_ENV: ",".join(values), **({KEY_ID_ENV: f"{salt}:{key_id}"} if key_id else {})})
 
 
 def _present(names: list[str], key_id: str | None) -> list[str]:
     """Which of `names` this process has. The signing key counts as present where this process
-    would sign with the same key (from its environment or its key file) as the driver."""
+    would sign with the same key (from its environment or its key file) as the driver: `key_id`
+    is the driver's "salt:id"."""
     have = [n for n in names if n in os.environ and n != signing.KEY_ENV]
-    return have + ([signing.KEY_ENV] if signing.KEY_ENV in names and signing.key_id() == key_id else [])
+    salt, _, theirs = (key_id or "").rpartition(":")
+    same = bool(theirs) and signing.key_id(salt) == theirs
+    return have + ([signing.KEY_ENV] if signing.KEY_ENV in names and same else [])
 
 
 def setup_worker() -> None:
@@ -132,25 +129,25 @@ def with_secrets(train_func):
 
 
 def _train_with_secrets(train_func, config: dict):
-    receive_secrets()
+    config = dict(config)
+    receive_secrets(config.pop(RELAY_CONFIG, None))
     return train_func(config)
 
 
-def receive_secrets() -> None:
-    """Set in os.environ the secrets the driver has and this process lacks, from the relay
-    named in the runtime_env (names only there). Never raises: without them, the job fails at
-    their first use with that use's own message (e.g. signing's "no signing key")."""
+def receive_secrets(relay) -> None:
+    """Set in os.environ the secrets the driver has and this process lacks, from the relay whose
+    handle the driver gave this worker (the runtime_env says which names, never a value). Never
+    raises: without them, the job fails at their first use with that use's own message (e.g.
+    signing's "no signing key")."""
     wanted = [n for n in os.environ.get(WANTED_ENV, "").split(",") if n]
     missing = [n for n in wanted if n not in _present(wanted, os.environ.get(KEY_ID_ENV))]
-    name = os.environ.get(RELAY_ENV)
-    if not missing or not name:
+    if not missing or relay is None:
         return
     import ray
 
     try:
-        # get_actor is one GCS lookup, bounded by Ray's own GCS request timeout.
-        values = ray.get(ray.get_actor(name).give.remote(missing), timeout=RELAY_TIMEOUT_S)
-    except (ValueError, ray.exceptions.RayError) as exc:  # ValueError: no such actor (the driver is gone)
+        values = ray.get(relay.give.remote(missing), timeout=RELAY_TIMEOUT_S)
+    except ray.exceptions.RayError as exc:  # the driver (and its relay) is gone
         print(f"[raytrain] this node lacks {', '.join(missing)} and the driver's secret relay did not answer "
               f"({type(exc).__name__}); going on without them: set them on the node", flush=True)
         return

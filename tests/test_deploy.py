@@ -319,7 +319,7 @@ def test_a_node_that_joins_after_the_submit_gets_the_secrets_it_lacks_from_the_d
         assert "RayTrainWorker" in late_logs and said in late_logs
         # No value in the workers' runtime_env (Ray's state API and dashboard show it), nor in the log.
         shown = cluster.ray("list", "tasks", "--filter", "name=RayTrainWorker.__init__", "--detail", "--format", "json")
-        assert worker_env.RELAY_ENV in shown and "runtime_env" in shown, shown[-3000:]
+        assert worker_env.WANTED_ENV in shown and "runtime_env" in shown, shown[-3000:]
         for name in secrets_here:
             value = cluster.env[name]
             assert len(value) < 12 or (value not in shown and value not in logs), name  # S3's dummy "testing" is no secret

@@ -25,16 +25,20 @@ def test_the_plan_resolves_each_rule_once(assets, tmp_path):
     assert not zero3.hsdp and zero3.shard_degree(4) == 4  # auto HSDP is FSDP2's
 
 
-def test_workers_refuse_a_plan_changed_or_made_for_another_run(assets, tmp_path):
+def test_workers_act_only_on_the_job_and_plan_the_driver_signed(assets, tmp_path):
+    # The plan was signed, but the job beside it in the worker config (model.path,
+    # trust_remote_code, ...) was not: a changed one was acted on. Now they are one document.
     spec = make_job(assets, tmp_path)
     stores = {"train": ["/data/a"], "weights": [1.0], "eval": None, "key": "k"}
-    doc = RunPlan.of(spec, stores).signed(spec.run_dir)
-    assert RunPlan.verified(doc, spec.run_dir) == RunPlan.of(spec, stores)
-    with pytest.raises(JobError, match="refusing the run plan .*: its signature is wrong"):
-        RunPlan.verified({**doc, "bf16": True}, spec.run_dir)
-    other = make_job(assets, tmp_path, name="other")
-    with pytest.raises(JobError, match="refusing the run plan .*: it is signed for run_dir"):
-        RunPlan.verified(doc, other.run_dir)
+    doc = RunPlan.of(spec, stores).signed(spec)
+    assert RunPlan.verified(doc) == (spec, RunPlan.of(spec, stores))
+    changed = [{**doc, "bf16": True},
+               {**doc, "spec": {**doc["spec"], "model": {**doc["spec"]["model"], "path": "/elsewhere/model"}}},
+               {**doc, "spec": {**doc["spec"], "model": {**doc["spec"]["model"], "trust_remote_code": True}}},
+               {k: v for k, v in doc.items() if k != "spec"}]
+    for tampered in changed:
+        with pytest.raises(JobError, match="refusing the run plan: its signature is wrong"):
+            RunPlan.verified(tampered)
 
 
 def test_the_mesh_rule_places_sequence_and_tensor_ranks_and_resizes_only_data_parallel_ones(assets, tmp_path):

@@ -20,6 +20,12 @@ def _probe(config: dict) -> dict:
     return {"HF_TOKEN": os.environ.get("HF_TOKEN"), "key_id": signing.key_id(), "config": config}
 
 
+def import_hashlib_sha256_prefix() -> str:
+    import hashlib
+
+    return hashlib.sha256(os.environ[signing.KEY_ENV].encode()).hexdigest()[:16]
+
+
 def _start_worker(train_func, config: dict) -> tuple[dict, str]:
     """A worker process as the train workers start (the setup hook, then the train function
     wrapped as the launcher wraps it): what it saw and what it printed."""
@@ -29,14 +35,15 @@ def _start_worker(train_func, config: dict) -> tuple[dict, str]:
     return seen, out.getvalue()
 
 
-def _run_on_a_worker(runtime_env: dict) -> tuple[dict, str]:
+def _run_on_a_worker(runtime_env: dict, relay=None) -> tuple[dict, str]:
     import sys
 
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test file
     task = ray.remote(num_cpus=0)(_start_worker).options(runtime_env=runtime_env)
-    return ray.get(task.remote(_probe, {"step": 1}), timeout=120)
+    config = {"step": 1, **({worker_env.RELAY_CONFIG: relay} if relay is not None else {})}
+    return ray.get(task.remote(_probe, config), timeout=120)
 
 
 def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_env(ray_address, assets, tmp_path,
@@ -47,15 +54,17 @@ def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_e
         monkeypatch.delenv(key, raising=False)
     # Set after the cluster started: its nodes lack it. The signing key they have (the same one).
     monkeypatch.setenv("HF_TOKEN", "hf_only_in_this_shell")
-    relay = worker_env.start_relay(str(tmp_path / "run"))
+    relay = worker_env.start_relay()
     spec = make_job(assets, tmp_path)
     env = worker_env.runtime_env(spec, relay.env)
     text = json.dumps(env)
     assert "hf_only_in_this_shell" not in text and os.environ[signing.KEY_ENV] not in text
     assert env["env_vars"][worker_env.WANTED_ENV] == f"HF_TOKEN,{signing.KEY_ENV}"
-    assert env["env_vars"][worker_env.KEY_ID_ENV] == signing.key_id()
+    salt, key_id = env["env_vars"][worker_env.KEY_ID_ENV].split(":")  # a fresh salt each job, an HMAC under the key
+    assert key_id == signing.key_id(salt) != signing.key_id() and salt not in worker_env.start_relay().env[worker_env.KEY_ID_ENV]
+    assert import_hashlib_sha256_prefix() not in text  # not the unsalted hash of the key it was before
 
-    seen, printed = _run_on_a_worker(env)
+    seen, printed = _run_on_a_worker(env, relay.actor)
     assert seen == {"HF_TOKEN": "hf_only_in_this_shell", "key_id": signing.key_id(), "config": {"step": 1}}
     lines = printed.splitlines()
     assert len(lines) == 1 and "lacks HF_TOKEN:" in lines[0] and "setting them on the node" in lines[0]
@@ -63,14 +72,14 @@ def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_e
 
     # A node with another signing key gets the driver's (compared by id, never by value).
     other = {"env_vars": {**env["env_vars"], signing.KEY_ENV: "this node's own, other key"}}
-    seen, printed = _run_on_a_worker(other)
+    seen, printed = _run_on_a_worker(other, relay.actor)
     assert seen["key_id"] == signing.key_id() and f"lacks HF_TOKEN, {signing.KEY_ENV}:" in printed
 
     # The driver gone (its relay with it): one clear line, and the worker goes on without them.
     import ray
 
     ray.kill(relay.actor)
-    seen, printed = _run_on_a_worker({"env_vars": {**env["env_vars"], "RAYTRAIN_TEST": "relay gone"}})
+    seen, printed = _run_on_a_worker({"env_vars": {**env["env_vars"], "RAYTRAIN_TEST": "relay gone"}}, relay.actor)
     assert seen["HF_TOKEN"] is None and "relay did not answer" in printed and "going on without them" in printed
 
 
@@ -79,6 +88,37 @@ def test_a_worker_whose_node_has_everything_asks_nothing(ray_address, assets, tm
 
     for key in (*OTHER_SECRETS, "HF_TOKEN"):
         monkeypatch.delenv(key, raising=False)
-    env = worker_env.runtime_env(make_job(assets, tmp_path), worker_env.start_relay(str(tmp_path / "run")).env)
-    seen, printed = _run_on_a_worker(env)
+    relay = worker_env.start_relay()
+    env = worker_env.runtime_env(make_job(assets, tmp_path), relay.env)
+    seen, printed = _run_on_a_worker(env, relay.actor)
     assert seen["key_id"] == signing.key_id() and printed == ""
+
+
+def test_another_job_on_the_cluster_cannot_reach_the_relay(ray_address, tmp_path, monkeypatch):
+    # The relay was a named actor (`ray list actors` showed the name and namespace) that gave any
+    # value, the checkpoint signing key among them, to any caller. Now it has no name: another
+    # job (here, a second driver connected to the same cluster) asks every actor it can look up
+    # and gets nothing.
+    import subprocess
+    import sys
+
+    import ray
+
+    monkeypatch.setenv("HF_TOKEN", "hf_relayed")
+    relay = worker_env.start_relay()
+    assert ray.get(relay.actor.give.remote(["HF_TOKEN"]), timeout=60) == {"HF_TOKEN": "hf_relayed"}  # its holder can
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "secret" in json.dumps(a).lower()]
+    other = subprocess.run([sys.executable, "-c", f"""
+import json, ray
+ray.init(address={ray_address!r}, namespace="another-job", log_to_driver=False)
+got = []
+for actor in ray.util.list_named_actors(all_namespaces=True):  # every actor another job can look up
+    try:
+        got.append(ray.get(ray.get_actor(actor["name"], namespace=actor["namespace"]).give.remote(["HF_TOKEN"]), timeout=30))
+    except Exception as exc:  # no `give`: not a relay
+        got.append(type(exc).__name__)
+print(json.dumps({{"named": ray.util.list_named_actors(all_namespaces=True), "got": got}}))
+"""], capture_output=True, text=True, timeout=120, env={**os.environ, "HF_TOKEN": ""})
+    assert other.returncode == 0 and other.stdout.strip(), other.stderr[-3000:]
+    seen = json.loads(other.stdout.strip().splitlines()[-1])
+    assert "hf_relayed" not in other.stdout and not any(isinstance(g, dict) for g in seen["got"]), seen
