@@ -45,6 +45,7 @@ class TrainState:
     # Step metrics of the steps this checkpoint completes: MLflow gets them after the commit,
     # and a restart re-sends any that a worker killed right after the commit never sent.
     metrics: list = field(default_factory=list)
+    lease: str = ""  # the run directory's lease of the driver whose workers committed it (lease.py)
     stopped: bool = False  # a stop was requested on the driver; not part of the saved state
 
     def to_json(self) -> str:
@@ -68,7 +69,7 @@ class TrainState:
         return cls(**raw)
 
 
-def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = True) -> str | None:
+def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = True, before_commit=None) -> str | None:
     """Collective: every rank saves its part and reports it; Ray commits the merged folder.
 
     wait=True blocks until the checkpoint is committed and returns its path. wait=False
@@ -76,7 +77,9 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     writes the files in the background and Ray's upload thread waits for them before it
     copies anything (so a crash mid-write uploads nothing: the previous checkpoint stays the
     latest; Ray registers it once every rank's part is there), and `confirm()` at the next
-    save (which finds it long registered) hands its steps' metrics to MLflow.
+    save (which finds it long registered) hands its steps' metrics to MLflow. `before_commit`
+    (rank 0: the lease fence) runs on the upload thread before a background upload, and a
+    JobError from it leaves the checkpoint uncommitted.
     """
     import ray.train
     from ray.train import CheckpointUploadMode
@@ -108,7 +111,9 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
 
     def upload(checkpoint, dir_name: str):
         files_complete()
-        sign(tmp, strategy.spec.run_dir, name, group)
+        sign(tmp, strategy.spec.run_dir, name, group)  # collective on every rank's upload thread
+        if before_commit is not None:
+            before_commit()
         return storage.persist_current_checkpoint(checkpoint, dir_name)
 
     ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=upload, **common)

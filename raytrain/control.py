@@ -30,7 +30,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import storage
+from . import lease
 from .errors import JobError
 
 
@@ -205,30 +205,29 @@ def driver_identity() -> dict:
             "submission_id": config.get("metadata", {}).get("job_submission_id"), "since": time.time()}
 
 
-def describe(holder: dict) -> str:
-    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("since", 0)))
-    job = f"submission {holder['submission_id']}" if holder.get("submission_id") else f"Ray job {holder.get('job_id')}"
-    return f"{job} (pid {holder.get('pid')} on {holder.get('host')}, since {since})"
+@dataclass
+class Held:
+    """A driver's hold on its run directory: the control actor (the lock within its Ray cluster) and
+    the lease in storage (lease.py: across clusters), renewed while the job runs."""
+    actor: object
+    token: str  # the lease's generation:token, signed into the run plan for the workers' fence
+    renewal: lease.Renewal
 
 
-def _how_to_stop(holder: dict) -> str:
-    if holder.get("submission_id"):
-        return f"`ray job stop {holder['submission_id']}`"
-    return f"Ctrl-C in its shell, or `kill -TERM {holder.get('pid')}` on {holder.get('host')}"
-
-
-def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False):
-    """Driver: the named control actor of this job, which is its lease on the run directory.
+def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False) -> Held:
+    """Driver: the named control actor of this job, which is its lock on the run directory within
+    its Ray cluster, and the lease in storage, which is it across clusters (lease.py).
     Ray creates a named actor once, so a second driver of the same run directory is refused here,
     at once, naming the first; with `takeover` it asks the first to checkpoint and stop (as `ray
     job stop` would) and takes its place. The actor is not detached: a driver that dies takes it
-    along (Ray removes it within a second), so a resubmit after a crash goes ahead."""
+    along (Ray removes it within a second), so a resubmit after a crash goes ahead. A holder on
+    another cluster is refused by the lease, or fenced with `takeover`."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
     # Pinned to the driver's node: it must not die with a spot worker node it happened to land on.
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    name, me = actor_name(run_dir), driver_identity()
+    name, me, asked = actor_name(run_dir), driver_identity(), takeover
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     # An asyncio actor (data_ready awaits): its methods take turns on one event loop. Every rank's
     # data_ready is pending at once, so its slots must outnumber the ranks, or the driver's calls
@@ -242,11 +241,11 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False):
             pass
         else:
             try:
-                _record_holder(run_dir, me)
-            except BaseException:  # the run directory cannot be written: the lease is given back at once
+                token = lease.acquire(run_dir, me, ray.get_runtime_context().gcs_address, asked)
+            except BaseException:  # held elsewhere, or the run directory cannot be written: give the lock back
                 ray.kill(actor)
                 raise
-            return actor
+            return Held(actor, token, lease.Renewal(run_dir, token))
         try:
             holder_actor = ray.get_actor(name, namespace=NAMESPACE)
             holder = ray.get(holder_actor.owner.remote(), timeout=10)
@@ -254,41 +253,27 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False):
             time.sleep(0.5)
             continue
         if not takeover:
-            raise JobError(f"run directory {run_dir} is in use by another driver of this job: {describe(holder)}. "
-                           f"Wait for it, stop it with {_how_to_stop(holder)}, or run with --takeover to have it "
+            raise JobError(f"run directory {run_dir} is in use by another driver of this job: {lease.describe(holder)}. "
+                           f"Wait for it, stop it with {lease.how_to_stop(holder)}, or run with --takeover to have it "
                            "checkpoint and stop and continue the run here")
-        print(f"[raytrain] --takeover: asking {describe(holder)} to checkpoint and stop; this driver continues the run",
+        print(f"[raytrain] --takeover: asking {lease.describe(holder)} to checkpoint and stop; this driver continues the run",
               flush=True)
-        holder_actor.request_stop.remote(f"taken over by {describe(me)}")
+        holder_actor.request_stop.remote(f"taken over by {lease.describe(me)}")
         deadline = time.monotonic() + TAKEOVER_WAIT_S
         while time.monotonic() < deadline and _exists(name):
             time.sleep(1)
-        if _exists(name):
+        if _exists(name):  # it does not stop: the lease's new generation fences its workers
             ray.kill(holder_actor)
         takeover = False  # once
     raise JobError(f"could not take the run directory {run_dir}'s lease (its control actor {name} keeps coming back)")
 
 
-DRIVER_FILE = "driver.json"  # the lease's holder, for the next driver's word on one that ended without closing
-
-
-def _record_holder(run_dir: str, me: dict) -> None:
-    uri = storage.join(run_dir, DRIVER_FILE)
-    fs, path = storage.filesystem(run_dir)
-    fs.create_dir(path, recursive=True)
-    if storage.exists(uri):
-        with contextlib.suppress(ValueError, KeyError):
-            print(f"[raytrain] taking over the run directory from {describe(json.loads(storage.read_text(uri)))}, "
-                  "which is gone without closing the run (killed, or its node lost)", flush=True)
-    storage.write_text(uri, json.dumps(me))
-
-
-def release(run_dir: str, actor) -> None:
+def release(run_dir: str, held: Held) -> None:
     """Driver, at its end: the run directory is free, its control actor gone."""
     import ray
 
-    storage.delete(storage.join(run_dir, DRIVER_FILE))
-    ray.kill(actor)
+    held.renewal.release()
+    ray.kill(held.actor)
 
 
 def _exists(name: str) -> bool:

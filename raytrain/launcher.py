@@ -49,7 +49,8 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 
 
-def build_trainer(spec: JobSpec, run_id: str, prepared: dict, relay=None, timeline: Timeline | None = None):
+def build_trainer(spec: JobSpec, run_id: str, prepared: dict, relay=None, timeline: Timeline | None = None,
+                  lease_token: str = ""):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -70,7 +71,7 @@ def build_trainer(spec: JobSpec, run_id: str, prepared: dict, relay=None, timeli
     return TorchTrainer(with_secrets(worker.train_func), scaling_config=scaling, run_config=run,
                         train_loop_config={"run_id": run_id,  # the job rides inside the signed plan
                                            **({RELAY_CONFIG: relay.actor} if relay else {}),
-                                           "plan": RunPlan.of(spec, prepared).signed(spec),
+                                           "plan": RunPlan.of(spec, prepared, lease=lease_token).signed(spec),
                                            "timeline": (timeline or Timeline()).to_config()})
 
 
@@ -154,9 +155,10 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
         seeding.result()
     # The lease first: a second driver of a running job is refused before it changes anything
     # (the run snapshot, job.json, the MLflow run's status).
-    job_control = run_id = None
+    held = job_control = run_id = None
     try:  # once the MLflow run is open, whatever happens ends it: it never stays RUNNING
-        job_control = control.start_actor(spec.run_dir, spec.failure.max_failures, takeover)
+        held = control.start_actor(spec.run_dir, spec.failure.max_failures, takeover)
+        job_control = held.actor
         gone = forget_deleted(spec.run_dir)
         latest, where = _latest_state(spec)
         if gone:
@@ -186,21 +188,22 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
         # Secrets never ride in the workers' runtime_env (Ray's dashboard shows it): a worker whose
         # node lacks some, a spot node added mid-run included, asks this relay for them and says so.
         relay = start_relay()
-        result = _prepare_and_fit(spec, job_control, lambda: build_trainer(spec, run_id, planned, relay, timeline))
+        result = _prepare_and_fit(spec, job_control, lambda: build_trainer(spec, run_id, planned, relay, timeline,
+                                                                           held.token))
         verdict = ray.get(job_control.verdict.remote())
         if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
             raise JobError(verdict)
     except BaseException as exc:
         if run_id is None and job_control is not None:  # no MLflow run yet: only the lease to give back
-            control.release(spec.run_dir, job_control)
+            control.release(spec.run_dir, held)
         elif run_id is not None:
-            _close(spec, run_id, job_control, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+            _close(spec, run_id, held, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         message = user_message(exc) or (f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else None)
         if message:
             raise JobError(message) from None
         raise
     ckpt = result.checkpoint.path if result.checkpoint else None
-    goodput = _close(spec, run_id, job_control, "FINISHED", {"raytrain.latest_checkpoint": str(ckpt)})
+    goodput = _close(spec, run_id, held, "FINISHED", {"raytrain.latest_checkpoint": str(ckpt)})
     return JobResult(run_id, spec.run_dir, ckpt, dict(result.metrics or {}), time.time() - started, goodput)
 
 
@@ -259,12 +262,12 @@ class _Fit:
         return self.outcome.get("result")
 
 
-def _close(spec: JobSpec, run_id: str, job_control, status: str, tags: dict | None = None) -> dict:
+def _close(spec: JobSpec, run_id: str, held, status: str, tags: dict | None = None) -> dict:
     """Record goodput and the attempts, the steps rank 0 had not written, then end the MLflow run
     (or keep all that in the run directory while MLflow is unreachable), and free the run directory."""
     import ray
 
-    goodput = {}
+    job_control = held.actor
     goodput = ray.get(job_control.goodput.remote())
     if status == "FINISHED" and ray.get(job_control.stop_requested.remote()):
         status = "KILLED"  # stopped on request: resumable from its last checkpoint
@@ -273,5 +276,5 @@ def _close(spec: JobSpec, run_id: str, job_control, status: str, tags: dict | No
     except JobError:  # a refused checkpoint was said where it was met; its steps stay unwritten
         latest = None
     tracking.close_run(spec, run_id, status, tags or {}, goodput, latest.metrics if latest else [])
-    control.release(spec.run_dir, job_control)
+    control.release(spec.run_dir, held)
     return goodput

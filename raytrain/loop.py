@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, objectives, telemetry
+from . import checkpoint, lease, objectives, telemetry
 from .checkpoint import TrainState
 from .config import JobSpec
 from .data.batches import GlobalBatches
-from .preemption import DRIVER_STOP, RAY_NOTICE, SIGTERM, Preempted, StopSignals
+from .errors import JobError
+from .preemption import DRIVER_STOP, FENCED, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 
 
 def lr_at(step: int, spec: JobSpec) -> float:
@@ -82,6 +83,19 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     return StepResult(loss=values[0], means=values[1:n], grad_norm=values[n], flags=values[n + 1:])
 
 
+def _require_lease(fence) -> None:
+    """Collective, before a checkpoint: rank 0 reads the lease now; every rank raises if it is lost."""
+    said = [None]
+    if fence is not None:
+        try:
+            fence.require()
+        except JobError as exc:
+            said = [str(exc)]
+    torch.distributed.broadcast_object_list(said, src=0)
+    if said[0]:
+        raise JobError(said[0])
+
+
 def host_values(t: torch.Tensor) -> list[float]:
     """The step's one host sync: a device vector's values on the host."""
     return t.tolist()  # host: the step's one sync
@@ -99,7 +113,9 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
     device, rank, world = strategy.device, strategy.rank, strategy.world_size
     t, ck = spec.training, spec.checkpoint
     start, started = state.step, time.perf_counter()
-    stops = StopSignals(control, check_ray_notice=spec.failure.checkpoint_on_preemption)
+    token = strategy.plan.lease  # the lease this group's driver holds: rank 0 watches it (lease.py)
+    fence = lease.Fence(spec.run_dir, token) if token and rank == 0 else None
+    stops = StopSignals(control, check_ray_notice=spec.failure.checkpoint_on_preemption, fence=fence)
     pending: list[tuple[int, dict]] = []  # step metrics not yet in a committed checkpoint
     uploading: list[tuple[int, dict]] = []  # ...of the checkpoint being uploaded asynchronously
     flops = telemetry.StepFlops(strategy.model, spec, device)
@@ -145,6 +161,9 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                   f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
                   file=sys.stdout, flush=True)
         stops.step_done(state.step, step_time, rank)
+        if flags & FENCED:  # another driver holds the run directory: stop here, commit nothing
+            raise JobError(fence.message() if fence else "stopped: the run directory was taken over by another "
+                           "driver; this worker group committed nothing after it")
         checkpoint_s = 0.0
         if flags or state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
             save_start = time.perf_counter()
@@ -155,7 +174,10 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             # Rank 0's steps MLflow does not have yet ride in the checkpoint too: a restart, the
             # driver at the end or `raytrain sync-metrics` writes them if this process never can.
             state.metrics = ((logger.unwritten() if logger else []) + done) if rank == 0 else []
-            committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)
+            if token:  # read the lease once more: a takeover since the last check commits nothing
+                _require_lease(fence)
+            committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent,
+                                                   before_commit=fence.require if fence else None)
             checkpoint_s = time.perf_counter() - save_start
             uploading = [] if urgent else done
             if urgent:

@@ -72,9 +72,10 @@ class RunPlan:
     sequence_parallel: int = 1  # scaling.sequence_parallel: ranks one sequence is split over (Ulysses)
     tensor_parallel: int = 1  # scaling.tensor_parallel: ranks one layer's weights are split over
     stores: dict = field(default_factory=dict)  # {"train": [uri], "weights": [...], "eval": uri | None, "key": ...}
+    lease: str = ""  # the run directory's lease this plan's driver holds (lease.py); "" without a launcher
 
     @classmethod
-    def of(cls, spec: JobSpec, stores: dict | None = None) -> "RunPlan":
+    def of(cls, spec: JobSpec, stores: dict | None = None, lease: str = "") -> "RunPlan":
         t, s = spec.training, spec.scaling
         sync = t.gradient_sync == "every_micro_batch" or (
             t.gradient_sync == "auto" and t.finetune == "full" and t.strategy != "ddp")
@@ -82,7 +83,8 @@ class RunPlan:
                    hsdp=bool(s.use_gpu if s.hsdp == "auto" else s.hsdp) and t.strategy == "fsdp2",
                    workers_per_node=s.workers_per_node, global_batch=t.global_batch_size,
                    micro_batch=t.micro_batch_size, sync_every_micro_batch=sync,
-                   sequence_parallel=s.sequence_parallel, tensor_parallel=s.tensor_parallel, stores=dict(stores or {}))
+                   sequence_parallel=s.sequence_parallel, tensor_parallel=s.tensor_parallel, stores=dict(stores or {}),
+                   lease=lease)
 
     # --- rules of the world size N
     def mesh(self, workers: int) -> Mesh:

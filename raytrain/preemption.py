@@ -9,6 +9,9 @@ Three notices, one mechanism (flags carried by each step's loss all-reduce):
   --reason PREEMPTION`, which KubeRay's preStop hook runs): checkpoint once and keep
   going, as Ray recommends; Ray restarts when the node is gone.
 - A stop requested on the driver (`ray job stop`, Ctrl-C): checkpoint, then finish cleanly.
+
+And one that must not checkpoint: another driver took the run directory's lease (lease.py). Rank 0
+reads it in a thread; every rank stops before its next step, and nothing more is committed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 
-SIGTERM, RAY_NOTICE, DRIVER_STOP = 1, 2, 4  # bit flags, summed across ranks on the loss all-reduce
+SIGTERM, RAY_NOTICE, DRIVER_STOP, FENCED = 1, 2, 4, 8  # bit flags, summed across ranks on the loss all-reduce
 GRACE_ENV = "RAYTRAIN_PREEMPTION_GRACE_S"
 _sigterm = threading.Event()
 
@@ -82,10 +85,11 @@ class StopSignals:
     commits another checkpoint.
     """
 
-    N_FLAGS = 3
+    N_FLAGS = 4
 
-    def __init__(self, control, check_ray_notice: bool = True, notices=None):
+    def __init__(self, control, check_ray_notice: bool = True, notices=None, fence=None):
         self.control, self.check_ray_notice = control, check_ray_notice
+        self.fence = fence  # rank 0's lease.Fence (None elsewhere, and without a launcher)
         self.notices = notices or _local_preemption_info  # where this rank reads Ray's notice
         self.driver_stop = False
         self._answers: list = []  # the control actor's replies to progress reports not yet read
@@ -105,6 +109,8 @@ class StopSignals:
                 self.control, self._answers = None, []  # the driver is gone; training needs no bookkeeping to go on
         if self.driver_stop:
             flags |= DRIVER_STOP
+        if self.fence is not None and self.fence.stale:
+            flags |= FENCED
         self._notice = self.notices() if self.check_ray_notice else None
         if self._notice is not None and self._notice != self._acted_on:
             flags |= RAY_NOTICE

@@ -70,7 +70,7 @@ def _train(spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, de
     state = checkpoint.restore(strategy) or TrainState(model_commit=spec.model.revision)  # pinned by the driver
     timeline.mark("restored")
     resumed_from = state.step
-    state.world_size, state.run_id = world, config["run_id"]
+    state.world_size, state.run_id, state.lease = world, config["run_id"], plan.lease
     logger = StepLogger(spec, config["run_id"]) if rank == 0 else None
     attempt = 0  # rank 0 learns it from the control actor
     if rank == 0:

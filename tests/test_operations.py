@@ -183,11 +183,13 @@ def test_sync_metrics_of_a_folder_that_is_no_run_directory_says_so(tmp_path, cap
 class Driver:
     """`python -m raytrain run job.yaml` as a user's shell (or a RayJob) starts it."""
 
-    def __init__(self, job_file: Path, log: Path, address: str, *extra: str):
+    def __init__(self, job_file: Path, log: Path, address: str | None, *extra: str):
+        """`address` None: no cluster to join, so the driver starts a local Ray instance of its own."""
         self.log = log
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.proc = subprocess.Popen([sys.executable, "-m", "raytrain", "run", str(job_file), *extra],
                                      stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "RAY_ADDRESS": address})
+                                     env={**env, **({"RAY_ADDRESS": address} if address else {})})
 
     @property
     def text(self) -> str:
@@ -254,3 +256,51 @@ def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_wor
     (run,) = client.search_runs([client.get_experiment_by_name("lease").experiment_id])  # one run for the job
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))
     assert run.info.status == "FINISHED"
+
+
+def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults, assets, tmp_path):
+    # Before: a driver with no cluster to join starts a local Ray instance, where the first
+    # driver's control actor is invisible; it read driver.json as a dead holder's, took over and
+    # trained into the first's run beside it. Now the lease in storage refuses it, naming the first;
+    # with --takeover the first's workers are fenced: they stop before their next step, commit
+    # nothing more, and the new driver resumes from the last checkpoint they committed.
+    from mlflow.tracking import MlflowClient
+
+    from raytrain.checkpoint import TrainState
+    from raytrain.tracking import tracking_uri
+
+    inject_faults([{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": 0.3}])
+    steps = 30
+    spec = make_job(assets, tmp_path / "runs", name="fence", training={"max_steps": steps},
+                    checkpoint={"every_n_steps": 3, "keep_last": 20, "async_save": True, "export_final": False},
+                    tracking={"experiment": "fence"})
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    logs = tmp_path / "drivers"
+    logs.mkdir()
+
+    first = Driver(job_file, logs / "first.log", None)  # its own local Ray instance
+    first.wait_for("[raytrain] step 4/", timeout=400)
+    second = Driver(job_file, logs / "second.log", ray_address)  # the tests' cluster: another one
+    assert second.wait(timeout=120) == 1, second.text[-3000:]
+    assert "is in use by another driver of this job" in second.text and f"pid {first.proc.pid} " in second.text
+    assert "on another Ray cluster" in second.text and "--takeover" in second.text and "Traceback" not in second.text
+    assert first.proc.poll() is None
+
+    third = Driver(job_file, logs / "third.log", ray_address, "--takeover")
+    third.wait_for("[raytrain] step ", timeout=400)
+    assert first.wait(timeout=300) != 0
+    assert "was taken over by" in first.text and f"pid {third.proc.pid} " in first.text, first.text[-3000:]
+    resumed = int(third.text.split("(step ")[1].split(")")[0]) if "resuming from" in third.text else 0
+    assert third.wait() == 0, third.text[-3000:]
+
+    # Every committed checkpoint is the first driver's up to where the third resumed, the third's after:
+    # the fenced group committed nothing after the takeover (goal 0).
+    leases = {int(f.name.split("_")[1]): TrainState.from_json((f / "train_state.json").read_text()).lease
+              for f in sorted(Path(spec.run_dir).glob("step_*")) if (f / "train_state.json").exists()}
+    mine, theirs = leases[steps], {v for k, v in leases.items() if k <= resumed}
+    assert resumed >= 3 and mine not in theirs and len(theirs) == 1, (resumed, leases)
+    assert all(v == mine for k, v in leases.items() if k > resumed), (resumed, leases)
+    client = MlflowClient(tracking_uri(spec))
+    (run,) = client.search_runs([client.get_experiment_by_name("fence").experiment_id])  # one run for the job
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))

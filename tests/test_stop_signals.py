@@ -117,7 +117,8 @@ def test_ranks_waiting_for_the_data_are_woken_by_the_drivers_word_and_never_hold
 
     for ending in ("prepared", "failed", "stopped"):
         run_dir = str(tmp_path / ending)
-        actor = control.start_actor(run_dir)
+        held = control.start_actor(run_dir)
+        actor = held.actor
         try:
             waits = [actor.data_ready.remote(60) for _ in range(64)]  # a group of 64 ranks
             assert ray.get(actor.data_ready.remote(0.05), timeout=30) is None  # nothing said yet: ask again
@@ -132,4 +133,4 @@ def test_ranks_waiting_for_the_data_are_woken_by_the_drivers_word_and_never_hold
             # A group Ray starts later (after a failure) has its answer at once.
             assert ray.get(actor.data_ready.remote(60), timeout=5) is (ending == "prepared")
         finally:
-            control.release(run_dir, actor)
+            control.release(run_dir, held)

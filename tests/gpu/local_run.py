@@ -162,7 +162,7 @@ def register(run_dir: str, name: str) -> None:
     Path(run_dir, RAY_SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
 
 
-def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None:
+def commit_here(strategy, state, metrics: dict, wait: bool = True, before_commit=None) -> str | None:
     """`checkpoint.save_and_report` without Ray Train: each rank saves its part in its own folder
     and rank 0 signs them all (as Ray Train workers do), the parts are merged into `<run_dir>/step_N/`
     (Ray's upload), then rank 0 registers it as Ray Train's controller does (`register`) and records it
@@ -198,7 +198,7 @@ def _confirm_here(strategy) -> str | None:
     return None  # commit_here commits before it returns: nothing is ever pending
 
 
-def _no_checkpoint(strategy, state, metrics: dict, wait: bool = True) -> None:
+def _no_checkpoint(strategy, state, metrics: dict, wait: bool = True, before_commit=None) -> None:
     return None
 
 
