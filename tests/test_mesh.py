@@ -25,12 +25,11 @@ import torch
 pytestmark = pytest.mark.slow
 REL_TOL = 1e-5  # another reduction order (per part, per rank): fp32 rounding, not bit equality
 
-# name -> (the job's mesh and training, rows: (pairs, packed)); compared with BASELINE[name]
+# name -> (the job's mesh and training, rows: (pairs, packed)); compared with BASELINE[name]. Eager, DDP
+# and sp x tp with the other options are tests/test_combinations.py's cases.
 CASES = {
     "sft": ({"export": True}, (False, True)),
     "sft sp=4": ({"sp": 4}, (False, True)),  # 4 heads, 2 KV heads: each rank gets a repeated KV head
-    "sft sp=2 eager": ({"sp": 2, "attn": "eager"}, (False, True)),  # the additive mask
-    "sft sp=2 ddp": ({"sp": 2, "strategy": "ddp"}, (False, True)),
     "sft tp=2": ({"tp": 2, "export": True}, (False, True)),
     "sft unpacked": ({}, (False, False)),
     "sft unpacked sp=4": ({"sp": 4}, (False, False)),  # no mask: sdpa's causal kernel
@@ -38,7 +37,6 @@ CASES = {
     "lora tp=2": ({"finetune": "lora", "tp": 2, "export": True}, (False, True)),
     "dpo lora": ({"finetune": "lora", "objective": "dpo"}, (True, False)),
     "dpo lora sp=2": ({"finetune": "lora", "objective": "dpo", "sp": 2}, (True, False)),
-    "dpo lora sp=2 tp=2": ({"finetune": "lora", "objective": "dpo", "sp": 2, "tp": 2}, (True, False)),
     "dpo full": ({"objective": "dpo"}, (True, False)),
     "dpo full sp=4": ({"objective": "dpo", "sp": 4}, (True, False)),
     # Activation memory: one 2,048-token sequence a rank, whole or in quarters.
