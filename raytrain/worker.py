@@ -141,15 +141,20 @@ def _data_ready(job_control, device) -> bool:
 
 
 def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
-    """After this attempt's first step, rank 0 (attempt > 0) says where its start-up went."""
-    reported = [attempt == 0]
+    """After this attempt's first step, rank 0 (attempt > 0) says where its start-up went: the
+    phases' times, and the busiest rank's host memory at each (every rank's, gathered once)."""
+    done = [False]
 
     def on_step(state, batch) -> None:
-        if not reported[0]:
-            reported[0] = True
+        if not done[0]:
+            done[0] = True
             timeline.mark("step_1")
-            print(f"[raytrain] {timeline.line(attempt)}", file=sys.stdout, flush=True)
-            logger.log(attempt, timeline.metrics(attempt))  # once per attempt
+            every_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(every_rank, timeline.memory)  # once an attempt
+            timeline.with_busiest(every_rank)
+            if attempt:
+                print(f"[raytrain] {timeline.line(attempt)}", file=sys.stdout, flush=True)
+                logger.log(attempt, timeline.metrics(attempt))  # once per attempt
         if then:
             then(state, batch)
 

@@ -206,6 +206,19 @@ class Driver:
         return self.proc.wait(timeout=timeout)
 
 
+def slow_job(inject_faults, assets, tmp_path, name: str, steps: int, keep_last: int):
+    """(spec, its YAML file, a folder for drivers' logs) of a job whose steps take 0.3 s more
+    (long enough for a second driver to meet it), checkpointing every 3 steps in the background."""
+    inject_faults([{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": 0.3}])
+    spec = make_job(assets, tmp_path / "runs", name=name, training={"max_steps": steps},
+                    checkpoint={"every_n_steps": 3, "keep_last": keep_last, "async_save": True, "export_final": False},
+                    tracking={"experiment": name})
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    (tmp_path / "drivers").mkdir()
+    return spec, job_file, tmp_path / "drivers"
+
+
 def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_workers_resume(
         ray_address, inject_faults, assets, tmp_path):
     # Before: a second submit killed the first's control actor and trained into the same run
@@ -215,15 +228,8 @@ def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_wor
 
     from raytrain.tracking import tracking_uri
 
-    inject_faults([{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": 0.3}])
     steps = 24
-    spec = make_job(assets, tmp_path / "runs", name="lease", training={"max_steps": steps},
-                    checkpoint={"every_n_steps": 3, "keep_last": 1, "async_save": True, "export_final": False},
-                    tracking={"experiment": "lease"})
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    logs = tmp_path / "drivers"
-    logs.mkdir()
+    spec, job_file, logs = slow_job(inject_faults, assets, tmp_path, "lease", steps, keep_last=1)
 
     first = Driver(job_file, logs / "first.log", ray_address)
     first.wait_for(f"[raytrain] step 1/{steps}")
@@ -269,15 +275,8 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     from raytrain.checkpoint import TrainState
     from raytrain.tracking import tracking_uri
 
-    inject_faults([{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": 0.3}])
     steps = 30
-    spec = make_job(assets, tmp_path / "runs", name="fence", training={"max_steps": steps},
-                    checkpoint={"every_n_steps": 3, "keep_last": 20, "async_save": True, "export_final": False},
-                    tracking={"experiment": "fence"})
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    logs = tmp_path / "drivers"
-    logs.mkdir()
+    spec, job_file, logs = slow_job(inject_faults, assets, tmp_path, "fence", steps, keep_last=20)
 
     first = Driver(job_file, logs / "first.log", None)  # its own local Ray instance
     first.wait_for("[raytrain] step 4/", timeout=400)

@@ -42,6 +42,11 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     # The export is pointed to, not uploaded a second time (tracking.log_model is off by default).
     assert run.data.tags["raytrain.final_model"] == spec.run_dir + "/final_model"
     assert not MlflowClient(tracking_uri(spec)).list_artifacts(result.run_id)
+    # Where a worker's host memory went, phase by phase (the busiest rank's): loading the model takes
+    # some, and the peak never falls.
+    memory = {p: metric_history(spec, result.run_id, f"startup/host_peak_mb/{p}")[1]
+              for p in ("workers", "model", "restored", "data", "step_1")}
+    assert 0 < memory["workers"] < memory["model"] and list(memory.values()) == sorted(memory.values()), memory
 
     # Sharded checkpoints from both ranks; keep_last prunes older ones.
     run_dir = Path(spec.run_dir)
