@@ -76,12 +76,19 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
 
     kwargs = dict(dtype=DTYPES[spec.model.dtype], attn_implementation=spec.model.attn_implementation,
                   trust_remote_code=spec.model.trust_remote_code)
-    if on_meta or empty:
-        config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs())
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)
+    try:
+        if on_meta or empty:
+            config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs())
+            with torch.device("meta") if on_meta else contextlib.nullcontext():
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)
+    except ImportError as exc:  # transformers' word that the kernels are not on this node
+        if not spec.model.attn_implementation.startswith("flash"):
+            raise
+        raise JobError(f"model.attn_implementation {spec.model.attn_implementation} cannot run on this worker "
+                       f"({str(exc).splitlines()[0]}): flash-attn needs GPU workers with the flash-attn package in "
+                       "their image; install it there, or use model.attn_implementation: sdpa") from None
     model.config.use_cache = False  # the KV cache only costs memory in training
     # raytrain tells attention where each micro-batch's documents are (attention.py); the strategy
     # puts Ulysses' exchange around it under sequence parallelism.

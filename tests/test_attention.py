@@ -113,3 +113,20 @@ def test_which_masks_each_implementation_gets():
     assert masks.windows({"sliding_window": 4096}, 4096) == (None,)  # a window as long as a row cuts nothing
     assert masks.windows({"sliding_window": 8, "use_sliding_window": False}, 64) == (None,)
     assert masks.windows({"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}, 64) == (None, 8)
+
+
+def test_flash_on_a_worker_without_flash_attn_is_one_clear_error(assets, tmp_path, monkeypatch):
+    """Without flash-attn (a CPU worker, an image without it), the job ends with the field and the fix,
+    not transformers' ImportError from inside a worker."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    from conftest import make_job
+    from raytrain import modeling
+    from raytrain.errors import JobError
+
+    monkeypatch.setattr(PreTrainedModel, "_flash_attn_can_dispatch", varlen.dispatch_check())
+    spec = make_job(assets, tmp_path, model={"attn_implementation": "flash_attention_2"})
+    for on_meta in (False, True):
+        with pytest.raises(JobError, match="model.attn_implementation flash_attention_2 cannot run on this worker .*"
+                                           "use model.attn_implementation: sdpa"):
+            modeling.load_model(spec, on_meta=on_meta)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 WRITTEN_FOR = "5."  # transformers' major version whose private seams install() sets
+_UNINSTALLED = {}  # what install() replaced, for uninstall()
 
 
 BLOCK = 256  # queries a block: like flash-attn, no s x s score matrix is kept (each block recomputed in backward)
@@ -87,9 +88,17 @@ def install() -> None:
     if not transformers.__version__.startswith(WRITTEN_FOR):
         raise RuntimeError(f"tests/varlen.py sets private seams of transformers {WRITTEN_FOR}x, not "
                            f"{transformers.__version__}: check _flash_attn_can_dispatch and lazy_import_flash_attention")
+    _UNINSTALLED.setdefault("dispatch", PreTrainedModel._flash_attn_can_dispatch)
     PreTrainedModel._flash_attn_can_dispatch = lambda self, *args, **kwargs: True
     fa._loaded_implementation = "flash_attention_2"
     fa._flash_fn, fa._flash_varlen_fn = flash_attn_func, flash_attn_varlen_func
     fa._flash_with_kvcache_fn, fa._pad_fn, fa._unpad_fn = None, fa._pad_input, fa._unpad_input
     fa._process_flash_kwargs_fn = fa._lazy_define_process_function(flash_attn_varlen_func)
     fa._process_with_kvcache_kwargs_fn = dict
+
+
+def dispatch_check():
+    """transformers' own check that flash-attn is on this machine (what install() replaced)."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    return _UNINSTALLED.get("dispatch", PreTrainedModel._flash_attn_can_dispatch)
