@@ -180,9 +180,11 @@ def test_pack_keeps_every_token_pads_only_the_tail_and_restarts_positions_per_do
     ids, labels, positions = pack(docs, seq_len=4, pad=0)
     assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 0, 0]]
     assert labels.tolist() == [[1, 2, 3, IGNORE], [5, 6, 7, 8], [9, IGNORE, IGNORE, IGNORE]]
-    assert positions.tolist() == [[0, 1, 2, 0], [1, 0, 1, 2], [3, 0, 1, 2]]
+    # A document runs on into the next row; padding continues the last document (never one of its own).
+    assert positions.tolist() == [[0, 1, 2, 0], [1, 0, 1, 2], [3, 4, 5, 6]]
     ids, labels, positions = pad_rows(docs[:2], seq_len=4, pad=0)
     assert ids.tolist() == [[1, 2, 3, 0], [4, 5, 0, 0]] and labels[1].tolist() == [IGNORE, 5, IGNORE, IGNORE]
+    assert positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
 
 
 def test_a_packed_document_sees_only_itself(assets, tok):
