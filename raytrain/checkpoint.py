@@ -29,6 +29,7 @@ from .data import DataPosition
 from .errors import JobError
 
 STATE_FILE = "train_state.json"
+METRICS_FILE = "step_metrics.json"  # rank 0's steps MLflow did not have yet at this checkpoint: rank 0 and the driver read it
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
 LATEST_FILE = "latest_checkpoint.json"  # raytrain's signed record of the newest registered one
 
@@ -43,7 +44,9 @@ class TrainState:
     run_id: str | None = None
     model_commit: str | None = None  # the hub commit of model.path it was trained on (None: a local folder)
     # Step metrics of the steps this checkpoint completes: MLflow gets them after the commit,
-    # and a restart re-sends any that a worker killed right after the commit never sent.
+    # and a restart re-sends any that a worker killed right after the commit never sent. Kept in
+    # their own file (METRICS_FILE), which only rank 0 and the driver read: up to 100k steps while
+    # MLflow is down, that every rank of a restore need not read.
     metrics: list = field(default_factory=list)
     lease: str = ""  # the run directory's lease of the driver whose workers committed it (lease.py)
     stopped: bool = False  # a stop was requested on the driver; not part of the saved state
@@ -51,7 +54,21 @@ class TrainState:
     def to_json(self) -> str:
         raw = asdict(self)
         raw.pop("stopped")
+        raw.pop("metrics")
         return json.dumps(raw, indent=2)
+
+    def write(self, folder: str) -> None:
+        """Rank 0: this state and its unwritten step metrics into a checkpoint folder."""
+        Path(folder, STATE_FILE).write_text(self.to_json())
+        Path(folder, METRICS_FILE).write_text(json.dumps(self.metrics))
+
+    @classmethod
+    def read(cls, checkpoint: signing.SignedCheckpoint, with_metrics: bool) -> "TrainState":
+        """The state of a signed checkpoint, and its unwritten step metrics if asked (rank 0, the driver)."""
+        state = cls.from_json(checkpoint.read_bytes(STATE_FILE).decode())
+        if with_metrics and METRICS_FILE in checkpoint.names:  # a checkpoint from before had them in STATE_FILE
+            state.metrics = json.loads(checkpoint.read_bytes(METRICS_FILE))
+        return state
 
     def require_same_data(self, store_key: str, where: str) -> None:
         """A resume reads on from its position in the store it was trained on: if the data
@@ -87,7 +104,7 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # Ray deletes it after the upload
     name = f"step_{state.step:08d}"
     if strategy.rank == 0:
-        Path(tmp, STATE_FILE).write_text(state.to_json())
+        state.write(tmp)
 
     if wait:
         strategy.save(tmp)
@@ -225,7 +242,7 @@ def restore(strategy) -> TrainState | None:
     name = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
     with signing.SignedCheckpoint(storage.join(strategy.spec.run_dir, name), strategy.spec.run_dir, name) as signed:
         strategy.load(signed)
-        state = TrainState.from_json(signed.read_bytes(STATE_FILE).decode())
+        state = TrainState.read(signed, with_metrics=strategy.rank == 0)
         if strategy.rank == 0:
             print(f"[raytrain] restored step {state.step} from {signed.uri}: rank 0 read {signed.bytes_read / 2**20:,.1f} "
                   f"MiB of its files", flush=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import control, modeling, signing, tracking
 from .worker_env import RELAY_CONFIG, controller_env, runtime_env, start_relay, with_secrets
 from .timeline import Timeline
-from .checkpoint import STATE_FILE, TrainState, forget_deleted, latest_checkpoint
+from .checkpoint import TrainState, forget_deleted, latest_checkpoint
 from .data import prepare
 from .export import write_job_file
 from .config import JobSpec
@@ -93,8 +93,8 @@ def _latest_state(spec: JobSpec) -> tuple[TrainState | None, str | None]:
         latest = latest_checkpoint(spec.run_dir)
     except FileNotFoundError:
         return None, None
-    state = signing.verified_read(latest, spec.run_dir, latest.rstrip("/").rsplit("/", 1)[-1], STATE_FILE)
-    return TrainState.from_json(state.decode()), latest
+    with signing.SignedCheckpoint(latest, spec.run_dir, latest.rstrip("/").rsplit("/", 1)[-1]) as checkpoint:
+        return TrainState.read(checkpoint, with_metrics=True), latest
 
 
 def sync_metrics(run_dir: str) -> tuple[int, str | None]:

@@ -230,13 +230,6 @@ def verify_checkpoint(directory: str, run_dir: str, name: str, where: str | None
             raise _refuse(checkpoint.where, f"{file} was changed after it was written (its sha256 is not the signed one)")
 
 
-def verified_read(uri: str, run_dir: str, name: str, file: str) -> bytes:
-    """One small file of a checkpoint (local or remote), checked against its signed manifest
-    without reading the rest (the driver reads train_state.json so)."""
-    with SignedCheckpoint(uri, run_dir, name) as checkpoint:
-        return checkpoint.read_bytes(file)
-
-
 # --- small signed documents: the job file, the latest checkpoint, a token store's manifest ---
 def sign_document(doc: dict) -> dict:
     return {**doc, "hmac": mac(doc)}

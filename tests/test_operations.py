@@ -161,6 +161,13 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     said_by_rank_0 = {line: worker_said(line) - n for line, n in before.items()}
     assert said_by_rank_0 == {"MLflow unreachable (": 2, "MLflow reachable again": 1}  # once an outage, once back
     assert f"`raytrain sync-metrics {spec.run_dir}`" in said.err
+    # The steps MLflow missed ride in the checkpoint in a file of their own, which rank 0 and the
+    # driver read; train_state.json, which every rank of a restore reads, stays small.
+    from raytrain.checkpoint import METRICS_FILE, STATE_FILE, latest_checkpoint
+
+    last = Path(latest_checkpoint(spec.run_dir))
+    assert "metrics" not in json.loads((last / STATE_FILE).read_text())
+    assert json.loads((last / METRICS_FILE).read_text())[-1][0] == result.metrics["step"]
     assert cli.main(["sync-metrics", spec.run_dir]) == cli.EXIT_FAILED  # still down: nothing changes
     mlflow_server.start()
     assert cli.main(["sync-metrics", spec.run_dir]) == cli.EXIT_OK, capfd.readouterr().err[-3000:]

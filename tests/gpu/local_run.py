@@ -176,7 +176,7 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True, before_commit
     own = tempfile.mkdtemp(prefix="raytrain-ckpt-")
     try:
         if rank == 0:
-            Path(own, checkpoint.STATE_FILE).write_text(state.to_json())
+            state.write(own)
         # As the loop saves: in the background where the job says so (its files complete before signing).
         (strategy.save_async(own) if spec.checkpoint.async_save else strategy.save(own) or (lambda: None))()
         checkpoint.sign(own, spec.run_dir, name)  # collective: rank 0 signs every rank's files
@@ -306,7 +306,7 @@ def restore(strategy, step: int | None = None):
     """`checkpoint.restore` from a local run directory: the latest committed checkpoint (or step
     `step`'s), every file verified against its signed manifest before it is read. The TrainState."""
     from raytrain import signing, storage
-    from raytrain.checkpoint import STATE_FILE, TrainState
+    from raytrain.checkpoint import TrainState
     from raytrain.export import latest_checkpoint
 
     spec = strategy.spec
@@ -314,7 +314,7 @@ def restore(strategy, step: int | None = None):
     name = folder.rstrip("/").rsplit("/", 1)[-1]
     with signing.SignedCheckpoint(folder, spec.run_dir, name) as signed:
         strategy.load(signed)
-        return TrainState.from_json(signed.read_bytes(STATE_FILE).decode())
+        return TrainState.read(signed, with_metrics=strategy.rank == 0)
 
 
 def export(spec, strategy, out: str) -> None:
