@@ -99,12 +99,22 @@ def _batch(tok, rows: list[dict], seq_len: int = 32) -> dict:
 
 
 class _OneProcess:
-    """What raytrain's objectives need of a strategy, for one process and one plain model."""
+    """What raytrain's objectives need of a strategy, for one process and one plain model: copies of
+    the models with raytrain's attention (as `modeling.load_model` gives the strategies), the job's
+    implementation inside; the originals stay plain transformers models for TRL."""
 
-    def __init__(self, model, reference):
-        self.model, self.device, self._reference = model, torch.device("cpu"), reference
+    def __init__(self, model, reference, spec):
+        import copy
+
+        from raytrain import attention
+
+        copies = {id(m): copy.deepcopy(m) for m in (model, reference)}
+        for m in copies.values():
+            attention.install(m, spec.model.attn_implementation)
+        self.model, self._reference = copies[id(model)], copies[id(reference)]
+        self.spec, self.device, self.compute_bf16, self.attention_windows = spec, torch.device("cpu"), False, (None,)
         self.loss_chunk = 0  # the whole logits at once (training.chunked_loss has its own test)
-        self.sequence = None  # whole sequences (sequence parallelism: tests/test_sequence_parallel.py)
+        self.sequence = None  # whole sequences (sequence parallelism: tests/test_combinations.py)
 
     def autocast(self):
         return contextlib.nullcontext()
@@ -126,8 +136,8 @@ def _trl_dpo(model, reference, mb: dict, loss_type: str, beta: float) -> tuple[f
     ids, labels = mb["input_ids"], mb["labels"]
     completion = (labels != IGNORE).long()
     attention = torch.zeros_like(ids)
-    for i, row in enumerate(mb["position_ids"]):  # right padding: the sequence, then the pad "document"
-        attention[i, : int((row == 0).nonzero()[1]) if (row == 0).sum() > 1 else len(row)] = 1
+    for i, row in enumerate(completion):  # right padding: the prompt and its response, then padding
+        attention[i, : int(row.nonzero()[-1]) + 1] = 1
     identity = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t)
     trainer = SimpleNamespace(model=model, ref_model=reference, accelerator=identity, aux_loss_enabled=False,
                               ld_alpha=None, precompute_ref_logps=False, f_divergence_type="reverse_kl",
@@ -152,11 +162,11 @@ def test_dpo_loss_and_metrics_equal_trls_on_the_same_model_and_pairs(assets, tok
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     mb = _batch(tok, preference_rows(6, seed=3))
-    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m"}, "data": {"path": "x"},
-                                   "training": {"objective": "dpo", "global_batch_size": 6,
-                                                "preference": {"loss": loss_type, "beta": 0.3}}})
+    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
+                                   "data": {"path": "x"}, "training": {"objective": "dpo", "global_batch_size": 6,
+                                                                       "preference": {"loss": loss_type, "beta": 0.3}}})
     objective = Preference(spec)
-    ours, stats = objective(_OneProcess(model, reference), mb)
+    ours, stats = objective(_OneProcess(model, reference, spec), mb)
     n = objective.units(mb)
     mine = {name: float(s) / n for name, s in zip(objective.metrics, stats)}
     theirs_loss, theirs = _trl_dpo(model, reference, mb, loss_type, beta=0.3)
@@ -199,7 +209,7 @@ def test_dpo_at_the_reference_is_ln2_with_zero_rewards(assets, tok):
     spec = JobSpec.model_validate({"name": "t", "model": {"path": "m"}, "data": {"path": "x"},
                                    "training": {"objective": "dpo", "global_batch_size": 4}})
     objective = Preference(spec)
-    loss, stats = objective(_OneProcess(model, model), mb)
+    loss, stats = objective(_OneProcess(model, model, spec), mb)
     assert float(loss) / 4 == pytest.approx(math.log(2), abs=1e-7)
     assert [float(s) for s in stats[:4]] == [0.0, 0.0, 0.0, 0.0]
 
