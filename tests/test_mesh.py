@@ -118,9 +118,11 @@ def test_a_tensor_parallel_export_is_the_same_model(results, tmp_path_factory, n
         a, b = load_file(str(ours)), load_file(str(theirs))
         assert a.keys() == b.keys()
         for key in a:
-            # 3 AdamW steps at lr 1e-2 amplify the meshes' last-bit differences to ~1e-5 (where a gradient is
-            # near 0); a weight gathered into the wrong place would be off by its own size, ~2e-2.
-            torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4)
+            # 3 AdamW steps at lr 1e-2 amplify the meshes' last-bit differences to ~1e-5, and where a gradient
+            # is near 0 AdamW's normalized step can round either way (seen: 1 of 12,288 elements 1.7e-4 off);
+            # a weight gathered into the wrong place would be off by its own size, ~2e-2, nearly everywhere.
+            off = (a[key] - b[key]).abs() > 1e-4 + 1e-3 * b[key].abs()
+            assert off.float().mean() <= 1e-3 and (a[key] - b[key]).abs().max() <= 5e-3, (key, int(off.sum()))
 
 
 def test_a_ranks_activation_memory_falls_with_sequence_parallelism(results):
