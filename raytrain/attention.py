@@ -64,14 +64,15 @@ class Boundaries:
 
 
 def model_kwargs(boundaries: Boundaries, implementation: str, windows: tuple[int | None, ...],
-                 device: torch.device, dtype: torch.dtype) -> dict:
-    """What the model's forward is given for this micro-batch's attention (masks.py says what)."""
+                 device: torch.device, dtype: torch.dtype, on_device: bool = False) -> dict:
+    """What the model's forward is given for this micro-batch's attention (masks.py says what).
+    `on_device`: the boundaries' documents are on `device` already (a plain forward's fallback)."""
     if implementation.startswith("flash"):
         cu, longest = boundaries.varlen()
         cu = to_device(cu, device)
         return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     built = masks.mask_windows(implementation, boundaries.packed, windows)
-    documents = to_device(boundaries.documents, device) if built else None
+    documents = (boundaries.documents if on_device else to_device(boundaries.documents, device)) if built else None
     additive = dtype if implementation == "eager" else None
     return {"raytrain_masks": {w: boundaries.mask(documents, w, additive) for w in built}}
 
@@ -107,10 +108,17 @@ def install(model: torch.nn.Module, inner: str, split=None) -> None:
 def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict | None = None, **kwargs):
     """One layer's attention over whole rows ([b, heads, s, d] in, [b, s, heads, d] out)."""
     flash = inner.startswith("flash")
-    if (raytrain_masks is None) if not flash else ("cu_seq_lens_q" not in kwargs):
-        raise RuntimeError("raytrain's attention was called without the micro-batch's document boundaries: "
-                           "call the model with `attention.model_kwargs(...)` (objectives.forward does)")
     kwargs.pop("position_ids", None)  # flash would read packing from them: the boundaries say it
+    if (raytrain_masks is None) if not flash else ("cu_seq_lens_q" not in kwargs):
+        if split is not None:
+            raise RuntimeError("sequence-parallel attention was called without the micro-batch's document "
+                               "boundaries: call the model with `attention.model_kwargs(...)` (objectives.forward does)")
+        # A plain forward (an exported or loaded model used outside training): each row one document.
+        # Training never comes here: objectives.staged gives every forward its boundaries.
+        window = kwargs.get("sliding_window")
+        one_each = Boundaries(torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device), False)
+        raytrain_masks = {} if flash else model_kwargs(one_each, inner, (window,), query.device, query.dtype,
+                                                       on_device=True)["raytrain_masks"]
     groups = module.num_key_value_groups
     if split is not None:
         query, key, value, groups = split.gather_positions(query, key, value, groups)

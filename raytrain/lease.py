@@ -72,8 +72,13 @@ def gone(holder: dict, cluster: str) -> str | None:
         except (PermissionError, KeyError, ValueError, TypeError):
             pass
         return None
-    quiet = time.time() - float(holder.get("renewed_at", 0))
+    quiet = quiet_s(holder)
     return f"it has not renewed its lease for {quiet:.0f} s" if quiet > TTL_S else None
+
+
+def quiet_s(holder: dict) -> float:
+    """Seconds since `holder` last renewed its lease."""
+    return time.time() - float(holder.get("renewed_at", 0))  # host: a JSON number
 
 
 def acquire(run_dir: str, me: dict, cluster: str, takeover: bool) -> str:
@@ -84,8 +89,8 @@ def acquire(run_dir: str, me: dict, cluster: str, takeover: bool) -> str:
         why = gone(holder, cluster)
         if why is None and not takeover:
             raise JobError(f"run directory {run_dir} is in use by another driver of this job: {describe(holder)}, "
-                           "on another Ray cluster (it renewed its lease "
-                           f"{time.time() - float(holder.get('renewed_at', 0)):.0f} s ago). Wait for it, stop it with "
+                           f"on another Ray cluster (it renewed its lease {quiet_s(holder):.0f} s ago). Wait for it, "
+                           "stop it with "
                            f"{how_to_stop(holder)}, or run with --takeover: its workers stop before their next step "
                            "and commit nothing more, and this driver continues from its last checkpoint")
         print(f"[raytrain] taking over the run directory from {describe(holder)}: "

@@ -130,3 +130,14 @@ def test_flash_on_a_worker_without_flash_attn_is_one_clear_error(assets, tmp_pat
         with pytest.raises(JobError, match="model.attn_implementation flash_attention_2 cannot run on this worker .*"
                                            "use model.attn_implementation: sdpa"):
             modeling.load_model(spec, on_meta=on_meta)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_plain_forward_of_a_raytrain_model_is_transformers_own(cases, implementation):
+    """Outside training (an exported or loaded model, a probe) a forward without boundaries treats
+    each row as one document, with the layers' windows: transformers' own result."""
+    config, ids, _ = cases["mistral window 6"]
+    plain, ours = build(config, implementation), build(config, implementation)
+    attention.install(ours, implementation)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

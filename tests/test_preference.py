@@ -108,10 +108,10 @@ class _OneProcess:
 
         from raytrain import attention
 
-        copies = {id(m): copy.deepcopy(m) for m in (model, reference)}
+        copies = {id(m): copy.deepcopy(m) for m in (model, reference) if m is not None}
         for m in copies.values():
             attention.install(m, spec.model.attn_implementation)
-        self.model, self._reference = copies[id(model)], copies[id(reference)]
+        self.model, self._reference = copies[id(model)], copies.get(id(reference))
         self.spec, self.device, self.compute_bf16, self.attention_windows = spec, torch.device("cpu"), False, (None,)
         self.loss_chunk = 0  # the whole logits at once (training.chunked_loss has its own test)
         self.sequence = None  # whole sequences (sequence parallelism: tests/test_combinations.py)
@@ -347,7 +347,7 @@ def test_exported_adapter_loads_with_plain_peft_and_gives_the_last_eval(runs, to
 
     objective = Preference(run.spec)
     with torch.no_grad():
-        loss, stats = objective(WithAdapterOff(model, None), mb)
+        loss, stats = objective(WithAdapterOff(model, None, run.spec), mb)
     pairs = objective.units(mb)
     assert loss / pairs == pytest.approx(run.eval_loss[STEPS], rel=1e-5)
     accuracy = float(stats[objective.metrics.index("rewards/accuracies")]) / pairs
