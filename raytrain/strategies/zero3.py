@@ -112,7 +112,8 @@ class Zero3Strategy(Strategy):
         saved = saved_world_size(checkpoint)
         if saved == self.world_size:
             # DeepSpeed reads this rank's own partition files and the shared ones; nothing else is fetched.
-            mine = [n for n in checkpoint.names if "zero_pp_rank_" not in n or f"zero_pp_rank_{self.rank}_" in n]
+            mine = [n for n in checkpoint.names if n.startswith(TAG + "/")  # DeepSpeed's folder: not raytrain's files
+                    and ("zero_pp_rank_" not in n or f"zero_pp_rank_{self.rank}_" in n)]
             directory = fetch_on_every_rank(checkpoint, mine)
             path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_module_strict=not self.lora,
                                                   load_lr_scheduler_states=False)
