@@ -162,8 +162,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                   file=sys.stdout, flush=True)
         stops.step_done(state.step, step_time, rank)
         if flags & FENCED:  # another driver holds the run directory: stop here, commit nothing
-            raise JobError(fence.message() if fence else "stopped: the run directory was taken over by another "
-                           "driver; this worker group committed nothing after it")
+            _require_lease(fence)  # every rank raises rank 0's word, naming the new holder
         checkpoint_s = 0.0
         if flags or state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
             save_start = time.perf_counter()
