@@ -109,23 +109,23 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     """One layer's attention over whole rows ([b, heads, s, d] in, [b, s, heads, d] out)."""
     flash = inner.startswith("flash")
     kwargs.pop("position_ids", None)  # flash would read packing from them: the boundaries say it
-    if (raytrain_masks is None) if not flash else ("cu_seq_lens_q" not in kwargs):
-        if split is not None:
-            raise RuntimeError("sequence-parallel attention was called without the micro-batch's document "
-                               "boundaries: call the model with `attention.model_kwargs(...)` (objectives.forward does)")
-        # A plain forward (an exported or loaded model used outside training): each row one document.
-        # Training never comes here: objectives.staged gives every forward its boundaries.
-        window = kwargs.get("sliding_window")
-        one_each = Boundaries(torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device), False)
-        raytrain_masks = {} if flash else model_kwargs(one_each, inner, (window,), query.device, query.dtype,
-                                                       on_device=True)["raytrain_masks"]
+    given = (raytrain_masks is not None) if not flash else ("cu_seq_lens_q" in kwargs)
+    if not given and split is not None:
+        raise RuntimeError("sequence-parallel attention was called without the micro-batch's document "
+                           "boundaries: call the model with `attention.model_kwargs(...)` (objectives.forward does)")
     groups = module.num_key_value_groups
     if split is not None:
         query, key, value, groups = split.gather_positions(query, key, value, groups)
     mask = None
     if not flash:
-        window = kwargs.get("sliding_window")
+        window = kwargs.get("sliding_window")  # this layer's; one as long as the rows cuts nothing
         window = window if window is not None and window < query.shape[2] else None
+        if not given:  # a plain forward (an exported or loaded model outside training): each row one
+            # document. Training never comes here: objectives.staged gives every forward its boundaries.
+            one_each = Boundaries(torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device),
+                                  False)
+            raytrain_masks = model_kwargs(one_each, inner, (window,), query.device, query.dtype,
+                                          on_device=True)["raytrain_masks"]
         mask = raytrain_masks.get(window)
         if mask is None and (inner == "eager" or window is not None):
             raise RuntimeError(f"no mask for window {window} (masks.windows disagrees with the model's layers)")

@@ -111,10 +111,10 @@ def acquire(run_dir: str, me: dict, cluster: str, takeover: bool) -> str:
 
 class Renewal:
     """Driver: renews the lease every `RENEW_S` until `stop()`, and stops renewing once another
-    driver took it (its workers are fenced; this one's end says so)."""
+    driver took it (its workers are fenced and end the job with the new holder's name)."""
 
     def __init__(self, run_dir: str, token: str):
-        self.run_dir, self.token, self.lost_to = run_dir, token, None
+        self.run_dir, self.token = run_dir, token
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-lease", daemon=True)
         self._thread.start()
@@ -123,7 +123,6 @@ class Renewal:
         while not self._stop.wait(RENEW_S):
             holder = read(self.run_dir)
             if holder is not None and holder.get("token") != self.token:
-                self.lost_to = holder
                 return
             if holder is not None:
                 try:
@@ -147,12 +146,12 @@ class Fence:
 
     def __init__(self, run_dir: str, token: str, every_s: float = CHECK_S):
         self.run_dir, self.token, self.taken_by = run_dir, token, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every_s,), name="raytrain-fence", daemon=True)
-        self._thread.start()
+        # A daemon thread for the worker process's life: it ends once it has seen a takeover.
+        threading.Thread(target=self._run, args=(every_s,), name="raytrain-fence", daemon=True).start()
 
     def _run(self, every_s: float) -> None:
-        while self.taken_by is None and not self._stop.wait(every_s):
+        while self.taken_by is None:
+            time.sleep(every_s)
             self._check()
 
     def _check(self) -> None:
@@ -173,6 +172,3 @@ class Fence:
     def message(self) -> str:
         return (f"stopped: the run directory {self.run_dir} was taken over by {describe(self.taken_by)}; this "
                 "worker group committed nothing after it, and that driver continues the run")
-
-    def close(self) -> None:
-        self._stop.set()

@@ -20,7 +20,7 @@ from .data.batches import open_data
 from .errors import user_message
 from .preemption import Preempted
 from .strategies import build_strategy
-from .timeline import Timeline
+from .timeline import Timeline, host_memory_mb
 
 
 def train_func(config: dict) -> None:
@@ -161,11 +161,6 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
     return on_step
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def _sample_logger(folder: str | None, rank: int, world: int, stores, records_rows: bool = True):
     """`data.sample_log`: which samples each rank trained on at each step, per attempt, with the
     rank's resident memory and the bytes it has read from the token stores so far."""
@@ -180,7 +175,7 @@ def _sample_logger(folder: str | None, rank: int, world: int, stores, records_ro
         with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": state.step,
                                 "time": time.time(), "samples": batch.sample_ids if records_rows else [],
-                                "rss_mb": _rss_mb(),
+                                "rss_mb": host_memory_mb()[0],
                                 "read_bytes": sum(s.read_counters.bytes for s in stores)}) + "\n")
 
     return on_step
