@@ -6,6 +6,7 @@ names the exact base it was trained on by the sha256 of each of the base's weigh
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from . import modeling, signing, storage
 from .checkpoint import latest_checkpoint
 from .config import JobSpec
 from .strategies import hf_files, zero3
-from .strategies.base import read_checkpoint
+from .strategies.base import SignedReader, read_checkpoint
 from .strategies.hf_files import export_entries, write_full_export, write_hf_export
 
 JOB_FILE = "job.json"
@@ -39,22 +40,39 @@ def load_checkpoint_model(spec: JobSpec, checkpoint: signing.SignedCheckpoint) -
     return model
 
 
+BATCH_BYTES = 256 << 20  # what one DCP load of an export reads into memory at most (or one larger tensor)
+
+
 def write_full_from_checkpoint(spec: JobSpec, checkpoint: signing.SignedCheckpoint, directory: str) -> None:
-    """A full DCP checkpoint as a HF model folder, read and written one tensor at a time: the
-    model is built on meta (names and shapes, no weights), each weight read from the checkpoint
-    (DCP resharding whatever world size wrote it) straight into the file it goes to."""
+    """A full DCP checkpoint as a HF model folder in bounded memory: the model is built on meta
+    (names and shapes, no weights) and the tensors are read from the checkpoint (DCP resharding
+    whatever world size wrote it) in loads of BATCH_BYTES, straight into the file they go to.
+    One reader serves every load, so the metadata is unpickled once (a load per tensor, each
+    unpickling every tensor's chunks, made an export O(tensors²)); only the model's files are
+    fetched (SplitWriter keeps the optimizer's apart)."""
     model = modeling.load_model(spec, on_meta=True)
     tensors = hf_files.export_tensors(model)
     entries = export_entries(spec, tensors)
+    reader = SignedReader(checkpoint)
 
-    def one_at_a_time():
-        for key, shape, dtype in entries:  # read straight into the exported dtype: DCP's copy rounds
-            value = torch.empty(shape, dtype=dtype)
-            read_checkpoint({"model": {key: value}}, checkpoint)  # names a missing key
-            yield key, value
+    def batches():
+        batch: dict[str, torch.Tensor] = {}
+        held = 0
+        for i, (key, shape, dtype) in enumerate(entries):
+            batch[key] = torch.empty(shape, dtype=dtype)  # read straight into the exported dtype: DCP's copy rounds
+            held += batch[key].nbytes
+            if i + 1 == len(entries) or held + _nbytes(entries[i + 1]) > BATCH_BYTES:
+                read_checkpoint({"model": batch}, checkpoint, reader)  # names a missing key
+                yield from batch.items()
+                batch, held = {}, 0
 
-    write_full_export(spec, model, one_at_a_time(), entries, directory, modeling.load_tokenizer(spec), rank=0,
+    write_full_export(spec, model, batches(), entries, directory, modeling.load_tokenizer(spec), rank=0,
                       world_size=1)
+
+
+def _nbytes(entry: tuple) -> int:
+    _, shape, dtype = entry
+    return math.prod(shape) * dtype.itemsize
 
 
 def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None) -> str:

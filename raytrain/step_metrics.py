@@ -11,8 +11,8 @@ ones are kept. What is not written yet also rides in every checkpoint (`unwritte
 `raytrain sync-metrics` writes whatever this process never could.
 
 A write that failed may still have landed (the server committed, the answer was lost): after
-any failure, kept steps are first checked against the run's history, so each step is in
-MLflow once.
+any failure, kept steps are first checked against the run's watermark (`tracking.logged_through`:
+one read of the run, not its history), so each step is in MLflow once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "eval_los
 LIVE_KEPT = 1000  # live steps waiting for the writer; older ones are dropped, never waited for
 COMMITTED_KEPT = 100_000  # committed steps kept in memory (and checkpoints) while MLflow is down
 RETRY_S = (1.0, 30.0)  # the writer's pause after a failed write: doubling from the first to the second
-BATCH = 1000  # MLflow's log_batch limit on metrics
 
 
 class _Entry:
@@ -116,7 +115,7 @@ class StepLogger:
             with self._cond:
                 while not (self._kept or self._tags or self._live):
                     self._cond.wait()
-                kept, tags, live = list(self._kept[:BATCH]), dict(self._tags), list(self._live)
+                kept, tags, live = list(self._kept[:tracking.BATCH]), dict(self._tags), list(self._live)
                 self._tags.clear()
                 self._live.clear()
                 self._busy = True
@@ -159,26 +158,41 @@ class StepLogger:
         the kept steps are forgotten as soon as MLflow has them (a later request may still fail)."""
         from mlflow.entities import Metric
 
-        checked = [e for e in kept if e.check and e.metrics]
-        if checked:
-            have = tracking.logged_steps(self.client, self.run_id, {next(iter(e.metrics)) for e in checked})
+        kept = self._drop_written(kept, lambda e: not e.metrics)  # nothing to write
+        if any(e.check and e.committed for e in kept):  # a step is in the run iff <= its watermark (tracking)
+            through = tracking.logged_through(self.client, self.run_id)
             self._reached()
-            self._written([e for e in checked if e.step in have[next(iter(e.metrics))]])
-            kept = [e for e in kept if not e.check or not e.metrics or e.step not in have[next(iter(e.metrics))]]
+            kept = self._drop_written(kept, lambda e: e.committed and e.check and e.step <= through)
+        attempts = [e for e in kept if e.check and not e.committed]
+        if attempts:  # per-attempt values: a few an attempt, so their whole histories
+            have = tracking.logged_steps(self.client, self.run_id, {next(iter(e.metrics)) for e in attempts})
+            self._reached()
+            kept = self._drop_written(kept, lambda e: e in attempts and e.step in have[next(iter(e.metrics))])
+        committed = [e for e in kept if e.committed]
+        tracking.log_steps(self.client, self.run_id, [(e.step, e.metrics) for e in committed])
+        if committed:
+            self._reached()
+            self._written(committed)
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, e.step) for e in kept for k, v in e.metrics.items()]  # host: metric values, read once a step
-        for i in range(0, len(batch), BATCH):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + BATCH])
+        others = [e for e in kept if not e.committed]
+        batch = [Metric(k, float(v), now, e.step) for e in others for k, v in e.metrics.items()]  # host: metric values, read once a step
+        for i in range(0, len(batch), tracking.BATCH):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + tracking.BATCH])
             self._reached()
-        self._written(kept)
+        self._written(others)
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
             self._reached()
         if live:  # after the committed ones; a live batch that fails is dropped, not retried
             values = [Metric(k, float(v), now, step) for step, m in live for k, v in m.items()]  # host: metric values, read once a step
-            for i in range(0, len(values), BATCH):
-                self.client.log_batch(self.run_id, metrics=values[i:i + BATCH])
+            for i in range(0, len(values), tracking.BATCH):
+                self.client.log_batch(self.run_id, metrics=values[i:i + tracking.BATCH])
                 self._reached()
+
+    def _drop_written(self, kept: list[_Entry], written) -> list[_Entry]:
+        done = [e for e in kept if written(e)]
+        self._written(done)
+        return [e for e in kept if not written(e)]
 
 
 def _why(exc: Exception) -> str:

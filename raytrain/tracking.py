@@ -160,20 +160,47 @@ def log_goodput(mlflow, run_id: str, goodput: dict) -> None:
 
 
 def logged_steps(mlflow, run_id: str, keys) -> dict[str, set[int]]:
-    """{key: the steps the run has a value of it for}."""
+    """{key: the steps the run has a value of it for}: whole histories, for per-attempt values only
+    (a few an attempt); training steps use `logged_through`."""
     return {key: {m.step for m in mlflow.get_metric_history(run_id, key)} for key in keys}
+
+
+# Committed step metrics go to MLflow in increasing step order, whole steps a request, each request
+# carrying this tag (its last step) in the same log_batch, which MLflow applies in one transaction.
+# So a step is in the run iff it is <= the tag: after a failed write (which may have landed) one
+# read of the run answers, where reading the metric's history grew with the run (100k steps: ~10 MB).
+LOGGED_THROUGH = "raytrain.logged_through_step"
+BATCH = 1000  # MLflow's log_batch limit on metrics and tags together
+
+
+def logged_through(mlflow, run_id: str) -> int:
+    """The last committed step the run has (-1: none)."""
+    run = mlflow.get_run(run_id)
+    if LOGGED_THROUGH in run.data.tags:
+        return int(run.data.tags[LOGGED_THROUGH])
+    if "loss" not in run.data.metrics:
+        return -1
+    return max(m.step for m in mlflow.get_metric_history(run_id, "loss"))  # a run written before the tag
+
+
+def log_steps(mlflow, run_id: str, steps: list[tuple[int, dict]]) -> None:
+    """Committed steps (in increasing order) in requests of whole steps, each with LOGGED_THROUGH."""
+    from mlflow.entities import Metric, RunTag
+
+    now, batch = int(time.time() * 1000), []
+    for i, (step, metrics) in enumerate(steps):
+        batch += [Metric(k, float(v), now, step) for k, v in metrics.items()]  # host: Python numbers
+        following = len(steps[i + 1][1]) if i + 1 < len(steps) else BATCH
+        if len(batch) + following + 1 > BATCH:
+            mlflow.log_batch(run_id, metrics=batch, tags=[RunTag(LOGGED_THROUGH, str(step))])
+            batch = []
 
 
 def log_missing(mlflow, run_id: str, steps: list) -> int:
     """Log the (step, metrics) pairs whose step the run does not have yet; returns how many."""
-    from mlflow.entities import Metric
-
-    have = logged_steps(mlflow, run_id, ["loss"])["loss"]
-    missing = [(step, metrics) for step, metrics in steps if step not in have and "loss" in metrics]
-    now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, step) for step, metrics in missing for k, v in metrics.items()]  # host: Python numbers
-    for i in range(0, len(batch), 1000):  # MLflow's log_batch limit
-        mlflow.log_batch(run_id, metrics=batch[i:i + 1000])
+    through = logged_through(mlflow, run_id)
+    missing = [(step, metrics) for step, metrics in steps if step > through and "loss" in metrics]
+    log_steps(mlflow, run_id, missing)
     return len(missing)
 
 

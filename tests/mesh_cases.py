@@ -80,10 +80,28 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
         if on_step:
             on_step()
     peak = _status_mb("VmHWM") - before
+    gathered = None
     if export_to:  # the HF model (or peft adapter) as the job's export writes it (collective)
         strategy.export(export_to, None)
+        gathered = _gathered_to_writer_only(strategy)
     return {"losses": losses, "grad_norms": norms, "means": result.means, "loaded_by": getattr(strategy, "loaded_by", "whole"),
-            "step_peak_mb": peak}
+            "step_peak_mb": peak, "gathered_to_writer_only": gathered}
+
+
+def _gathered_to_writer_only(strategy) -> bool:
+    """The export's gather of a sharded weight to the rank that writes it (rank 1 here): whole
+    there, equal to the all-gather, and nothing on every other rank (collective)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from raytrain.strategies.base import gather_to
+
+    weight = next(p for p in strategy.hf_model.parameters() if isinstance(p, DTensor)).detach()
+    got, whole = gather_to(weight, 1), weight.full_tensor()
+    ok = (got is not None) == (dist.get_rank() == 1) and (got is None or torch.equal(got, whole))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ok)
+    return all(every)
 
 
 def _status_mb(field: str) -> float:

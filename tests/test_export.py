@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -49,17 +50,19 @@ def test_full_export_of_a_model_with_its_own_code(assets, tmp_path):
         torch.testing.assert_close(exported(input_ids=probe).logits, model.eval()(input_ids=probe).logits, rtol=0, atol=0)
 
 
-def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4):
-    """A committed single-process DCP checkpoint of `state` in a run directory, as training leaves one."""
+def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4, optim: dict | None = None):
+    """A committed single-process DCP checkpoint of `state` (and `optim`) in a run directory, in
+    the files training writes."""
     import torch.distributed.checkpoint as dcp
 
     from raytrain import signing, storage
     from raytrain.checkpoint import RAY_SNAPSHOT, STATE_FILE  # Ray Train's controller registers it there
     from raytrain.export import write_job_file
+    from raytrain.strategies.base import SplitWriter
 
     write_job_file(spec)
     step = tmp_path / "runs" / spec.name / f"step_{step_number:08d}"
-    dcp.save({"model": state}, checkpoint_id=str(step))
+    dcp.save({"model": state, **({"optim": optim} if optim else {})}, storage_writer=SplitWriter(str(step)))
     (step / STATE_FILE).write_text("{}")
     signing.sign_checkpoint(str(step), spec.run_dir, step.name)  # as one process signs all it wrote
     storage.write_text(storage.join(spec.run_dir, RAY_SNAPSHOT),  # local, or where the run directory is
@@ -134,10 +137,25 @@ def test_raytrain_export_of_a_full_checkpoint_loads_with_from_pretrained(assets,
     spec = make_job(assets, tmp_path / "runs", name="full", training={"finetune": "full"}, model={"dtype": "bfloat16"})
     with torch.no_grad():
         trained = {k: v.float() + 0.01 for k, v in modeling.load_model(spec).state_dict().items()}
-    _committed_checkpoint(spec, trained, tmp_path)
+    adam = {"state": {k: {"exp_avg": v * 2, "exp_avg_sq": v * v} for k, v in trained.items()}}
+    step = _committed_checkpoint(spec, trained, tmp_path, optim=adam)
     export_checkpoint(spec.run_dir, str(tmp_path / "out"))
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert exported.dtype == torch.bfloat16
     got = exported.state_dict()
     assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in trained.items())
     assert json.loads((tmp_path / "out" / "raytrain.json").read_text())["finetune"] == "full"
+
+    # What it read: the metadata and the model's files, none of the optimizer's (twice the model
+    # again under AdamW; export used to fetch each rank's one file of both), in loads small
+    # enough that many share one parse of the metadata.
+    from raytrain import export, signing
+
+    export.BATCH_BYTES = 64 << 10  # several loads of this tiny model through one reader
+    with signing.SignedCheckpoint(str(step), spec.run_dir, step.name) as checkpoint:
+        export.write_full_from_checkpoint(spec, checkpoint, str(tmp_path / "again"))
+        fetched = sorted(p.name for p in Path(checkpoint.fetch()).iterdir())
+        read = checkpoint.bytes_read
+    assert fetched == [".metadata", "__0_shared0.distcp"] and "__0_sharedoptim0.distcp" in checkpoint.names  # as DDP writes
+    assert read == sum((step / name).stat().st_size for name in fetched)
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()

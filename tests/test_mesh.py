@@ -105,6 +105,11 @@ def test_a_mesh_trains_with_data_parallelisms_losses_and_gradients(results, name
         assert case["loaded_by"] == "sharded"  # tp-split and FSDP-sharded: each rank read only its slices
 
 
+def test_an_export_gathers_each_weight_to_its_writer_only(results):
+    # A full export used to all-gather every weight to every rank, though one rank writes it.
+    assert results["sft"]["gathered_to_writer_only"] is True
+
+
 @pytest.mark.parametrize("name", ["sft tp=2", "lora tp=2"])
 def test_a_tensor_parallel_export_is_the_same_model(results, tmp_path_factory, name):
     """The export gathers each split weight (and adapter) whole: the files equal dp=4's export

@@ -179,6 +179,35 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     assert not Path(spec.run_dir, "mlflow_pending.json").exists()
 
 
+def test_which_steps_mlflow_has_is_one_read_of_the_run_not_its_history(tmp_path):
+    # Every write that may have landed (a failed request, a restore, the driver's close) used to
+    # read the whole `loss` history to find which steps the run had: ~10 MB at 100k steps.
+    import shutil
+    from importlib import metadata
+
+    from mlflow.tracking import MlflowClient
+
+    from raytrain import tracking
+
+    class Counting(MlflowClient):  # the real client, counting the history reads it is asked for
+        histories = 0
+
+        def get_metric_history(self, *args, **kwargs):
+            Counting.histories += 1
+            return super().get_metric_history(*args, **kwargs)
+
+    shutil.copyfile(tracking._template(metadata.version("mlflow")), tmp_path / "mlflow.db")
+    client = Counting(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = client.create_run(client.create_experiment("watermark")).info.run_id
+    steps = [(s, {"loss": 1 / s, "lr": 0.1, "grad_norm": 2.0}) for s in range(1, 1201)]  # 4 requests' worth
+    assert tracking.log_missing(client, run_id, steps[:700]) == 700
+    assert tracking.log_missing(client, run_id, steps) == 500  # the first 700 landed: only the rest
+    assert tracking.log_missing(client, run_id, steps) == 0
+    assert Counting.histories == 0
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 1201))  # each once
+    assert client.get_run(run_id).data.tags[tracking.LOGGED_THROUGH] == "1200"
+
+
 def test_sync_metrics_of_a_folder_that_is_no_run_directory_says_so(tmp_path, capsys):
     from raytrain import cli
 

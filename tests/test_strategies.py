@@ -124,8 +124,9 @@ def test_checkpoints_are_each_strategys_own_format(trained):
         else:  # torch DCP files from both ranks; FSDP2's own shards apart from what all ranks read
             assert ".metadata" in names and {n[:4] for n in names if n.endswith(".distcp")} == {"__0_", "__1_"}
             if strategy == "fsdp2":  # which rank writes the replicated items is DCP's dedup's choice
-                assert {"__0_0.distcp", "__1_0.distcp"} <= names
-                assert any(n.endswith("_shared0.distcp") for n in names)
+                assert {"__0_0.distcp", "__1_0.distcp"} <= names  # the model's shards, apart from the optimizer's
+                assert {"__0_optim0.distcp", "__1_optim0.distcp"} <= names
+                assert any(n.endswith("_sharedoptim0.distcp") for n in names)
 
 
 def test_zero3_checkpoint_resumes_at_another_world_size(trained, tmp_path, assets):

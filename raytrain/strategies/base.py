@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .. import masks, modeling
 from ..config import JobSpec
@@ -38,12 +38,12 @@ from . import hf_files, ulysses
 from .hf_files import export_entries, write_full_export, write_hf_export
 
 
-def read_checkpoint(state: dict, checkpoint: SignedCheckpoint) -> None:
+def read_checkpoint(state: dict, checkpoint: SignedCheckpoint, reader: "SignedReader | None" = None) -> None:
     """dcp.load into `state` (resharding to this world size), each rank fetching only the files
     its slices are in; a weight the checkpoint lacks or a refused file is one clear JobError on
-    every rank, not DCP's traceback."""
+    every rank, not DCP's traceback. Pass one `reader` to many loads of one checkpoint."""
     try:
-        dcp.load(state, storage_reader=SignedReader(checkpoint))
+        dcp.load(state, storage_reader=reader or SignedReader(checkpoint))
     except CheckpointException as exc:  # each rank's error, wrapped (a BaseException, not an Exception)
         refused = [e for e, _ in exc.failures.values() if isinstance(e, JobError)]
         if refused:
@@ -57,11 +57,19 @@ def read_checkpoint(state: dict, checkpoint: SignedCheckpoint) -> None:
 
 class SignedReader(FileSystemReader):
     """DCP's file reader over a signed checkpoint: the metadata, then the files this rank's load
-    plan reads, are fetched and verified first (`SignedCheckpoint.fetch`); nothing else is read."""
+    plan reads, are fetched and verified first (`SignedCheckpoint.fetch`); nothing else is read.
+    The metadata (every tensor's chunks on every rank) is unpickled once per reader, however many
+    loads it serves: an export reads a checkpoint in many small loads."""
 
     def __init__(self, checkpoint: SignedCheckpoint):
         super().__init__(checkpoint.fetch(".metadata"))  # a pickle: verified before DCP unpickles it
         self.checkpoint = checkpoint
+        self._metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
 
     def read_data(self, plan, planner):
         self.checkpoint.fetch(*sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}))
@@ -69,20 +77,24 @@ class SignedReader(FileSystemReader):
 
 
 class SplitWriter(FileSystemWriter):
-    """DCP's file writer with a rank's own shards in one file (`__<rank>_0.distcp`) and its share
-    of what DCP writes once for all ranks in another (`__<rank>_shared0.distcp`: replicated
-    tensors such as AdamW's step counters, pickled values such as the param groups). Restoring
-    fetches whole files (each is verified as a whole), and every rank needs the replicated items:
-    in one file with the shards, a rank would fetch every other rank's shards for a few scalars."""
+    """DCP's file writer with a rank's own shards apart from its share of what DCP writes once for
+    all ranks (replicated tensors: DDP's weights, AdamW's step counters; pickled values such as
+    the param groups), and the model's apart from the optimizer's: `__<rank>_0.distcp` (model
+    shards), `__<rank>_optim0.distcp`, `__<rank>_shared0.distcp`, `__<rank>_sharedoptim0.distcp`.
+    Files are fetched and verified whole, so what a reader needs apart is written apart: every
+    rank needs the replicated items (beside the shards, a rank would fetch every other rank's
+    shards for a few scalars), and an export needs the model only (beside the optimizer, it
+    would fetch the model's bytes twice again)."""
 
     def write_data(self, plan, planner):
-        own = [item for item in plan.items if item.type == WriteItemType.SHARD]
-        shared = [item for item in plan.items if item.type != WriteItemType.SHARD]
         prefix, results = plan.storage_data.prefix, []
-        for items, name in ((own, prefix), (shared, prefix + "shared")):
-            if items:
-                part = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(name))
-                results += super().write_data(part, planner).wait()
+        groups: dict[str, list] = {}
+        for item in plan.items:
+            kind = "" if item.type == WriteItemType.SHARD else "shared"
+            groups.setdefault(prefix + kind + ("optim" if item.index.fqn.startswith("optim.") else ""), []).append(item)
+        for name, items in groups.items():
+            part = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(name))
+            results += super().write_data(part, planner).wait()
         done = torch.futures.Future()
         done.set_result(results)
         return done
@@ -254,12 +266,33 @@ class TorchStrategy(Strategy):
                 full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
             if self.rank == 0:
                 write_hf_export(self.spec, self.hf_model, adapter, directory, tokenizer)
-        else:  # every rank writes its file, gathering one tensor at a time (hf_files.py)
+        else:  # every rank writes its file, each tensor gathered to its writer, one at a time (hf_files.py)
             tensors = hf_files.export_tensors(self.hf_model)
-            whole = ((k, t.full_tensor() if isinstance(t, DTensor) else t) for k, t in tensors.items())
-            write_full_export(self.spec, self.hf_model, whole, export_entries(self.spec, tensors), directory,
-                              tokenizer, self.rank, self.world_size)
+            entries = export_entries(self.spec, tensors)
+            owner = hf_files.file_owners(entries, self.world_size)
+            whole = ((k, gather_to(t, owner[k])) for k, t in tensors.items())
+            write_full_export(self.spec, self.hf_model, whole, entries, directory, tokenizer, self.rank, self.world_size)
         dist.barrier()
+
+
+def gather_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:
+    """`t` whole on global rank `dst` and None elsewhere (collective over `t`'s mesh): an FSDP2
+    weight (one mesh dimension, rows sharded as torch.chunk cuts them: ceil(n/W) a rank, the last
+    ones shorter or empty) is gathered to its writer only, W x less traffic and no whole copy
+    on the other ranks. Any other layout (tensor parallel, HSDP) is gathered to every rank."""
+    if not isinstance(t, DTensor):
+        return t
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or not t.shape[0] \
+            or dst not in dist.get_process_group_ranks(mesh.get_group()):
+        return t.full_tensor()
+    group, local, n = mesh.get_group(), t.to_local(), t.shape[0]
+    per = -(-n // mesh.size())
+    padded = local if local.shape[0] == per else torch.cat([local, local.new_zeros((per - local.shape[0], *t.shape[1:]))])
+    out = torch.empty((per * mesh.size(), *t.shape[1:]), dtype=t.dtype, device=local.device) \
+        if dist.get_rank() == dst else None
+    dist.gather(padded.contiguous(), list(out.chunk(mesh.size())) if out is not None else None, dst=dst, group=group)
+    return out[:n] if out is not None else None
 
 
 def needs_fp32_master(model: torch.nn.Module) -> bool:

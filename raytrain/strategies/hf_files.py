@@ -7,7 +7,8 @@ those files: every file's header (names, shapes, byte offsets) is laid out in ad
 shapes alone, identically on every rank, and the model's tensors are then gathered one at a time
 (a collective per tensor under FSDP2 / ZeRO-3) and written by the rank that owns them at their
 offset. No process ever holds more than its shards plus one gathered tensor (the largest: the
-embedding), where rank 0 used to gather the whole model and then cast a second copy of it.
+embedding), where rank 0 used to gather the whole model and then cast a second copy of it; under
+FSDP2 a tensor is gathered to the rank that writes it only (`strategies.base.gather_to`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ def export_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def file_owners(entries: list[tuple[str, tuple[int, ...], torch.dtype]], files: int) -> dict[str, int]:
+    """{name: the file (and the rank writing it)}: tensors in `entries`' order, about equal bytes a
+    file; file i takes the tensors whose bytes start in its share."""
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in entries]
+    total, files = sum(sizes), max(1, min(files, len(entries)))
+    owners, done = {}, 0
+    for (name, _, _), size in zip(entries, sizes):
+        owners[name] = min(files - 1, done * files // max(1, total))
+        done += size
+    return owners
+
+
 class ShardedFiles:
     """The layout of an export over `files` safetensors files and this rank's writer of its own.
 
@@ -49,13 +62,8 @@ class ShardedFiles:
 
     def __init__(self, directory: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]], rank: int,
                  files: int):
-        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in entries]
-        total, files = sum(sizes), max(1, min(files, len(entries)))
-        self.file_of: dict[str, int] = {}
-        done = 0
-        for (name, _, _), size in zip(entries, sizes):  # file i takes the tensors whose bytes start in its share
-            self.file_of[name] = min(files - 1, done * files // max(1, total))
-            done += size
+        self.file_of = file_owners(entries, files)
+        files = max(1, min(files, len(entries)))
         # One file is `model.safetensors` with no index, as `save_pretrained` names a small model's.
         self.names = [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)] if files > 1 else \
             ["model.safetensors"]
@@ -87,8 +95,9 @@ class ShardedFiles:
     def owns(self, name: str) -> bool:
         return self.file_of[name] == self.rank
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
-        """Write `tensor` (whole, on any device) as `name` if this rank owns it; otherwise nothing."""
+    def put(self, name: str, tensor: torch.Tensor | None) -> None:
+        """Write `tensor` (whole, on any device) as `name` if this rank owns it; otherwise nothing
+        (a rank that does not write a tensor may be given None for it)."""
         if not self.owns(name):
             return
         shape, dtype = self.entries[name]
