@@ -159,7 +159,7 @@ def s5(s: h.Setting) -> dict:
         ray_rate, plain_rate = tokens / ray_s, tokens / plain_s
         s5_ratio, d5 = ray_rate / CPUS / best, ray_rate / plain_rate
         print(f"    {rows:,} rows, {tokens:,} tokens from the tokenizer ({tokens / rows:.1f} a row), "
-              f"{len(store.manifest['shards'])} units")
+              f"{store.shards} units")
         print("    batch encoding, one thread: " + ", ".join(f"{k} {v:,.0f} tokens/s" for k, v in baseline.items()))
         print(f"S5 prepare per CPU / batch encoding per CPU: {where} {ray_s:.1f} s = {ray_rate / CPUS:,.0f} "
               f"tokens/s a CPU / {best:,.0f} = ratio {s5_ratio:.2f} (goal >= 0.7); one plain process on one thread "
@@ -174,7 +174,7 @@ def s5(s: h.Setting) -> dict:
               f"{tokens / warm_s / CPUS / best:.2f} of the batch encoding a CPU", flush=True)
         return {"ratio_s5": s5_ratio, "ratio_d5": d5, "quickstart_prepare_s": quickstart_s,
                 "quickstart_warm_s": quickstart["warm_s"], "ray_s": ray_s, "ray_warm_s": warm_s,
-                "plain_s": plain_s, "tokens": tokens, "rows": rows, "units": len(store.manifest["shards"]), "batch_tokens_per_s": baseline,
+                "plain_s": plain_s, "tokens": tokens, "rows": rows, "units": store.shards, "batch_tokens_per_s": baseline,
                 "plain_ratio_to_batch": plain_rate / best,
                 "encode_ratio_to_batch": tokens / encode_s / best,
                 "long_documents_plain_ratio_to_batch": long_tokens / long_s / long_best,

@@ -1,12 +1,18 @@
 """S1, S2 (issue #24): what a reused store costs the driver, and what a token costs on disk.
 
     python -m benchmarks.store_costs [--base-rows 20000] [--scale 20] [--seq-len 1024]
+    python -m benchmarks.store_costs --open-only [--open-shards 1000] [--open-scale 10]
 
 S1  the driver's store phase on a reused store (`prepare.ensure_inputs`: everything between
     `raytrain run` connecting to Ray and the workers being told where the data is) for a store
     of `scale` x the rows / the same for the base size                     goal <= 1.2
 S2  bytes on disk (every file of the store but its manifest) / the tokens it holds, for text
     (packed) and a preference store (TRL's shape, padded pairs)            goal <= 4 and <= 5
+Open  bytes a rank reads at `TokenStore.open` (what the kernel counted: /proc/self/io's rchar)
+    for `open-scale` x the shards / for `open-shards` shards, side by side in one run; and
+    what its first row then reads (the shard table's directory and one block, the shard's
+    index, the row). Tiny synthetic shards written as a prepare writes them: no Ray, no
+    tokenizer, a few seconds (`--open-only` runs this alone)              goal <= 1.2
 
 Run it from any checkout (the numbers are about the code it imports): `git worktree add
 /tmp/before <rev>` and `cd /tmp/before && /path/to/.venv/bin/python -m benchmarks.store_costs`
@@ -29,12 +35,82 @@ def _store_bytes(store) -> int:
     return sum(p.stat().st_size for p in Path(store.path).iterdir() if p.name != "manifest.json")
 
 
+def _process_reads() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def _reads_of(fn) -> tuple[int, object]:
+    """(bytes this process read during fn(), less what reading the counter itself costs), fn()'s value."""
+    noise = min(-_process_reads() + _process_reads() for _ in range(3))
+    before = _process_reads()
+    value = fn()
+    return _process_reads() - before - noise, value
+
+
+def _synthetic_store(folder: Path, shards: int, rows_per_shard: int = 4) -> str:
+    """A store of `shards` shards of short padded rows, written by the store's own writers."""
+    import numpy as np
+    import pyarrow.fs as pafs
+
+    from raytrain.data.store import shard_rows, token_dtype, write_manifest, write_shard
+
+    fs, dtype, key, rng = pafs.LocalFileSystem(), token_dtype(300), "o" * 20, np.random.default_rng(0)
+    store_dir = folder / key
+    store_dir.mkdir(parents=True)
+    entries, first = [], 0
+    for i in range(shards):
+        docs = [(t, t) for t in (rng.integers(0, 300, 12).tolist() for _ in range(rows_per_shard))]
+        part = shard_rows(docs, 16, False, False)
+        entries.append({**write_shard(fs, str(store_dir), f"part-{i:06d}", part, dtype), "first_row": first})
+        first += len(part)
+    write_manifest(fs, str(store_dir), {"key": key, "rows": first, "seq_len": 16, "pad_id": 0, "bad_rows": 0,
+                                        "bad_examples": [], "shards": entries, "docs": first, "tokens": 12 * first,
+                                        "sources": [{"path": "/data/rows.jsonl", "size": 1 << 40, "mtime_ns": 0}],
+                                        "sequences_per_row": 1, "token_dtype": dtype.name})
+    return str(store_dir)
+
+
+def open_costs(base_shards: int, scale: int) -> dict:
+    import numpy as np
+
+    from raytrain.data.store import TokenStore
+
+    folder = Path(tempfile.mkdtemp(prefix="raytrain-store-open-"))
+    try:
+        measured = {}
+        for shards in (base_shards, base_shards * scale):
+            started = time.perf_counter()
+            uri = _synthetic_store(folder / str(shards), shards)
+            write_s = time.perf_counter() - started
+            opened, store = _reads_of(lambda: TokenStore.open(uri))
+            first_row, _ = _reads_of(lambda: store.read(np.array([store.rows // 2])))
+            measured[shards] = {"open": opened, "first_row": first_row, "write_s": write_s,
+                                "table": getattr(store.read_counters, "table_bytes", 0),
+                                "manifest": Path(uri, "manifest.json").stat().st_size}
+        (small, a), (big, b) = measured.items()
+        ratio = b["open"] / a["open"]
+        print(f"Open bytes a rank reads at store open: {big:,} shards {b['open']:,} B / {small:,} shards {a['open']:,} B "
+              f"= ratio {ratio:.2f} (goal <= 1.2; the manifests are {b['manifest']:,} / {a['manifest']:,} B)")
+        print(f"     then its first row: {b['first_row']:,} B / {a['first_row']:,} B (of it the shard table's: "
+              f"{b['table']:,} / {a['table']:,} B; stores written in {b['write_s']:.1f} / {a['write_s']:.1f} s)")
+        return {"ratio_open": ratio, **{f"{k}_{n}": v for n, m in measured.items() for k, v in m.items()}}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-rows", type=int, default=20_000)
     parser.add_argument("--scale", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--open-shards", type=int, default=1000)
+    parser.add_argument("--open-scale", type=int, default=10)
+    parser.add_argument("--open-only", action="store_true", help="only the bytes read at store open (no Ray)")
     args = parser.parse_args()
+    open_costs(args.open_shards, args.open_scale)
+    if args.open_only:
+        return
 
     import ray
 

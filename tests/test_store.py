@@ -118,7 +118,7 @@ def test_bad_rows_of_a_json_array_in_several_units_are_named_by_their_row_in_the
     path.write_text(json.dumps(rows, indent=1))
     spec = make_job(assets, tmp_path / "runs", data={"path": str(path), "format": "alpaca", "bad_rows": "skip"})
     store = ensure_store(spec, unit_bytes=2048)  # a few KiB: prepared in this process, no Ray
-    assert len(store.manifest["shards"]) > 5 and store.manifest["docs"] == 197
+    assert store.shards > 5 and store.manifest["docs"] == 197
     assert store.manifest["bad_examples"] == [f"{path} row {n}: column 'output' (the response) must be a string, got int"
                                               for n in (7, 95, 190)]
 
@@ -179,13 +179,118 @@ def test_the_compact_store_reads_back_exactly_the_padded_rows_packing_lays_out(t
         TokenStore.open(str(store_dir)).read(np.array([0]))
 
 
+# ---------------------------------------------------------------- the shard table: read by block, not at open
+def _write_store(folder: Path, shards: int, empty: set[int] = frozenset(), rows_per_shard: int = 2):
+    """A tiny store of `shards` shards (`empty`: of no rows) of short padded rows, written as a
+    prepare writes it; (its uri, the shards' entries, each row's token ids)."""
+    from raytrain.data.store import shard_rows, token_dtype, write_manifest, write_shard
+
+    fs, dtype, key, rng = pafs.LocalFileSystem(), token_dtype(300), "t" * 20, np.random.default_rng(len(empty))
+    store_dir = folder / key
+    store_dir.mkdir(parents=True)
+    entries, ids, first = [], [], 0
+    for i in range(shards):
+        docs = [(t, t) for t in (rng.integers(0, 300, 5).tolist() for _ in range(0 if i in empty else rows_per_shard))]
+        part = shard_rows(docs, 8, False, False)
+        entries.append({**write_shard(fs, str(store_dir), f"part-{i:06d}", part, dtype), "first_row": first})
+        ids += [t for t, _ in docs]
+        first += len(part)
+    write_manifest(fs, str(store_dir), {"key": key, "rows": first, "seq_len": 8, "pad_id": 0, "bad_rows": 0,
+                                        "shards": entries, "sources": [], "sequences_per_row": 1,
+                                        "token_dtype": dtype.name})
+    return str(store_dir), entries, np.array(ids)
+
+
+def _process_reads() -> int:
+    """Bytes this process has read through read(2) and the like: what the kernel counted, not the store."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_a_rank_reads_as_much_at_open_for_ten_times_the_shards_and_one_table_block_for_a_row(tmp_path, monkeypatch):
+    from raytrain.data import store as store_module
+
+    read, opened = {}, {}
+    for shards in (8, 80):
+        uri, _, _ = _write_store(tmp_path / f"of-{shards}", shards)
+        before = _process_reads()
+        opened[shards] = TokenStore.open(uri)
+        read[shards] = _process_reads() - before
+    assert read[80] <= 1.2 * read[8], read  # the manifest does not list the shards
+    for shards, store in opened.items():
+        assert store.shards == shards and store.read_counters.open_bytes == Path(store.path, MANIFEST).stat().st_size
+
+    monkeypatch.setattr(store_module, "TABLE_BLOCK", 16)  # 80 shards: 5 blocks of the table
+    # Shards of no rows on both sides of two block boundaries: a row is in the last shard starting at or before it.
+    uri, entries, ids = _write_store(tmp_path / "blocks", 80, empty={15, 16, 47, 48})
+    store = TokenStore.open(uri)
+    assert store.manifest["shard_table"]["block_shards"] == 16 and "shards" not in store.manifest
+    record, directory = store_module.RECORD.itemsize, 5 * store_module.BLOCK_ENTRY.itemsize
+    assert Path(uri, store_module.TABLE).stat().st_size == 80 * record + directory
+    counters = store.read_counters
+    row = entries[40]["first_row"] + 1  # in block 2
+    assert np.array_equal(store.read(np.array([row]))[0, 0, :5], ids[row])
+    assert counters.table_bytes == directory + 16 * record  # the directory once, then the row's block only
+    store.read(np.array([entries[33]["first_row"]]))  # the same block: nothing more from the table
+    assert counters.table_bytes == directory + 16 * record
+    store.read(np.array([entries[79]["first_row"]]))  # the last block: one more block
+    assert counters.table_bytes == directory + 32 * record
+    assert counters.bytes >= counters.table_bytes  # the table is part of what the store read
+
+    order = np.random.default_rng(0).permutation(store.rows)  # every row, across the empty shards and blocks
+    assert np.array_equal(store.read(order)[:, 0, :5], ids[order])
+    assert [store.shard(i) for i in range(80)] == entries  # what the manifest listed before
+
+
+def test_a_changed_or_missing_shard_table_and_an_older_store_are_refused_with_the_file_named(tmp_path, monkeypatch):
+    from raytrain.data import store as store_module
+
+    monkeypatch.setattr(store_module, "TABLE_BLOCK", 16)
+    uri, entries, ids = _write_store(tmp_path, 40)  # 3 blocks: 16, 16 and 8 shards
+    table = Path(uri, store_module.TABLE)
+    signed, record = table.read_bytes(), store_module.RECORD.itemsize
+    changed = bytearray(signed)
+    changed[19 * record + 30] ^= 1  # shard 19's .idx sha256, in block 1
+    table.write_bytes(bytes(changed))
+    store = TokenStore.open(uri)  # open reads the manifest only
+    row = entries[3]["first_row"]
+    assert np.array_equal(store.read(np.array([row]))[0, 0, :5], ids[row])  # block 0 is fine
+    refused = (r"refusing the token store .*: shards.tbl was changed after it was prepared \(block 1 \(shards 16 to 31\)'s "
+               r"sha256 is not the signed one\)")
+    with pytest.raises(JobError, match=refused):
+        store.read(np.array([entries[17]["first_row"]]))  # shard 17: in the changed block, not the changed record
+    with pytest.raises(JobError, match=refused):
+        TokenStore.open(uri).shard(19)
+
+    changed = bytearray(signed)
+    changed[-3] ^= 1  # the block directory
+    table.write_bytes(bytes(changed))
+    with pytest.raises(JobError, match=r"shards.tbl was changed after it was prepared \(its block directory's sha256"):
+        TokenStore.open(uri).read(np.array([0]))
+    table.unlink()
+    with pytest.raises(JobError, match=r"refusing the token store .*: shards.tbl is missing"):
+        TokenStore.open(uri).read(np.array([0]))
+    table.write_bytes(signed)
+    assert np.array_equal(TokenStore.open(uri).read(np.arange(4))[:, 0, :5], ids[:4])
+
+    manifest = json.loads(Path(uri, MANIFEST).read_text())  # a store of format 4: its shards listed in the manifest
+    Path(uri, MANIFEST).write_text(json.dumps({**manifest, "format_version": 4, "shards": entries}))
+    with pytest.raises(JobError, match=r"written by an older raytrain \(store format 4, this one reads 5\)\. Delete the "
+                                       r"folder .* to prepare it in the new format"):
+        TokenStore.open(uri)
+
+
 # ---------------------------------------------------------------- the store on a real cluster
 def _tokens_hash(store: TokenStore) -> str:
     digest = hashlib.sha256()
-    for shard in store.manifest["shards"]:
+    for shard in _entries(store):
         with store.fs.open_input_file(f"{store.path}/{shard['file']}.bin") as f:
             digest.update(f.read())
     return digest.hexdigest()
+
+
+def _entries(store: TokenStore) -> list[dict]:
+    return [store.shard(i) for i in range(store.shards)]
 
 
 def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its_rows(ray_address, assets, tmp_path,
@@ -195,11 +300,12 @@ def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its
     here = []  # the units prepared in this process
     monkeypatch.setattr(prepare, "prepare_unit", lambda item, **kw: here.append(item) or _prepare_unit(item, **kw))
     one = ensure_store(make_job(assets, tmp_path / "a"), unit_bytes=16_384)  # 0.4 MB: in the driver, unit after unit
-    assert len(here) == len(one.manifest["shards"]) > 4
+    assert len(here) == one.shards > 4
     monkeypatch.setattr(prepare, "LOCAL_BYTES", 0)  # as a big dataset: a Ray Data task per unit, 4 at a time
     four = ensure_store(make_job(assets, tmp_path / "b"), unit_bytes=16_384, concurrency=4)
-    assert len(here) == len(one.manifest["shards"])  # none more here
-    assert one.key == four.key and one.manifest["shards"] == four.manifest["shards"]
+    assert len(here) == one.shards  # none more here
+    assert one.key == four.key and one.manifest["shard_table"] == four.manifest["shard_table"]
+    assert _entries(one) == _entries(four)
     assert _tokens_hash(one) == _tokens_hash(four)
     assert one.manifest["docs"] == 4000 and one.bad_rows == 0  # every source row is in it
 
@@ -233,7 +339,7 @@ def test_a_half_written_store_is_rebuilt_a_tampered_one_refused_and_a_changed_so
     assert TokenStore.open(store.uri) is None
     rebuilt = ensure_store(spec)
     assert rebuilt.key == store.key and rebuilt.rows == store.rows
-    shard = Path(store.path, store.manifest["shards"][0]["file"] + ".bin")
+    shard = Path(store.path, store.shard(0)["file"] + ".bin")
     rows = shard.read_bytes()
     # A cut shard, or the same size with other tokens (poisoned data): nothing scans the store at
     # start (reuse is one manifest read); the rank that reads a changed row refuses it, naming the file.
@@ -241,7 +347,7 @@ def test_a_half_written_store_is_rebuilt_a_tampered_one_refused_and_a_changed_so
         shard.write_bytes(changed)
         reused = ensure_store(spec)
         with pytest.raises(JobError, match=f"refusing the token store .*{shard.name} was changed after it was prepared"):
-            reused.read(np.arange(reused.manifest["shards"][0]["rows"]))
+            reused.read(np.arange(reused.shard(0)["rows"]))
     shard.write_bytes(rows)
     signed = Path(store.path, MANIFEST).read_text()
     manifest = json.loads(signed)

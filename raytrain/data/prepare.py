@@ -28,7 +28,7 @@ from ..errors import BadRowError, JobError
 from .pairs import encode_pairs
 from .records import encode_rows
 from .sources import Source, Unit, list_sources, plan_units, read_unit
-from .store import TokenStore, shard_rows, token_dtype, write_manifest, write_shard
+from .store import TokenStore, shard_name, shard_rows, token_dtype, write_manifest, write_shard
 
 PACKER_VERSION = 4  # 2: units sized from the file; 3: positions per document, chat labels from one rendering; 4: store format 4
 UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
@@ -211,10 +211,6 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
     result = {**entry, "lines": lines, "pad_id": int(pad), "token_dtype": dtype.name, "bad": bad, "examples": examples,
               "docs": len(docs), "tokens": int(sum(len(ids) for ids, _ in sequences))}
     return {"index": item["index"], "result": json.dumps(result)}
-
-
-def shard_name(index: int) -> str:
-    return f"part-{index:06d}"  # .bin and .idx
 
 
 def _manifest(data: DataSpec, key: str, sources: list[Source], units: list[Unit], results: list[dict]) -> dict:

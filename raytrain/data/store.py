@@ -9,19 +9,27 @@ Layout under `<checkpoint.storage_path>/datasets/<key>/`:
   part-000000.idx  per sequence its first token's offset (uint64, one more at the end) and the
                    position id it starts at (uint32: a packed document may run on from the row
                    before); per row a 16-byte BLAKE2b of its tokens. 28-40 bytes a row.
-  manifest.json    rows, seq_len, the shards (rows, first row, tokens, the .idx's sha256), the
-                   key's inputs, the bad-row count and the first bad rows named; signed
-                   (signing.py) and written last
+  shards.tbl       the shard table: per shard (shard i's files are `shard_name(i)`) a 56-byte
+                   little-endian record: first row, rows, tokens (uint64 each), its .idx's
+                   sha256 (32 bytes); in blocks of `block_shards` (1,024) records, each block
+                   the unit a reader reads (by range) and checks. Then the block directory: per
+                   block its first row (uint64) and the sha256 of its bytes (40 bytes a block).
+  manifest.json    rows, seq_len, the shard table's summary (shard count, block size, the
+                   sha256 of its block directory), the key's inputs, the bad-row count and the
+                   first bad rows named; signed (signing.py) and written last, after shards.tbl
 A row is one sequence (text, chat) or two (a preference pair: chosen, then rejected), each up to
 seq_len tokens; `read` pads them back to seq_len exactly as packing laid them out (pad id,
 labels IGNORE, positions counting from 0), so the model sees what it always saw.
 
-Trust without a start-up scan: a reader checks the signed manifest, then each shard's .idx
-against the manifest's sha256 the first time it touches that shard (kept in a bounded cache),
-then each row's bytes against the row's hash in that index, before the row is used. Nothing
-hashes the whole store; a rank reads the index of the shards it touches and its own rows'
-bytes only. A store without its manifest is never opened (`open` returns None and the prepare
-step builds it again); a changed row, index or manifest is refused with its file named.
+Trust without a start-up scan: a reader checks the signed manifest (its size does not grow with
+the shards: `open` reads it and nothing else), then at its first row the table's block directory
+against the manifest's sha256 (40 bytes per 1,024 shards), then each table block it touches
+against the directory (kept in a bounded cache), each shard's .idx against its record's sha256
+the first time it touches that shard (a bounded cache too), then each row's bytes against the
+row's hash in that index, before the row is used. Nothing hashes the whole store; a rank reads
+the table entries and the index of the shards it touches and its own rows' bytes only. A store
+without its manifest is never opened (`open` returns None and the prepare step builds it again);
+a changed row, index, table or manifest is refused with its file named.
 """
 
 from __future__ import annotations
@@ -40,17 +48,31 @@ from ..errors import JobError
 from .records import IGNORE, document_positions
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 4  # 3: 12 bytes a token in three int32 planes, padded; 4: 2-4 bytes, unpadded, hash per row
+TABLE = "shards.tbl"
+# 3: 12 bytes a token in three int32 planes, padded; 4: 2-4 bytes, unpadded, hash per row;
+# 5: the shard table out of the manifest, in shards.tbl, read and checked by block
+FORMAT_VERSION = 5
 PLANES = 3  # what `read` gives per sequence: input_ids, labels, position_ids
 DIGEST = 16  # bytes of a row's BLAKE2b
 INDEX_CACHE_BYTES = 64 << 20  # verified shard indexes a reader keeps (LRU): ~2M rows' worth
+TABLE_BLOCK = 1024  # shards a block of the table: what a reader reads and checks at once (56 KiB)
+TABLE_CACHE_BYTES = 8 << 20  # verified table blocks a reader keeps (LRU): ~150k shards' records
+RECORD = np.dtype([("first_row", "<u8"), ("rows", "<u8"), ("tokens", "<u8"), ("index_sha256", "u1", (32,))])
+BLOCK_ENTRY = np.dtype([("first_row", "<u8"), ("sha256", "u1", (32,))])  # the table's directory, per block
 
 
 @dataclass
 class ReadCounters:
     rows: int = 0
-    bytes: int = 0
+    bytes: int = 0  # everything read after `open`: tokens, shard indexes, the shard table
     reads: int = 0
+    table_bytes: int = 0  # of `bytes`: the shard table's (its directory once, then the blocks touched)
+    open_bytes: int = 0  # what `open` read: the manifest
+
+
+def shard_name(index: int) -> str:
+    """Shard `index`'s files (.bin and .idx), named by its number: the table keeps no names."""
+    return f"part-{index:06d}"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -107,7 +129,13 @@ class TokenStore:
         self.planes = PLANES * self.sequences
         self.dtype = np.dtype(manifest["token_dtype"])
         self.pad_id = int(manifest.get("pad_id", 0))
-        self._first = np.array([s["first_row"] for s in manifest["shards"]], dtype=np.int64)
+        table = manifest["shard_table"]
+        self.shards: int = int(table["shards"])
+        self._block_shards = int(table["block_shards"])
+        self._directory_sha256: str = table["directory_sha256"]
+        self._directory: tuple[np.ndarray, np.ndarray] | None = None  # blocks' first rows and sha256s, once read
+        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # records, first rows (int64)
+        self._blocks_bytes = 0
         self._files: dict[str, object] = {}
         self._index: OrderedDict[int, tuple] = OrderedDict()
         self._index_bytes = 0
@@ -117,11 +145,13 @@ class TokenStore:
     @classmethod
     def open(cls, uri: str) -> "TokenStore | None":
         """The complete store at `uri` (its manifest is there and signed), or None (absent or
-        half-written). One read: the shards are checked as they are read, not here."""
+        half-written). One read, of a manifest whose size does not grow with the shards: the
+        shard table and the shards are checked as they are read, not here."""
         fs, path = storage.filesystem(uri)
         try:
             with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
-                manifest = json.loads(f.read())
+                raw = f.read()
+            manifest = json.loads(raw)
         except (FileNotFoundError, OSError, ValueError):
             return None
         where = f"the token store {uri}/{MANIFEST}"
@@ -131,12 +161,78 @@ class TokenStore:
                            f"{uri} and run the job again (or `raytrain prepare`) to prepare it in the new format")
         manifest = signing.verify_document(manifest, where)
         signing.require_place(manifest, "key", uri.rstrip("/").rsplit("/", 1)[-1], where)
-        return cls(uri, manifest, fs, path)
+        store = cls(uri, manifest, fs, path)
+        store.read_counters.open_bytes = len(raw)
+        return store
+
+    def shard(self, index: int) -> dict:
+        """Shard `index`'s entry: {file, rows, first_row, tokens, index_sha256} (what the manifest
+        listed before format 5), from its checked table block."""
+        if not 0 <= index < self.shards:
+            raise IndexError(f"shard {index} of a store of {self.shards} shards")
+        record = self._block(index // self._block_shards)[0][index % self._block_shards]
+        return {"file": shard_name(index), "rows": int(record["rows"]), "first_row": int(record["first_row"]),
+                "tokens": int(record["tokens"]), "index_sha256": record["index_sha256"].tobytes().hex()}
+
+    def _locate(self, row: int) -> tuple[int, int, int]:
+        """(shard, row within it, the shard's rows) of a row: the last shard starting at or before
+        it (a shard of no rows shares its first row with the next), through one table block."""
+        first_rows, _ = self._block_directory()
+        block = int(np.searchsorted(first_rows, row, side="right")) - 1
+        records, firsts = self._block(block)
+        k = int(np.searchsorted(firsts, row, side="right")) - 1
+        return block * self._block_shards + k, row - int(firsts[k]), int(records[k]["rows"])
+
+    def _table_read(self, nbytes: int, offset: int) -> bytes:
+        raw = self._file(TABLE).read_at(nbytes, offset)
+        self.read_counters.reads += 1
+        self.read_counters.bytes += len(raw)
+        self.read_counters.table_bytes += len(raw)
+        return raw
+
+    def _block_directory(self) -> tuple[np.ndarray, np.ndarray]:
+        """The table's block directory (after the records), checked against the manifest the first
+        time a row is read: 40 bytes per block of shards."""
+        directory = self._directory
+        if directory is not None:
+            return directory
+        blocks = -(-self.shards // self._block_shards)
+        raw = self._table_read(blocks * BLOCK_ENTRY.itemsize, self.shards * RECORD.itemsize)
+        if hashlib.sha256(raw).hexdigest() != self._directory_sha256:
+            raise self._changed(TABLE, "its block directory's sha256 is not the signed one")
+        entries = np.frombuffer(raw, BLOCK_ENTRY)
+        self._directory = (entries["first_row"].astype(np.int64), entries["sha256"])
+        return self._directory
+
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block `block` of the shard table (its records, their first rows), read by range and
+        checked against the directory the first time it is touched."""
+        with self._lock:
+            if block in self._blocks:
+                self._blocks.move_to_end(block)
+                return self._blocks[block]
+        _, sha256s = self._block_directory()
+        start = block * self._block_shards
+        count = min(self._block_shards, self.shards - start)
+        raw = self._table_read(count * RECORD.itemsize, start * RECORD.itemsize)
+        if hashlib.sha256(raw).digest() != sha256s[block].tobytes():
+            raise self._changed(TABLE, f"block {block} (shards {start} to {start + count - 1})'s sha256 is not the "
+                                       "signed one")
+        records = np.frombuffer(raw, RECORD)
+        entry = (records, records["first_row"].astype(np.int64))
+        with self._lock:
+            self._blocks[block] = entry
+            self._blocks_bytes += len(raw)
+            while self._blocks_bytes > TABLE_CACHE_BYTES and len(self._blocks) > 1:
+                _, (old, _) = self._blocks.popitem(last=False)
+                self._blocks_bytes -= old.nbytes
+        return entry
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         """The given rows, in that order: int32 [len(rows), planes, seq_len] (input_ids, labels,
         position_ids; twice for a pair). Consecutive rows of a shard are one read of their tokens
-        (plus the shard's index the first time it is touched); each row is checked before use."""
+        (plus the shard's index and its table block the first time they are touched); each row is
+        checked before use."""
         rows = np.asarray(rows, dtype=np.int64)
         out = np.empty((len(rows), self.planes, self.seq_len), dtype=np.int32)
         order = np.argsort(rows, kind="stable")
@@ -146,11 +242,10 @@ class TokenStore:
             while j < len(order) and rows[order[j]] == rows[order[j - 1]] + 1:
                 j += 1
             first = int(rows[order[i]])
-            shard = int(np.searchsorted(self._first, first, side="right")) - 1
-            if shard < 0 or first >= self.rows:
+            if first < 0 or first >= self.rows:
                 raise IndexError(f"row {first} of a store of {self.rows} rows")
-            local = first - int(self._first[shard])
-            end = min(j, i + int(self.manifest["shards"][shard]["rows"]) - local)
+            shard, local, shard_rows = self._locate(first)
+            end = min(j, i + shard_rows - local)
             self._read_run(shard, local, order[i:end], out)
             i = end
         self.read_counters.rows += len(rows)
@@ -162,7 +257,7 @@ class TokenStore:
         s, n = self.sequences, len(targets)
         lo, hi = int(offsets[local * s]), int(offsets[(local + n) * s])
         item = self.dtype.itemsize
-        name = self.manifest["shards"][shard]["file"]
+        name = shard_name(shard)
         raw = self._file(name + ".bin").read_at((hi - lo) * item, lo * item)
         self.read_counters.reads += 1
         self.read_counters.bytes += len(raw)
@@ -197,7 +292,7 @@ class TokenStore:
             if shard in self._index:
                 self._index.move_to_end(shard)
                 return self._index[shard]
-        meta = self.manifest["shards"][shard]
+        meta = self.shard(shard)
         name = meta["file"] + ".idx"
         try:
             with self.fs.open_input_stream(f"{self.path}/{name}") as f:
@@ -273,10 +368,37 @@ def write_shard(out_fs: pafs.FileSystem, out_path: str, name: str, rows, dtype: 
     return {"file": name, "rows": len(rows), "tokens": tokens, "index_sha256": hashlib.sha256(index).hexdigest()}
 
 
+def write_table(fs: pafs.FileSystem, path: str, shards: list[dict], block_shards: int | None = None) -> dict:
+    """shards.tbl from the shards' entries (`write_shard`'s, with first_row; shard i's file must be
+    `shard_name(i)`); the manifest's summary of it, whose directory sha256 binds every record."""
+    block_shards = block_shards or TABLE_BLOCK
+    records = np.zeros(len(shards), RECORD)
+    row = 0
+    for i, s in enumerate(shards):
+        if s["file"] != shard_name(i) or s["first_row"] != row:
+            raise ValueError(f"shard {i} is {s['file']} from row {s['first_row']}: the table needs {shard_name(i)} "
+                             f"from row {row} (the shards in order, each named by its number)")
+        records[i] = (s["first_row"], s["rows"], s["tokens"], np.frombuffer(bytes.fromhex(s["index_sha256"]), np.uint8))
+        row += s["rows"]
+    directory = np.zeros(-(-len(shards) // block_shards), BLOCK_ENTRY)
+    for b in range(len(directory)):
+        block = records[b * block_shards:(b + 1) * block_shards]
+        directory[b] = (block["first_row"][0], np.frombuffer(hashlib.sha256(block.tobytes()).digest(), np.uint8))
+    with fs.open_output_stream(f"{path}/{TABLE}") as f:
+        f.write(records.tobytes())
+        f.write(directory.tobytes())
+    return {"shards": len(shards), "block_shards": block_shards,
+            "directory_sha256": hashlib.sha256(directory.tobytes()).hexdigest()}
+
+
 def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict) -> None:
-    """Last write of a prepare: to a temporary name, then moved into place (atomic locally,
-    a single object on an object store), so a reader sees the whole manifest or none."""
+    """The last writes of a prepare: the shard table (`manifest["shards"]`, see `write_table`),
+    then the manifest with the table's summary in place of the list, to a temporary name, then
+    moved into place (atomic locally, a single object on an object store), so a reader sees the
+    whole store or none."""
+    doc = {k: v for k, v in manifest.items() if k != "shards"}
+    doc["shard_table"] = write_table(fs, path, manifest["shards"])
     tmp = f"{path}/{MANIFEST}.tmp"
     with fs.open_output_stream(tmp) as f:
-        f.write(json.dumps(signing.sign_document({**manifest, "format_version": FORMAT_VERSION}), indent=1).encode())
+        f.write(json.dumps(signing.sign_document({**doc, "format_version": FORMAT_VERSION}), indent=1).encode())
     fs.move(tmp, f"{path}/{MANIFEST}")
