@@ -21,7 +21,10 @@ import time
 from dataclasses import dataclass, field
 
 DRIVER_PHASES = ("ray", "mlflow")  # the MLflow run opens once this driver holds the run directory (its store seeded while Ray starts)
-WORKER_PHASES = ("workers", "model", "restored", "data", "step_1")  # data: the stores ready (prepared meanwhile) and open
+# loaded: the trained model's weights in place (sharded, filled); model: with its optimizer (and DPO's reference);
+# data: the stores ready (prepared meanwhile) and open; steps: after the attempt's STEADY_AFTER-th step.
+WORKER_PHASES = ("workers", "loaded", "model", "restored", "data", "step_1", "steps")
+STEADY_AFTER = 5
 
 
 @dataclass
@@ -45,6 +48,10 @@ class Timeline:
     def to_config(self) -> dict:
         return {"started_at": self.started_at, "marks": dict(self.marks)}
 
+    def memory_line(self, phase: str) -> str:
+        resident, peak = self.memory[phase]
+        return f"host memory of the busiest rank after {STEADY_AFTER} steps (resident/peak MiB): {resident:.0f}/{peak:.0f}"
+
     def line(self, attempt: int) -> str:
         memory = ("; host memory of the busiest rank (resident/peak MiB): " + ", ".join(
             f"{p} {r:.0f}/{k:.0f}" for p, (r, k) in self.memory.items())) if self.memory else ""
@@ -55,11 +62,14 @@ class Timeline:
         return f"attempt {attempt} start-up (from its workers up): " + " -> ".join(
             f"{p} +{self.marks[p] - origin:.1f}s" for p in WORKER_PHASES[1:] if p in self.marks) + memory
 
-    def metrics(self, attempt: int) -> dict[str, float]:
+    def metrics(self, attempt: int, upto: str = "step_1") -> dict[str, float]:
+        """The MLflow values of the phases marked since the last report (at step 1: all before it)."""
         phases = (*DRIVER_PHASES, *WORKER_PHASES) if attempt == 1 else WORKER_PHASES
+        phases = phases[:phases.index(upto) + 1] if upto == "step_1" else (upto,)
         out = {f"startup/{p}_s": self.marks[p] for p in phases if p in self.marks}
-        for p, (resident, peak) in self.memory.items():
-            out[f"startup/host_mb/{p}"], out[f"startup/host_peak_mb/{p}"] = resident, peak
+        for p in phases:
+            if p in self.memory:
+                out[f"startup/host_mb/{p}"], out[f"startup/host_peak_mb/{p}"] = self.memory[p]
         return out
 
 

@@ -20,7 +20,7 @@ from .data.batches import open_data
 from .errors import user_message
 from .preemption import Preempted
 from .strategies import build_strategy
-from .timeline import Timeline, host_memory_mb
+from .timeline import STEADY_AFTER, Timeline, host_memory_mb
 
 
 def train_func(config: dict) -> None:
@@ -65,7 +65,7 @@ def _train(spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, de
            timeline: Timeline) -> None:
     import ray
 
-    strategy = build_strategy(spec, device, plan)
+    strategy = build_strategy(spec, device, plan, on_phase=timeline.mark)
     timeline.mark("model")
     state = checkpoint.restore(strategy) or TrainState(model_commit=spec.model.revision)  # pinned by the driver
     timeline.mark("restored")
@@ -142,19 +142,22 @@ def _data_ready(job_control, device) -> bool:
 
 def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
     """After this attempt's first step, rank 0 (attempt > 0) says where its start-up went: the
-    phases' times, and the busiest rank's host memory at each (every rank's, gathered once)."""
-    done = [False]
+    phases' times, and the busiest rank's host memory at each (every rank's, gathered); after
+    its STEADY_AFTER-th step, the busiest rank's memory once the steps are steady."""
+    steps = [0]
 
     def on_step(state, batch) -> None:
-        if not done[0]:
-            done[0] = True
-            timeline.mark("step_1")
+        steps[0] += 1
+        if steps[0] in (1, STEADY_AFTER):
+            phase = "step_1" if steps[0] == 1 else "steps"
+            timeline.mark(phase)
             every_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(every_rank, timeline.memory)  # once an attempt
+            dist.all_gather_object(every_rank, timeline.memory)  # twice an attempt
             timeline.with_busiest(every_rank)
             if attempt:
-                print(f"[raytrain] {timeline.line(attempt)}", file=sys.stdout, flush=True)
-                logger.log(attempt, timeline.metrics(attempt))  # once per attempt
+                print(f"[raytrain] {timeline.line(attempt) if phase == 'step_1' else timeline.memory_line(phase)}",
+                      file=sys.stdout, flush=True)
+                logger.log(attempt, timeline.metrics(attempt, phase))
         if then:
             then(state, batch)
 
@@ -175,7 +178,7 @@ def _sample_logger(folder: str | None, rank: int, world: int, stores, records_ro
         with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": state.step,
                                 "time": time.time(), "samples": batch.sample_ids if records_rows else [],
-                                "rss_mb": host_memory_mb()[0],
+                                **dict(zip(("rss_mb", "peak_mb"), host_memory_mb())),
                                 "read_bytes": sum(s.read_counters.bytes for s in stores)}) + "\n")
 
     return on_step

@@ -45,7 +45,7 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     # Where a worker's host memory went, phase by phase (the busiest rank's): loading the model takes
     # some, and the peak never falls.
     memory = {p: metric_history(spec, result.run_id, f"startup/host_peak_mb/{p}")[1]
-              for p in ("workers", "model", "restored", "data", "step_1")}
+              for p in ("workers", "loaded", "model", "restored", "data", "step_1", "steps")}
     assert 0 < memory["workers"] < memory["model"] and list(memory.values()) == sorted(memory.values()), memory
 
     # Sharded checkpoints from both ranks; keep_last prunes older ones.

@@ -25,9 +25,10 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def build_strategy(spec: JobSpec, device: torch.device, plan: RunPlan | None = None) -> Strategy:
+def build_strategy(spec: JobSpec, device: torch.device, plan: RunPlan | None = None, on_phase=None) -> Strategy:
     """The strategy the plan names, set up. Without a driver's plan (tests, benchmarks, the GPU
-    suite) the job's own: `RunPlan.of(spec)`."""
+    suite) the job's own: `RunPlan.of(spec)`. `on_phase("loaded")` is called once the trained
+    model's weights are in place, before the optimizer and anything else (the start-up record)."""
     plan = plan or RunPlan.of(spec)
     name = spec.training.strategy
     if name == "fsdp2":
@@ -37,6 +38,8 @@ def build_strategy(spec: JobSpec, device: torch.device, plan: RunPlan | None = N
     else:
         from .zero3 import Zero3Strategy as cls
     strategy = cls(spec, device, plan)
+    if on_phase is not None:
+        strategy.on_phase = on_phase
     strategy.setup()
     return strategy
 

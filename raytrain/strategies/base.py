@@ -131,6 +131,7 @@ class Strategy(ABC):
         self.sequence = ulysses.SequenceSplit.create(self.layout, self.rank, spec.model.attn_implementation)
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives.py); 0: the whole logits
+        self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
 
     @abstractmethod
     def setup(self) -> None:
@@ -200,6 +201,7 @@ class TorchStrategy(Strategy):
     def setup(self) -> None:
         self.model = self.wrap(compile_blocks(self.spec, enable_activation_checkpointing(self.spec, self.build_model()),
                                               self.device))
+        self.on_phase("loaded")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_chunk = self.spec.loss_chunk_tokens(self.hf_model.config.to_dict())
         o = self.spec.optimizer

@@ -69,6 +69,7 @@ class Zero3Strategy(Strategy):
         finally:
             unset_hf_deepspeed_config()
             del hf_ds_config
+        self.on_phase("loaded")
         enable_activation_checkpointing(s, self.hf_model)
         params = [p for p in self.hf_model.parameters() if p.requires_grad]
         optimizer = None

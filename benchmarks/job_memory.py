@@ -1,0 +1,91 @@
+"""M1j (issue #33): a worker's host memory over the whole job, as users run it.
+
+    python -m benchmarks.job_memory [--arms lora full]
+
+M1j  (busiest worker's peak resident memory over load + 5 steps, SmolLM2-135M shape
+      - the same job on the 0.1M-parameter model) / (a rank's share: model bytes / N,
+      x4 for a full fine-tune: its weights, gradients and AdamW's m and v)       goal <= 1.5
+
+`raytrain run job.yaml` in a process of its own, on its own local Ray instance, with the
+product's settings (2 CPU workers, seq_len 32, micro-batch 1, fp32 files, LoRA or full, fsdp2),
+and with glibc's allocator defaults (what the product gave its CPU workers before); the worker's figures come from the job's own
+records: the start-up line's per-phase memory (timeline.py) and `data.sample_log`'s per-step
+resident and peak memory of every rank. The tiny model's job is the same job with its weights
+~0: what Ray's worker, torch, transformers and the data cost whatever the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import harness as h
+from .memory import smollm2_shape
+
+
+def run_job(name: str, model: Path, data: Path, finetune: str, env: dict, folder: Path, objective: str = "sft",
+            seq_len: int = 32, steps: int = 5) -> dict:
+    s = h.SETTINGS["quick"]
+    raw = h.job(s, name, folder / "runs", model, data,
+                data={"seq_len": seq_len, "sample_log": str(folder / name / "samples")},
+                training={"finetune": finetune, "global_batch_size": 2, "micro_batch_size": 1, "max_steps": steps,
+                          "objective": objective},
+                checkpoint={"every_n_steps": 1000, "export_final": False})
+    raw["training"].pop("gradient_sync")  # the product's default
+    job = h.write_job(raw, folder / name)
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "raytrain", "run", str(job)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=3600)
+    if proc.returncode:
+        raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    line = next((ln for ln in proc.stdout.splitlines() if "start-up:" in ln), "")
+    ranks: dict[int, list[dict]] = {}
+    for f in (folder / name / "samples").glob("rank*.jsonl"):
+        for rec in map(json.loads, f.read_text().splitlines()):
+            ranks.setdefault(rec["rank"], []).append(rec)
+    peak = max(max(r["peak_mb"] for r in recs) for recs in ranks.values())
+    per_step = [max(next(r["rss_mb"] for r in recs if r["step"] == step) for recs in ranks.values())
+                for step in range(1, steps + 1)]
+    return {"peak_mb": peak, "rss_by_step_mb": per_step, "startup": line.split("host memory", 1)[-1].strip(),
+            "wall_s": time.time() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arms", nargs="+", default=["lora", "full"])
+    args = parser.parse_args()
+    # "product": what `raytrain run` gives CPU workers (worker_env.CPU_ALLOCATOR_ENV); "glibc": its
+    # defaults, as before that (a submitter's MALLOC_* replaces the product's; 16 arenas is glibc's
+    # own default on this 2-core machine, so it changes nothing else).
+    settings = {"product": {}, "glibc": {"MALLOC_ARENA_MAX": str(8 * os.cpu_count())}}
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    s = h.SETTINGS["quick"]
+    tiny, data = h.assets(h.SETTINGS["smoke"])
+    real = smollm2_shape(s)
+    model_mib = sum(f.stat().st_size for f in real.glob("*.safetensors")) / 2**20
+    folder = h.scratch("job-memory")
+    try:
+        for finetune in args.arms:
+            # what a rank must hold: its shard of the weights; a full fine-tune also its gradients and AdamW's m, v
+            share = model_mib / 2 * (4 if finetune == "full" else 1)
+            for setting, env in settings.items():
+                out = {m: run_job(f"{finetune}-{setting}-{m}", path, data, finetune, {**base_env, **env}, folder)
+                       for m, path in (("tiny", tiny), ("smollm2", real))}
+                excess = out["smollm2"]["peak_mb"] - out["tiny"]["peak_mb"]
+                for m, r in out.items():
+                    print(f"M1j {finetune} {setting} {m}: busiest peak {r['peak_mb']:.0f} MiB; resident after steps 1-5 "
+                          f"{[round(x) for x in r['rss_by_step_mb']]}; {r['startup']}; {r['wall_s']:.0f} s", flush=True)
+                print(f"M1j {finetune} {setting}: (busiest peak {out['smollm2']['peak_mb']:.0f} - tiny "
+                      f"{out['tiny']['peak_mb']:.0f} MiB) / (a rank's share {share:.0f} MiB) = {excess / share:.2f} "
+                      f"(goal <= 1.5)", flush=True)
+    finally:
+        h.cleanup(folder)
+
+
+if __name__ == "__main__":
+    main()
