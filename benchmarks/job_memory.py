@@ -1,6 +1,6 @@
 """M1j (issue #33): a worker's host memory over the whole job, as users run it.
 
-    python -m benchmarks.job_memory [--arms lora full]
+    python -m benchmarks.job_memory [--arms lora full dpo]
 
 M1j  (busiest worker's peak resident memory over load + 5 steps, SmolLM2-135M shape
       - the same job on the 0.1M-parameter model) / (a rank's share: model bytes / N,
@@ -55,9 +55,27 @@ def run_job(name: str, model: Path, data: Path, finetune: str, env: dict, folder
             "wall_s": time.time() - started}
 
 
+def dpo(real: Path, folder: Path) -> None:
+    """M6: SmolLM2-135M-shaped LoRA DPO at seq_len 1024, a pair a micro-batch, 2 workers: its busiest
+    worker's peak (goal <= 5 GiB, half this machine's 24 GiB for 2) against `raytrain validate`'s
+    estimate (goal 0.8 to 1.2)."""
+    import yaml
+
+    from raytrain import memory, preflight
+    from raytrain.config import JobSpec
+
+    r = run_job("dpo-smollm2", real, h.CACHE / "base-8000" / "pairs.jsonl", "lora", {}, folder, objective="dpo",
+                seq_len=1024, steps=2)
+    spec = JobSpec.model_validate(yaml.safe_load((folder / "dpo-smollm2" / "job.yaml").read_text()))
+    est = memory.estimate(spec, preflight.model_facts(spec), 2)
+    print(f"M6 dpo lora seq_len 1024: busiest peak {r['peak_mb'] / 1024:.2f} GiB (goal <= 5); validate's estimate "
+          f"{est.total / 2**30:.2f} GiB / peak = {est.total / 2**20 / r['peak_mb']:.2f} (goal 0.8 to 1.2); "
+          f"{r['startup']}; {r['wall_s']:.0f} s\n   estimate: {est.arithmetic()}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arms", nargs="+", default=["lora", "full"])
+    parser.add_argument("--arms", nargs="+", default=["lora", "full", "dpo"])
     args = parser.parse_args()
     # "product": what `raytrain run` gives CPU workers (worker_env.CPU_ALLOCATOR_ENV); "glibc": its
     # defaults, as before that (a submitter's MALLOC_* replaces the product's; 16 arenas is glibc's
@@ -70,7 +88,9 @@ def main() -> None:
     model_mib = sum(f.stat().st_size for f in real.glob("*.safetensors")) / 2**20
     folder = h.scratch("job-memory")
     try:
-        for finetune in args.arms:
+        if "dpo" in args.arms:
+            dpo(real, folder)
+        for finetune in [a for a in args.arms if a != "dpo"]:
             # what a rank must hold: its shard of the weights; a full fine-tune also its gradients and AdamW's m, v
             share = model_mib / 2 * (4 if finetune == "full" else 1)
             for setting, env in settings.items():
