@@ -225,6 +225,8 @@ class LoraSpec(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] | None = None
     """Module names to adapt; default: the attention and MLP projections of the architecture."""
+    use_dora: bool = False
+    """DoRA (peft's weight-decomposed LoRA): each adapted weight's per-row magnitude is trained beside the low-rank update of its direction. fsdp2, zero3 and ddp; not with tensor parallelism."""
 
 
 class OffloadSpec(Section):
@@ -537,6 +539,10 @@ class JobSpec(Section):
             raise ValueError(f"data.seq_len={self.data.seq_len} is not divisible by scaling.sequence_parallel="
                              f"{s.sequence_parallel}: each rank takes an equal part of a sequence; use seq_len {fit} "
                              f"or {fit + s.sequence_parallel}")
+        if t.lora.use_dora and s.tensor_parallel > 1:
+            raise ValueError(f"training.lora.use_dora with scaling.tensor_parallel={s.tensor_parallel}: DoRA's magnitude is "
+                             "the norm of each output row over the whole input dimension, which the row-parallel "
+                             "layers (o_proj, down_proj) split over ranks: remove scaling.tensor_parallel or use_dora")
         if t.compile and s.model_parallel > 1:
             which = " and ".join(f"scaling.{k}={v}" for k, v in (("sequence_parallel", s.sequence_parallel),
                                                                   ("tensor_parallel", s.tensor_parallel)) if v > 1)
@@ -566,6 +572,13 @@ class JobSpec(Section):
         """DPO under full fine-tuning compares against a frozen copy of the starting model
         (under LoRA the reference is the same model with its adapter off)."""
         return self.training.objective == "dpo" and self.training.finetune == "full"
+
+    @model_validator(mode="after")
+    def _dora_is_lora(self):
+        if self.training.lora.use_dora and self.training.finetune != "lora":
+            raise ValueError("training.lora.use_dora=true decomposes LoRA adapters, and training.finetune is "
+                             f"{self.training.finetune}: set training.finetune: lora, or remove use_dora")
+        return self
 
     @model_validator(mode="after")
     def _no_fp16_master_weights(self):

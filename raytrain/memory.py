@@ -78,6 +78,10 @@ class ModelFacts:
             self._lora_sizes[key] = sum(mods[m][0] + mods[m][1] for m in {m for t in key for m in self.matching(t)})
         return rank * self._lora_sizes[key]
 
+    def magnitude_params(self, targets: list[str] | tuple[str, ...]) -> int:
+        """DoRA's magnitudes: one per output row of each adapted module."""
+        return sum(self.modules[m][0] for m in {m for t in targets for m in self.matching(t)})
+
     def dim(self, *keys: str, default: int | None = None) -> int | None:
         for key in keys:
             if isinstance(self.config.get(key), int):
@@ -253,7 +257,9 @@ RUNTIME_CPU = Term("runtime (the worker process: Python, torch, Ray) ≈", "", 0
 def trainable_params(spec: JobSpec, facts: ModelFacts) -> int:
     if spec.training.finetune == "full":
         return facts.n_params
-    return facts.lora_params(_lora_targets(spec, facts), spec.training.lora.rank)
+    targets = _lora_targets(spec, facts)
+    dora = facts.magnitude_params(targets) if spec.training.lora.use_dora else 0
+    return facts.lora_params(targets, spec.training.lora.rank) + dora
 
 
 def checkpoint_bytes(spec: JobSpec, facts: ModelFacts) -> int:

@@ -105,7 +105,7 @@ def apply_lora(spec: JobSpec, model: nn.Module) -> nn.Module:
     lora = spec.training.lora
     torch.manual_seed(spec.training.seed)  # same adapter init on every rank and every restart
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora_targets(spec, model), task_type="CAUSAL_LM")
+                        target_modules=lora_targets(spec, model), task_type="CAUSAL_LM", use_dora=lora.use_dora)
     return get_peft_model(model, config)
 
 

@@ -15,6 +15,7 @@ with the product's strategy and step (`loop.train_step`), as tests/mesh_cases.py
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import random
@@ -27,9 +28,10 @@ SKIPPED = {"preference", "lora", "global_batch_size", "max_steps", "seed", "grad
            "chunked_loss", "micro_batch_size"}  # values, not options; the last three are set below
 REFERENCE = {"strategy": "ddp", "sequence_parallel": 1, "tensor_parallel": 1, "attention": "sdpa",
              "micro_batch_size": 1}  # + every bool off; what a case keeps: MATH_KEYS
-MATH_KEYS = ("objective", "finetune", "pack", "precision", "model")  # what changes the numbers themselves
+MATH_KEYS = ("objective", "finetune", "dora", "pack", "precision", "model")  # what changes the numbers themselves
 FIELDS = {"sequence_parallel": "scaling.sequence_parallel", "tensor_parallel": "scaling.tensor_parallel",
-          "attention": "model.attn_implementation", "pack": "data.pack", "model": "model.path"}
+          "attention": "model.attn_implementation", "pack": "data.pack", "model": "model.path",
+          "dora": "training.lora.use_dora"}
 
 
 def options() -> dict[str, tuple]:
@@ -43,7 +45,7 @@ def options() -> dict[str, tuple]:
             out[name] = (False, True)
         elif typing.get_origin(field.annotation) is typing.Literal:
             out[name] = tuple(v for v in typing.get_args(field.annotation) if v != "auto")
-    out.update(chunked_loss=(False, True), offload=(False, True), micro_batch_size=(1, 2))
+    out.update(chunked_loss=(False, True), offload=(False, True), micro_batch_size=(1, 2), dora=(False, True))
     out.update(sequence_parallel=(1, 2, 4), tensor_parallel=(1, 2), pack=(False, True),
                attention=typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation),
                model=("llama", "mistral window"))
@@ -58,7 +60,8 @@ def job(case: dict, models: dict, storage: str) -> dict:
     """The job YAML (a dict) of a case."""
     preference = case["objective"] != "sft"
     training = {k: v for k, v in case.items() if k not in FIELDS and k != "offload"}
-    training.update(global_batch_size=8, max_steps=3, seed=0, lora={"rank": 4, "alpha": 8, "dropout": 0.0},
+    training.update(global_batch_size=8, max_steps=3, seed=0,
+                    lora={"rank": 4, "alpha": 8, "dropout": 0.0, "use_dora": case["dora"]},
                     offload={"optimizer": case["offload"], "params": case["offload"]})
     return {"name": "combo", "model": {"path": models[case["model"]], "attn_implementation": case["attention"]},
             "data": {"path": models["pairs" if preference else "text"], "seq_len": SEQ, "pack": case["pack"]},
@@ -158,6 +161,8 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
         spec = JobSpec.model_validate(job(case, models, storage))
         pairs = case["objective"] != "sft"  # the store never packs pairs, whatever data.pack says
         rows = mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ)
-        result = mesh_cases.run_case(spec, rows, steps=3)
-        out[text] = {k: result[k] for k in ("losses", "grad_norms", "means")}
+        # A DoRA adapter is exported as the job's export writes it (collective), for plain peft to load.
+        export = f"{storage}/exports/{hashlib.sha1(text.encode()).hexdigest()[:12]}" if case["dora"] else None
+        result = mesh_cases.run_case(spec, rows, steps=3, export_to=export)
+        out[text] = {**{k: result[k] for k in ("losses", "grad_norms", "means")}, "export": export}
     return out

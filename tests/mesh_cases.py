@@ -88,15 +88,19 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
             "step_peak_mb": peak, "gathered_to_writer_only": gathered}
 
 
-def _gathered_to_writer_only(strategy) -> bool:
+def _gathered_to_writer_only(strategy) -> bool | None:
     """The export's gather of a sharded weight to the rank that writes it (rank 1 here): whole
-    there, equal to the all-gather, and nothing on every other rank (collective)."""
+    there, equal to the all-gather, and nothing on every other rank (collective); None without
+    DTensor weights (DDP, ZeRO-3)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from raytrain.strategies.base import gather_to
 
-    weight = next(p for p in strategy.hf_model.parameters() if isinstance(p, DTensor)).detach()
+    weight = next((p for p in strategy.hf_model.parameters() if isinstance(p, DTensor)), None)
+    if weight is None:
+        return None
+    weight = weight.detach()
     got, whole = gather_to(weight, 1), weight.full_tensor()
     ok = (got is not None) == (dist.get_rank() == 1) and (got is None or torch.equal(got, whole))
     every = [None] * dist.get_world_size()

@@ -28,6 +28,10 @@ import local_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 FP32, BF16 = 1e-5, 3e-2  # bf16 compute: two reduction orders round the same sum differently
+# After the first update, AdamW's normalized step turns a last-bit difference in a near-zero gradient
+# into a step of lr's size (seen: a tp=2 case's third grad norm 1.5e-5 off, a compiled DPO's 5e-5);
+# a wrong mask or exchange is off by 1e-2 from the first step on (RESULTS.md, "Options together").
+FP32_AFTER_AN_UPDATE = 1e-4
 
 
 def mistral_with_a_window(assets: Path, out: Path) -> Path:
@@ -58,7 +62,8 @@ def combos(assets, tmp_path_factory):
     references = {C.key(c): C.key(C.reference_of(c, opts)) for c in cases}
     runs = sorted({C.key(c) for c in cases} | set(references.values()))
     results = local_run.spawn(C.run_cases, C.WORLD, torch.device("cpu"), runs, models, str(tmp / "runs"))
-    return {"opts": opts, "cases": cases, "refused": refused, "references": references, "results": results}
+    return {"opts": opts, "cases": cases, "refused": refused, "references": references, "results": results,
+            "models": models}
 
 
 def test_every_pair_of_options_is_trained_or_refused(combos):
@@ -78,14 +83,39 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
     for case in combos["cases"]:
         got, want = results[C.key(case)], results[combos["references"][C.key(case)]]
         tol = FP32 if case["precision"] == "fp32" else BF16
-        worst = max(abs(x - y) / max(abs(y), 1e-12) for k in ("losses", "grad_norms") for x, y in zip(got[k], want[k]))
+        later = FP32_AFTER_AN_UPDATE if case["precision"] == "fp32" else BF16
+        errors = [(abs(x - y) / max(abs(y), 1e-12), tol if step == 0 else later)
+                  for k in ("losses", "grad_norms") for step, (x, y) in enumerate(zip(got[k], want[k]))]
+        worst = max(e for e, _ in errors)
         name = " ".join(f"{k}={v}" for k, v in case.items())
         print(f"[combinations] {worst:.1e} {name}")
-        if not worst <= tol:
+        if not all(e <= allowed for e, allowed in errors):
             bad.append(f"{name}: {got['losses']} vs {want['losses']}, grad norms {got['grad_norms']} vs {want['grad_norms']}")
         if got["means"]:  # DPO's and SimPO's rewards, accuracies, margins, log-probs
-            assert all(abs(x - y) <= max(10 * tol * abs(y), 10 * tol) for x, y in zip(got["means"], want["means"])), name
+            assert all(abs(x - y) <= max(10 * later * abs(y), 10 * later) for x, y in zip(got["means"], want["means"])), name
     for ref in set(combos["references"].values()):
         losses = results[ref]["losses"]
         assert losses[-1] < losses[0], (ref, losses)  # the reference learns: agreement is not two flat lines
     assert not bad, "\n".join(bad)
+
+
+def test_a_dora_adapter_loads_with_plain_peft_as_its_reference_trained_it(combos):
+    # DoRA under fsdp2/zero3 starts from magnitudes raytrain computes from the loaded weights (peft
+    # computed them from a model on meta, or before ZeRO-3 filled it); the export is plain peft's.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dora = [c for c in combos["cases"] if c["dora"]]
+    assert dora and {c["strategy"] for c in dora} >= {"fsdp2"}
+    probe = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    models = combos["models"]
+    for case in dora:
+        logits = []
+        for run in (C.key(case), combos["references"][C.key(case)]):
+            base = AutoModelForCausalLM.from_pretrained(models[case["model"]], attn_implementation="eager")
+            adapter = PeftModel.from_pretrained(base, combos["results"][run]["export"]).eval()
+            assert any("lora_magnitude_vector" in k for k in adapter.state_dict())
+            with torch.no_grad():
+                logits.append(adapter(input_ids=probe).logits)
+        tol = 1e-4 if case["precision"] == "fp32" else 5e-2
+        torch.testing.assert_close(logits[0], logits[1], rtol=tol, atol=tol)

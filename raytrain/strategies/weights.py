@@ -23,6 +23,7 @@ from torch.futures import Future
 
 from .. import modeling
 from ..config import JobSpec
+from ..errors import JobError
 from .hf_files import SAFETENSORS_DTYPES
 
 # The floating dtypes a weight file's header may name, read as rows (the names are the writer's).
@@ -110,7 +111,35 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     for name, p in model.named_parameters():
         if name in adapters:
             copy_full(p, adapters[name])
+    init_dora_magnitudes(model)
     return how
+
+
+@torch.no_grad()
+def init_dora_magnitudes(model: torch.nn.Module) -> None:
+    """DoRA's initial magnitudes from the loaded weights. peft computes each as the norm of its base
+    weight's rows when it adds the adapter, and here the adapters were added to a model on meta
+    (no weights yet). A row is whole on the rank holding it (FSDP2 shards rows, and the magnitude
+    of an out_features-long weight the same way), so each rank computes its own rows as peft does
+    (the adapter's B is 0: the weight is the base's)."""
+    for module, base, magnitudes in _dora_layers(model):
+        if getattr(module, "fan_in_fan_out", False):
+            raise JobError("training.lora.use_dora on a model whose linear layers store (in, out) weights (GPT-2's "
+                           "Conv1D) is not supported under fsdp2: use training.strategy: ddp, or remove use_dora")
+        for layer in magnitudes:
+            local(layer.weight).copy_(_row_norms(local(base)))
+
+
+def _dora_layers(model: torch.nn.Module):
+    """(module, its base weight, its DoRA magnitude layers) of each DoRA-adapted module."""
+    for module in model.modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if magnitudes:
+            yield module, module.get_base_layer().weight, list(magnitudes.values())
+
+
+def _row_norms(weight: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.norm(weight, dim=1).to(weight.dtype)  # peft's DoraLinearLayer.get_weight_norm, B = 0
 
 
 class SliceReader(HuggingFaceStorageReader):
@@ -167,6 +196,11 @@ def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
         for n, buf in model.state_dict(keep_vars=True).items():  # persistent buffers, every rank
             if not isinstance(buf, torch.nn.Parameter) and modeling.base_name(n) in files.entries:
                 files.read_rows(modeling.base_name(n), 0, buf.shape[0], buf)
+        for module, base, magnitudes in _dora_layers(model):  # peft computed them from the unfilled weights
+            with deepspeed.zero.GatheredParameters([base, *(m.weight for m in magnitudes)], modifier_rank=0):
+                if rank == 0:
+                    for layer in magnitudes:
+                        layer.weight.data.copy_(_row_norms(base.data))
     return "sharded"
 
 
