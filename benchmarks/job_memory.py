@@ -8,7 +8,7 @@ M1j  (busiest worker's peak resident memory over load + 5 steps, SmolLM2-135M sh
 
 `raytrain run job.yaml` in a process of its own, on its own local Ray instance, with the
 product's settings (2 CPU workers, seq_len 32, micro-batch 1, fp32 files, LoRA or full, fsdp2),
-and with glibc's allocator defaults (what the product gave its CPU workers before); the worker's figures come from the job's own
+and with the README's opt-in allocator setting; the worker's figures come from the job's own
 records: the start-up line's per-phase memory (timeline.py) and `data.sample_log`'s per-step
 resident and peak memory of every rank. The tiny model's job is the same job with its weights
 ~0: what Ray's worker, torch, transformers and the data cost whatever the model.
@@ -77,10 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", nargs="+", default=["lora", "full", "dpo"])
     args = parser.parse_args()
-    # "product": what `raytrain run` gives CPU workers (worker_env.CPU_ALLOCATOR_ENV); "glibc": its
-    # defaults, as before that (a submitter's MALLOC_* replaces the product's; 16 arenas is glibc's
-    # own default on this 2-core machine, so it changes nothing else).
-    settings = {"product": {}, "glibc": {"MALLOC_ARENA_MAX": str(8 * os.cpu_count())}}
+    # "product": glibc's defaults, what `raytrain run` gives CPU workers; "fixed": the README's
+    # opt-in (a fixed 256 KiB mmap threshold), from the submitting shell as a user sets it.
+    settings = {"product": {}, "fixed": {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}}
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     s = h.SETTINGS["quick"]
     tiny, data = h.assets(h.SETTINGS["smoke"])

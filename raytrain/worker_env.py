@@ -40,17 +40,15 @@ def controller_env(spec: JobSpec) -> dict[str, str]:
 # cloud's secret store); a worker process on a node that lacks some asks the driver's secret
 # relay for them as its train function starts (`with_secrets`), so a spot node an autoscaler
 # adds mid-run is covered as well as the nodes alive at submit.
-SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", *("MALLOC_ARENA_MAX",
-                "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
-# A CPU worker's tensors are host memory, and glibc keeps what a step frees: after a 32 MiB block
-# is freed it raises its mmap threshold to 32 MiB, so every smaller tensor after it comes from
-# heaps that are never given back. Measured (benchmarks/job_memory.py, RESULTS.md "Host memory"):
-# SmolLM2-135M-shaped LoRA peaks 2.46 GiB a worker by default and 1.29 GiB with a fixed 256 KiB
-# threshold; DPO at seq_len 1024, 8.1 GiB and 5.3 GiB. The price is page faults on fresh memory:
-# a LoRA step at seq_len 256 takes ~1.3x as long. CPU workers get these unless the submitter sets
-# any MALLOC_* of its own (passed on as it is); GPU workers keep glibc's defaults (their tensors
-# are on the device).
-CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}
+#
+# glibc's allocator settings, passed on from the submitter's shell. A CPU worker's tensors are host
+# memory, and glibc keeps what a step frees: after a 32 MiB block is freed it raises its mmap
+# threshold to 32 MiB, so smaller tensors after it come from heaps that are never given back.
+# A fixed threshold gives them back, for page faults on fresh memory (RESULTS.md, "Host memory":
+# a SmolLM2-135M-shaped LoRA job peaks at 1.29 GiB a worker instead of 2.48, and P1's step takes
+# 1.56x as long), so raytrain leaves the choice to the user (README, "Host memory").
+ALLOCATOR_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", *ALLOCATOR_ENV)
 SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", signing.KEY_ENV)
 # Names and ids only, never a value: these are in the workers' runtime_env.
@@ -173,8 +171,6 @@ def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
     env = {"TOKENIZERS_PARALLELISM": "false", preemption.GRACE_ENV: str(spec.failure.preemption_grace_s)}
     if not spec.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
-        if not any(key.startswith("MALLOC_") for key in os.environ):
-            env.update(CPU_ALLOCATOR_ENV)
     for key in SETTINGS_ENV:
         if key in os.environ:
             env[key] = os.environ[key]
