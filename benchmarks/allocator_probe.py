@@ -17,9 +17,10 @@ import torch  # noqa: E402
 
 
 def rss() -> tuple[int, int]:
-    """(resident, peak resident) MiB of this process."""
-    fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
-    return round(int(fields["VmRSS"].split()[0]) / 1024), round(int(fields["VmHWM"].split()[0]) / 1024)
+    """(resident, peak resident) MiB of this process, as the product's start-up record reads them."""
+    from raytrain.timeline import host_memory_mb
+
+    return tuple(round(x) for x in host_memory_mb())
 
 
 def reset() -> None:

@@ -48,8 +48,8 @@ class Timeline:
     def to_config(self) -> dict:
         return {"started_at": self.started_at, "marks": dict(self.marks)}
 
-    def memory_line(self, phase: str) -> str:
-        resident, peak = self.memory[phase]
+    def steps_line(self) -> str:
+        resident, peak = self.memory["steps"]
         return f"host memory of the busiest rank after {STEADY_AFTER} steps (resident/peak MiB): {resident:.0f}/{peak:.0f}"
 
     def line(self, attempt: int) -> str:

@@ -155,7 +155,7 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
             dist.all_gather_object(every_rank, timeline.memory)  # twice an attempt
             timeline.with_busiest(every_rank)
             if attempt:
-                print(f"[raytrain] {timeline.line(attempt) if phase == 'step_1' else timeline.memory_line(phase)}",
+                print(f"[raytrain] {timeline.line(attempt) if phase == 'step_1' else timeline.steps_line()}",
                       file=sys.stdout, flush=True)
                 logger.log(attempt, timeline.metrics(attempt, phase))
         if then:
