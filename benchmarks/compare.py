@@ -246,8 +246,8 @@ def p8(s: h.Setting) -> dict:
 
 
 # ---------------------------------------------------------------- P9
-def p9(s: h.Setting) -> dict:
-    h.header("P9 DPO / SFT in-loop step time, same rows, both through raytrain", s)
+def p9(s: h.Setting, objectives: tuple[str, ...] = ("sft", "dpo", "reward", "kto")) -> dict:
+    h.header("P9 DPO, reward-model and KTO / SFT in-loop step time per row, same rows, all through raytrain", s)
     model, _ = h.assets(s)
     pairs = h.CACHE / f"base-{s.data_rows}" / "pairs.jsonl"
     sft_rows = h.CACHE / f"base-{s.data_rows}" / "pairs-as-sft.jsonl"  # each pair's prompt + chosen, one sequence
@@ -255,18 +255,24 @@ def p9(s: h.Setting) -> dict:
         rows = [json.loads(line) for line in pairs.read_text().splitlines()]
         sft_rows.write_text("".join(json.dumps({"text": r["prompt"] + r["chosen"]}) + "\n" for r in rows))
     times: dict[str, list[float]] = {}
-    arms = [f"{objective}-{finetune}" for finetune in ("lora", "full") for objective in ("sft", "dpo")]
+    arms = [f"{objective}-{finetune}" for finetune in ("lora", "full") for objective in objectives]
     for arm in h.alternate(s.reps, arms):
         objective, finetune = arm.split("-")
-        r = raytrain_arm(s, f"p9-{arm}", model, sft_rows if objective == "sft" else pairs,
+        rows = {"sft": sft_rows, "kto": pairs.with_name("kto.jsonl")}.get(objective, pairs)  # KTO: one completion a row
+        r = raytrain_arm(s, f"p9-{arm}", model, rows,
                          data={"pack": False}, training={"objective": objective, "finetune": finetune})
         times.setdefault(arm, []).append(steady(r["step_time_s"], s.warmup))
         print(f"    {arm}: in-loop step {times[arm][-1]:.4f} s", flush=True)
     out = {}
     for finetune in ("lora", "full"):
-        out[finetune] = h.ratio_line(f"P9 step time per row, {finetune}", "dpo (a pair)", times[f"dpo-{finetune}"],
-                                     "sft (one sequence)", times[f"sft-{finetune}"])
-    return {"ratio": out["lora"], "ratio_full": out["full"], "times": times}
+        for objective in objectives[1:]:  # each against SFT on the same rows
+            unit = "a completion" if objective == "kto" else "a pair"
+            out[objective, finetune] = h.ratio_line(f"P9 step time per row, {finetune}", f"{objective} ({unit})",
+                                                    times[f"{objective}-{finetune}"], "sft (one sequence)",
+                                                    times[f"sft-{finetune}"])
+    first = objectives[1]
+    return {"ratio": out[first, "lora"], "ratio_full": out[first, "full"], "times": times,
+            **{f"ratio_{o}_{f}": r for (o, f), r in out.items()}}
 
 
 # ---------------------------------------------------------------- P10

@@ -51,7 +51,8 @@ class ModelSpec(Section):
 # `dataset_info.json` "columns" and "tags"), so its dataset files work without a mapping.
 # Preference rows (`training.objective: dpo | simpo`) add `chosen` and `rejected`: TRL's standard
 # and conversational shapes for text and chat, LLaMA-Factory's ranking shapes for alpaca and sharegpt.
-PAIR = {"chosen": "chosen", "rejected": "rejected"}
+# Unpaired feedback rows (`training.objective: kto`) add `completion` (text/chat) and `label`.
+PAIR = {"chosen": "chosen", "rejected": "rejected", "completion": "completion", "label": "label"}
 DEFAULT_COLUMNS = {
     "text": {"text": "text", "prompt": "prompt", **PAIR},
     "chat": {"messages": "messages", "system": "system", "prompt": "prompt", **PAIR},
@@ -88,6 +89,10 @@ class ColumnsSpec(Section):
     """Preference rows: the preferred response (default `chosen`): a string, or for chat/sharegpt a message or list of messages."""
     rejected: str | None = None
     """Preference rows: the dispreferred response (default `rejected`), shaped like `chosen`."""
+    completion: str | None = None
+    """KTO rows in `text`/`chat`: the completion the label judges (default `completion`; without it in a chat row, the last turn of `messages`)."""
+    label: str | None = None
+    """KTO rows: true (desirable) or false (default `label`, TRL's name; LLaMA-Factory's `kto_tag`)."""
 
 
 class TagsSpec(Section):
@@ -245,6 +250,12 @@ class PreferenceSpec(Section):
     """The share of pairs assumed mislabelled (conservative DPO / SimPO); `sigmoid` only."""
     gamma: float = Field(0.5, ge=0.0)
     """SimPO: the target reward margin (TRL's `simpo_gamma`)."""
+    desirable_weight: float = Field(1.0, gt=0)
+    """KTO: the weight of a desirable row's loss (TRL's; raise it when desirable rows are the fewer)."""
+    undesirable_weight: float = Field(1.0, gt=0)
+    """KTO: the weight of an undesirable row's loss."""
+    center_rewards_coefficient: float | None = Field(None, gt=0)
+    """Reward models: TRL's `center_rewards_coefficient`, the weight of mean((r_chosen + r_rejected)^2) added to the loss, which keeps the scores centred on 0 (Eisenstein et al.); null: none."""
 
 
 class TrainingSpec(Section):
@@ -252,10 +263,10 @@ class TrainingSpec(Section):
     """Parallelism: `fsdp2` (torch fully_shard), `zero3` (DeepSpeed ZeRO-3), `ddp` (replicated, small models)."""
     finetune: Literal["lora", "full"] = "lora"
     """`lora` trains adapters only (base weights frozen); `full` trains every weight."""
-    objective: Literal["sft", "dpo", "simpo"] = "sft"
-    """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the model). `simpo`: length-normalized preference loss, no reference."""
+    objective: Literal["sft", "dpo", "simpo", "reward", "kto"] = "sft"
+    """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the model). `simpo`: length-normalized preference loss, no reference. `reward`: a reward model on the same pairs: the causal LM with a one-score head (`AutoModelForSequenceClassification`, num_labels 1, TRL's RewardTrainer's model) trained so chosen outscores rejected; under LoRA the head is trained whole. `kto`: unpaired rows, each a prompt, a completion and a true/false label (TRL's KTOTrainer), against a reference as DPO's."""
     preference: PreferenceSpec = PreferenceSpec()
-    """DPO / SimPO settings."""
+    """DPO / SimPO / KTO / reward model settings."""
     lora: LoraSpec = LoraSpec()
     """LoRA settings, used when `finetune: lora`."""
     global_batch_size: int = Field(32, gt=0)
@@ -472,9 +483,24 @@ class JobSpec(Section):
         if self.data.train_on_inputs:
             raise ValueError(f"data.train_on_inputs: true with training.objective: {t.objective}: a preference pair's "
                              "prompt is never trained (only the responses are compared); remove data.train_on_inputs")
-        if t.objective == "simpo" and p.loss != "sigmoid":
-            raise ValueError(f"training.preference.loss={p.loss!r} is a DPO loss; SimPO has its own (sigmoid with a "
-                             "margin, preference.gamma): remove preference.loss or set training.objective: dpo")
+        if t.objective in ("simpo", "kto") and p.loss != "sigmoid":
+            raise ValueError(f"training.preference.loss={p.loss!r} is a DPO loss; {t.objective} has its own: remove "
+                             "preference.loss or set training.objective: dpo")
+        if (p.desirable_weight, p.undesirable_weight) != (1.0, 1.0) and t.objective != "kto":
+            raise ValueError("training.preference.desirable_weight / undesirable_weight weigh KTO's labelled rows, and "
+                             f"training.objective is {t.objective}: remove them or set training.objective: kto")
+        if p.center_rewards_coefficient is not None and t.objective != "reward":
+            raise ValueError(f"training.preference.center_rewards_coefficient centres a reward model's scores, and "
+                             f"training.objective is {t.objective}: remove it or set training.objective: reward")
+        if t.objective == "reward" and self.scaling.tensor_parallel > 1:
+            raise ValueError(f"training.objective: reward with scaling.tensor_parallel={self.scaling.tensor_parallel}: "
+                             "the tensor-parallel plan shards the vocabulary output layer, and a reward model's head "
+                             "is one score: remove scaling.tensor_parallel (sequence parallelism and data "
+                             "parallelism train reward models)")
+        if t.objective == "reward" and t.chunked_loss not in ("auto", False):
+            raise ValueError(f"training.chunked_loss={str(t.chunked_loss).lower()} with training.objective: reward: "
+                             "a reward model has no vocabulary logits to chunk (one score a sequence); remove "
+                             "training.chunked_loss")
         if p.label_smoothing and p.loss != "sigmoid":
             raise ValueError(f"training.preference.label_smoothing applies to the sigmoid loss, not {p.loss!r}: "
                              "remove it or set preference.loss: sigmoid")
@@ -492,7 +518,7 @@ class JobSpec(Section):
         # auto: chunked once the logits pass a chunk's 256 MiB of fp32 (a CPU worker's DPO pair of 1k
         # tokens at a 49k vocabulary kept 1.1 GiB of logits and their gradient at once); the price is
         # the output layer's matmul again in backward, ~3% of a 135M model's step, less for larger ones.
-        if chunked is False or not vocab or self.training.strategy == "zero3" or (
+        if chunked is False or not vocab or self.training.strategy == "zero3" or self.scores or (
                 chunked == "auto" and tokens * vocab * 4 <= LOSS_CHUNK_BYTES):
             return 0
         if chunked is True or chunked == "auto":
@@ -563,15 +589,31 @@ class JobSpec(Section):
         return self.training.objective != "sft"
 
     @property
+    def scores(self) -> bool:
+        """A reward model: a score head (`AutoModelForSequenceClassification`) instead of the LM head."""
+        return self.training.objective == "reward"
+
+    @property
+    def unpaired(self) -> bool:
+        """KTO: rows are a prompt, a completion and a label (data/unpaired.py)."""
+        return self.training.objective == "kto"
+
+    @property
     def sequences_per_row(self) -> int:
-        """A preference row is two sequences (chosen and rejected), trained in one forward."""
-        return 2 if self.preference else 1
+        """Sequences a row trains in one forward: a preference pair's two (chosen and rejected)."""
+        return 1 if self.unpaired else 2 if self.preference else 1
+
+    @property
+    def stored_sequences(self) -> int:
+        """Sequences a row is in the token store: a pair's two; a KTO row's example, its KL
+        sequence and its label tag (data/unpaired.py)."""
+        return 3 if self.unpaired else self.sequences_per_row
 
     @property
     def reference_copy(self) -> bool:
-        """DPO under full fine-tuning compares against a frozen copy of the starting model
+        """DPO and KTO under full fine-tuning compare against a frozen copy of the starting model
         (under LoRA the reference is the same model with its adapter off)."""
-        return self.training.objective == "dpo" and self.training.finetune == "full"
+        return self.training.objective in ("dpo", "kto") and self.training.finetune == "full"
 
     @model_validator(mode="after")
     def _dora_is_lora(self):

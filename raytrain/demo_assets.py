@@ -57,6 +57,18 @@ def preference_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def kto_rows(n: int, seed: int = 0) -> list[dict]:
+    """TRL's unpaired shape (KTO): a prompt, one completion and a label, desirable when the
+    completion's verb is the one the animal takes, the same preference as `preference_rows`."""
+    rng = random.Random(seed)
+    rows = []
+    for pair in preference_rows(n, seed):
+        desirable = rng.random() < 0.5
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen" if desirable else "rejected"],
+                     "label": desirable})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -93,13 +105,15 @@ def make_model(out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, se
 
 
 def make_all(root: str | Path, rows: int = 4000) -> Path:
-    """root/model (model + tokenizer), root/text.jsonl, root/chat.jsonl, root/pairs.jsonl; idempotent."""
+    """root/model (model + tokenizer), root/text.jsonl, root/chat.jsonl, root/pairs.jsonl, root/kto.jsonl;
+    idempotent."""
     root = Path(root)
-    if (root / "model" / "config.json").exists() and (root / "pairs.jsonl").exists():
+    if (root / "model" / "config.json").exists() and (root / "kto.jsonl").exists():
         return root
     tok = make_tokenizer(root / "model")
     make_model(root / "model", vocab_size=len(tok))
     write_jsonl(root / "text.jsonl", text_rows(rows))
     write_jsonl(root / "chat.jsonl", chat_rows(rows // 4))
     write_jsonl(root / "pairs.jsonl", preference_rows(rows // 4))
+    write_jsonl(root / "kto.jsonl", kto_rows(rows // 4, seed=1))
     return root

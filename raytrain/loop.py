@@ -1,7 +1,7 @@
 """The training loop: the same for every strategy.
 
 Loss is the mean over the global batch's units (label tokens for SFT, pairs for DPO/SimPO;
-objectives.py), whatever the worker count, mesh and micro-batch split: each micro-batch
+objectives/), whatever the worker count, mesh and micro-batch split: each micro-batch
 contributes its summed loss / the global units, scaled by the ranks gradients are averaged
 over (`Mesh.gradient_ranks`: data- and sequence-parallel; tensor-parallel ranks compute the same
 loss). So a run resumed at another world size or mesh continues the same optimization, not a
@@ -46,7 +46,7 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 
 @dataclass
 class StepResult:
-    loss: float  # the mean over the global batch's units (objectives.py)
+    loss: float  # the mean over the global batch's units (objectives/)
     grad_norm: float
     means: list[float]  # the objective's metrics, means over the global batch
     flags: list[float]  # the stop flags, summed over ranks
@@ -67,6 +67,8 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts add
     # up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
     scale = mesh.gradient_ranks / units
+    if hasattr(objective, "begin"):  # what every micro-batch's loss needs of the whole batch (KTO's KL)
+        objective.begin(strategy, micro_batches)
     sums = torch.zeros(1 + len(objective.metrics), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
         loss, stats = objective(strategy, mb)
@@ -141,7 +143,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                    "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
                    "peak_memory_gb": telemetry.peak_memory_gb(device), "tokens_seen": state.tokens_seen,
                    "bad_rows": state.bad_rows, "world_size": world, **flops.metrics(tokens_per_s, world),
-                   **dict(zip(objective.metrics, means))}
+                   **objectives.finish(objective, dict(zip(objective.metrics, means)))}
         if eval_batches is not None and (state.step % spec.data.eval.every_n_steps == 0 or state.step == t.max_steps):
             metrics.update(objectives.evaluate(strategy, objective, eval_batches))
         if on_step:
@@ -155,7 +157,9 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
             mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
             mfu += f" | eval {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
-            mfu += f" | acc {metrics['rewards/accuracies']:.2f} | margin {metrics['rewards/margins']:.3f}" if means else ""
+            if means:  # the preference objectives' two headline metrics, by their TRL names (`objective.shown`)
+                short = {"accuracies": "acc", "accuracy": "acc", "margins": "margin"}
+                mfu += "".join(f" | {short.get(n.split('/')[-1], n)} {metrics[n]:.3f}" for n in objective.shown if n in metrics)
             print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
                   f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem {metrics['peak_memory_gb']:.1f}G "
                   f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",

@@ -306,6 +306,8 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
         count = f"{len(built)} × " if len(built) > 1 else ""
         terms.append(Term(f"attention mask{'s' * (len(built) > 1)} (s×s: {why})", f"{count}{b}·{s}² × {mask_b} B",
                           len(built) * b * s * s * mask_b))
+    if spec.scores:  # a reward model's head scores one position a sequence: no vocabulary logits
+        return terms
     chunk = spec.loss_chunk_tokens(facts.config)
     if chunk:  # one chunk's logits exist at a time (training.chunked_loss)
         return terms + [Term("logits (one chunk)", f"{chunk}·{vocab} × ({c} + 4 + 4) B", chunk * vocab * (c + 8))]

@@ -72,17 +72,27 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
     seed, with exactly the values a loaded model's adapters get (see `meta_base`); the
     strategy takes them out with `take_adapters`.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     kwargs = dict(dtype=DTYPES[spec.model.dtype], attn_implementation=spec.model.attn_implementation,
                   trust_remote_code=spec.model.trust_remote_code)
+    auto = AutoModelForCausalLM
+    if spec.scores:  # a reward model: TRL's RewardTrainer's, read where transformers reads it (`objectives.Reward`)
+        auto, kwargs = AutoModelForSequenceClassification, {**kwargs, "num_labels": 1,
+                                                            "pad_token_id": load_tokenizer(spec).pad_token_id}
     try:
         if on_meta or empty:
-            config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs())
+            config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs(),
+                                                **{k: kwargs.pop(k) for k in ("num_labels", "pad_token_id") if k in kwargs})
             with torch.device("meta") if on_meta else contextlib.nullcontext():
-                model = AutoModelForCausalLM.from_config(config, **kwargs)
+                model = auto.from_config(config, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)
+            model = auto.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)
+            new = new_weights(spec, model)  # transformers drew the score head from the global RNG
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name in new:
+                        p.copy_(new[name])
     except ImportError as exc:  # transformers' word that the kernels are not on this node
         if not spec.model.attn_implementation.startswith("flash"):
             raise
@@ -104,9 +114,42 @@ def apply_lora(spec: JobSpec, model: nn.Module) -> nn.Module:
 
     lora = spec.training.lora
     torch.manual_seed(spec.training.seed)  # same adapter init on every rank and every restart
+    # A reward model's head is new: peft's SEQ_CLS task trains it whole beside the adapters (its
+    # `modules_to_save`), and the exported adapter carries it.
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora_targets(spec, model), task_type="CAUSAL_LM", use_dora=lora.use_dora)
-    return get_peft_model(model, config)
+                        target_modules=lora_targets(spec, model), task_type="SEQ_CLS" if spec.scores else "CAUSAL_LM",
+                        use_dora=lora.use_dora)
+    model = get_peft_model(model, config)
+    for name, module in model.named_modules():  # the head's trained copy, as peft keeps its adapters:
+        if name.endswith(f"{SCORE_HEAD}.modules_to_save.default"):  # plain parameters, fp32 under a 16-bit base
+            for leaf, p in list(module.named_parameters(recurse=False)):  # (a copy of a ZeRO-3 partitioned
+                dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype  # layer is not one)
+                setattr(module, leaf, nn.Parameter(p.detach().to(dtype, copy=True)))
+    return model
+
+
+SCORE_HEAD = "score"  # what transformers calls the head of every decoder's ...ForSequenceClassification
+
+
+def new_weights(spec: JobSpec, model: nn.Module) -> dict[str, torch.Tensor]:
+    """{parameter name: starting value} of the weights in no model file: a reward model's score head
+    (under LoRA its frozen original and its trained copy alike). Drawn from the job's seed as
+    transformers initializes a linear layer (normal, std `initializer_range`), the same on every rank,
+    strategy and restart; the strategies fill them after the files' weights."""
+    if not spec.scores:
+        return {}
+    params = {n: p for n, p in model.named_parameters() if base_name(n).split(".")[0] == SCORE_HEAD}
+    if not params:
+        raise JobError(f"training.objective: reward needs a sequence-classification head named {SCORE_HEAD!r}; "
+                       f"{type(model).__name__} has none. Use a model whose architecture has ...ForSequenceClassification")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    std = getattr(base.config.get_text_config(), "initializer_range", 0.02)
+    out = {}
+    for n, p in params.items():
+        shape = tuple(getattr(p, "ds_shape", None) or p.shape)  # (ZeRO-3 keeps a partition's shape apart)
+        g = torch.Generator().manual_seed(spec.training.seed)
+        out[n] = torch.randn(shape, generator=g) * std if n.endswith("weight") else torch.zeros(shape)
+    return out
 
 
 @contextlib.contextmanager

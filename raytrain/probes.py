@@ -24,6 +24,7 @@ from . import storage
 from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
 from .data import FILE_EXTENSIONS, to_value
 from .data.pairs import to_pair
+from .data.unpaired import to_unpaired
 from .data.sources import list_sources, sample_rows
 from .problems import NOTE, Problem, did_you_mean
 from .tracking import REMOTE_WITHOUT_SERVER, tracking_uri
@@ -74,11 +75,12 @@ def unreachable(field: str, value: str, why: str, network_required: bool, kind: 
 # ---------------------------------------------------------------- dataset
 def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
     return [p for field, data in spec.data.named_inputs()
-            for p in dataset_problems(data, field, network_required, spec.preference)]
+            for p in dataset_problems(data, field, network_required, "kto" if spec.unpaired else spec.preference)]
 
 
-def dataset_problems(d, field: str, network_required: bool, pairs: bool = False) -> list[Problem]:
-    """One dataset's files and first rows, as the prepare step will read them."""
+def dataset_problems(d, field: str, network_required: bool, pairs: bool | str = False) -> list[Problem]:
+    """One dataset's files and first rows, as the prepare step will read them (`pairs`: preference
+    pairs, or "kto" for unpaired labelled rows)."""
     path = d.path
     host = _object_store_host(path)
     why = _resolve_error(host) if host else None
@@ -116,6 +118,8 @@ def _decoded(row):
 REQUIRED_COLUMNS = {"text": ("text",), "chat": ("messages",), "sharegpt": ("messages",), "alpaca": ("prompt", "response")}
 PAIR_COLUMNS = {"text": ("prompt", "chosen", "rejected"), "chat": ("chosen", "rejected"),  # chat: prompt may be implicit
                 "sharegpt": ("messages", "chosen", "rejected"), "alpaca": ("prompt", "chosen", "rejected")}
+UNPAIRED_COLUMNS = {"text": ("prompt", "completion", "label"), "chat": ("label",),  # chat: prompt + completion, or messages
+                    "sharegpt": ("messages", "label"), "alpaca": ("prompt", "response", "label")}
 
 
 def _format_of(columns: set[str]) -> str | None:
@@ -126,18 +130,20 @@ def _format_of(columns: set[str]) -> str | None:
     return None
 
 
-def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool = False) -> list[Problem]:
+def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool | str = False) -> list[Problem]:
     """A required column, or a turn key, that none of the first rows has: named, with the fix."""
     seen = set().union(*(set(r) for r in records)) if records else set()
     if not seen:
         return []
-    for name in (PAIR_COLUMNS if pairs else REQUIRED_COLUMNS)[d.format]:
+    for name in (UNPAIRED_COLUMNS if pairs == "kto" else PAIR_COLUMNS if pairs else REQUIRED_COLUMNS)[d.format]:
         column = d.column(name)
         if not any(column in r for r in records):
             fmt = _format_of(seen)
             hint = f"; these rows look like {fmt} data: set data.format: {fmt}" if fmt and fmt != d.format else ""
             if not pairs and {"chosen", "rejected"} <= seen:
-                hint = "; these rows are preference pairs: set training.objective: dpo (or simpo)"
+                hint = "; these rows are preference pairs: set training.objective: dpo (or simpo, or reward)"
+            if not pairs and "label" in seen:
+                hint = "; these rows are labelled feedback: set training.objective: kto"
             return [Problem(f"data.columns.{name}", repr(column), f"no such column in the first {n_rows} rows (columns "
                             f"there: {', '.join(sorted(seen))}); {did_you_mean(column, seen)}set data.columns.{name} to "
                             f"one of them{hint}", "data")]
@@ -154,7 +160,7 @@ def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool = False) -
 
 
 def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str = "data.path",
-                 pairs: bool = False) -> list[Problem]:
+                 pairs: bool | str = False) -> list[Problem]:
     """The first rows against the format and mapping, with the checks the prepare step applies per row."""
     if not rows:
         return [Problem(field, repr(path), "the files hold no rows", "data")]
@@ -164,7 +170,7 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
         if isinstance(record, dict):
             records.append(record)
         try:
-            to_pair(d, raw) if pairs else to_value(d, raw)
+            to_unpaired(d, raw) if pairs == "kto" else to_pair(d, raw) if pairs else to_value(d, raw)
         except ValueError as why:
             bad.append(f"{file} row {n}: {why}")
     mapping = mapping_problems(d, records, len(rows), pairs)
@@ -172,7 +178,7 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
         return mapping
     if len(bad) == len(rows):
         return [Problem(field, repr(path), f"none of the first {len(rows)} rows is usable as {d.format} "
-                        f"{'preference ' if pairs else ''}data, "
+                        f"{'unpaired feedback ' if pairs == 'kto' else 'preference ' if pairs else ''}data, "
                         f"e.g. {bad[0]}", "data")]
     if bad and d.bad_rows == "fail":
         return [Problem("data.bad_rows", "'fail'", f"{bad[0]}: the run would stop there; fix the row or set data.bad_rows: skip", "data")]

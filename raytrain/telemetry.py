@@ -23,15 +23,17 @@ PEAK_BF16_FLOPS = {
 
 
 def flops_per_token(config, n_params: int, n_trainable: int, seq_len: int, lora: bool,
-                    reference_forward: bool = False) -> dict[str, float]:
+                    extra_forwards: int = 0) -> dict[str, float]:
+    """`extra_forwards`: forwards without backward a trained token also pays (DPO's reference;
+    KTO's reference and the two of its KL sequence)."""
     layers = getattr(config, "num_hidden_layers", 0)
     heads = getattr(config, "num_attention_heads", 0)
     head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // max(1, heads))
     attention = 12 * layers * heads * head_dim * seq_len
     full = 6 * n_params + attention
     actual = (4 * (n_params - n_trainable) + 6 * n_trainable + attention) if lora else full
-    if reference_forward:
-        extra = 2 * n_params + attention / 3
+    if extra_forwards:
+        extra = extra_forwards * (2 * n_params + attention / 3)
         full, actual = full + extra, actual + extra
     return {"flops_per_token": float(actual), "flops_per_token_full_ft": float(full)}  # host: Python numbers
 
@@ -66,7 +68,7 @@ class StepFlops:
         base = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", model)
         config = getattr(base, "config", None) or getattr(getattr(base, "module", base), "config", None)
         self.per_token = flops_per_token(config, n, trainable, spec.data.seq_len, spec.training.finetune == "lora",
-                                         reference_forward=spec.training.objective == "dpo")
+                                         extra_forwards={"dpo": 1, "kto": 3}.get(spec.training.objective, 0))
         self.peak = peak_flops(device)
 
     def metrics(self, tokens_per_s: float, world: int) -> dict[str, float]:

@@ -143,7 +143,7 @@ class FakeAccelerator:
     def sync(self, kind: str) -> None:
         frames = [f for f in traceback.extract_stack() if not f.filename.endswith("accelerator.py")]
         ours = [f for f in frames if "/raytrain/" in f.filename] or [f for f in frames if "/tests/" in f.filename]
-        where = f"{ours[-1].filename.rsplit('/', 1)[-1]}:{ours[-1].name}" if ours else "?"
+        where = f"{_short(ours[-1].filename)}:{ours[-1].name}" if ours else "?"
         caller = next((f.filename for f in reversed(frames) if "/torch/" not in f.filename), "")
         origin = next((p for p in ("raytrain", "transformers", "peft", "tests") if f"/{p}/" in caller), "torch")
         self.syncs.append(Sync(kind, where, origin))
@@ -276,3 +276,8 @@ def _mutated_arguments(func, args):
     if len(picked) != len(returns):
         return None
     return picked[0] if len(picked) == 1 else tuple(picked)
+
+
+def _short(filename: str) -> str:
+    """A frame's file as its path under raytrain/ (`loop.py`, `objectives/__init__.py`), else its name."""
+    return filename.rsplit("/raytrain/", 1)[-1] if "/raytrain/" in filename else filename.rsplit("/", 1)[-1]

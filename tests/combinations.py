@@ -160,7 +160,7 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
         case = json.loads(text)
         spec = JobSpec.model_validate(job(case, models, storage))
         pairs = case["objective"] != "sft"  # the store never packs pairs, whatever data.pack says
-        rows = mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ)
+        rows = mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ, kto=case["objective"] == "kto")
         # A DoRA adapter is exported as the job's export writes it (collective), for plain peft to load.
         export = f"{storage}/exports/{hashlib.sha1(text.encode()).hexdigest()[:12]}" if case["dora"] else None
         result = mesh_cases.run_case(spec, rows, steps=3, export_to=export)

@@ -17,9 +17,10 @@ import torch
 SEQ = 64
 
 
-def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ) -> np.ndarray:
+def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ, kto: bool = False) -> np.ndarray:
     """[rows, planes, SEQ] int32 as the token store gives them: ids, labels, positions (a pair row:
-    chosen then rejected). Packed: one to three documents of ragged length per sequence, each its
+    chosen then rejected; a KTO row: its example, its KL sequence and a one-token label tag, every
+    other row desirable). Packed: one to three documents of ragged length per sequence, each its
     own positions, the first often continuing a document from the row before (its positions start
     past 0); else one document and right padding, whose positions continue the document's (the
     store's rule: padding is never a document). A prompt is unlabelled."""
@@ -46,6 +47,10 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
                 labels[n:] = -100
                 ids[n:] = 0
             planes += [ids, labels, pos]
+        if kto:
+            tag = np.zeros(SEQ, np.int64)
+            tag[0] = len(out) % 2
+            planes += [tag, np.full(SEQ, -100), np.arange(SEQ)]
         out.append(np.stack(planes))
     return np.stack(out).astype(np.int32)
 

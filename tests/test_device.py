@@ -173,7 +173,7 @@ def test_evaluation_syncs_once(group, assets, tmp_path):
         strategy = DeviceStrategy.build(spec, DEVICE)
         before = len(accel.syncs)
         metrics = objectives.evaluate(strategy, objectives.build(spec), batch)
-        assert [s.where for s in accel.syncs[before:] if s.origin == "raytrain"] == ["objectives.py:evaluate"]
+        assert [s.where for s in accel.syncs[before:] if s.origin == "raytrain"] == ["objectives/__init__.py:evaluate"]
     assert 0 < metrics["eval_loss"] < 20
 
 

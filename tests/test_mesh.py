@@ -6,8 +6,7 @@ One Ray Train job of 4 gloo workers on the session's cluster runs every case in 
 mesh, reads its data-parallel slice of one fixed global batch and takes 3 optimizer steps with
 `loop.train_step`, the loop's own step. The baseline of each comparison is dp=4 (sp=1, tp=1) on
 the same rows. The rows hold 3 packed documents a sequence (each must attend only to itself,
-across the parts ranks hold) or one document and padding; preference rows are (chosen, rejected)
-pairs, whose losses need whole sequences' log-probabilities (summed over the parts).
+across the parts ranks hold) or one document and padding.
 
 How a mesh's checkpoint resumes under another, a kill at sp=2 x dp=2 and the launcher's plan are
 tests/test_meshes.py's; an elastic resize with sp=2 is tests/test_elastic.py's.
@@ -25,8 +24,9 @@ import torch
 pytestmark = pytest.mark.slow
 REL_TOL = 1e-5  # another reduction order (per part, per rank): fp32 rounding, not bit equality
 
-# name -> (the job's mesh and training, rows: (pairs, packed)); compared with BASELINE[name]. Eager, DDP
-# and sp x tp with the other options are tests/test_combinations.py's cases.
+# name -> (the job's mesh and training, rows: (pairs, packed)); compared with BASELINE[name]. Eager, DDP,
+# sp x tp with the other options and the preference objectives (DPO, SimPO, KTO, reward models: their
+# summed log-probs or scores over the parts) are tests/test_combinations.py's cases.
 CASES = {
     "sft": ({"export": True}, (False, True)),
     "sft sp=4": ({"sp": 4}, (False, True)),  # 4 heads, 2 KV heads: each rank gets a repeated KV head
@@ -35,15 +35,11 @@ CASES = {
     "sft unpacked sp=4": ({"sp": 4}, (False, False)),  # no mask: sdpa's causal kernel
     "lora": ({"finetune": "lora", "export": True}, (False, True)),
     "lora tp=2": ({"finetune": "lora", "tp": 2, "export": True}, (False, True)),
-    "dpo lora": ({"finetune": "lora", "objective": "dpo"}, (True, False)),
-    "dpo lora sp=2": ({"finetune": "lora", "objective": "dpo", "sp": 2}, (True, False)),
-    "dpo full": ({"objective": "dpo"}, (True, False)),
-    "dpo full sp=4": ({"objective": "dpo", "sp": 4}, (True, False)),
     # Activation memory: one 2,048-token sequence a rank, whole or in quarters.
     "memory sp=1": ({"seq": 2048, "batch": 4}, (False, False)),
     "memory sp=4": ({"seq": 2048, "batch": 4, "sp": 4}, (False, False)),
 }
-BASELINE = {name: next(b for b in ("dpo full", "dpo lora", "lora", "sft unpacked", "sft")
+BASELINE = {name: next(b for b in ("lora", "sft unpacked", "sft")
                        if name.startswith(b) and CASES[b][1] == rows)
             for name, (_, rows) in CASES.items() if not name.startswith("memory")}
 

@@ -54,11 +54,18 @@ def tiny_model(hub_id: str, assets: Path, out: Path) -> Path:
     return out
 
 
-def demo_data(assets: Path, fmt: str, preference: bool, tmp: Path) -> Path:
+def demo_data(assets: Path, fmt: str, preference: bool, tmp: Path, kto: bool = False) -> Path:
     """The demo rows in a job's format: text and TRL's pairs as they are; chat rows as ShareGPT or
-    alpaca rows, pairs as TRL's conversational shape (what `format: chat` preference rows are)."""
-    out = tmp / f"{fmt}{'-pairs' if preference else ''}.jsonl"
-    if preference:
+    alpaca rows, pairs as TRL's conversational shape (what `format: chat` preference rows are), KTO
+    rows as LLaMA-Factory's kto_en_demo.json (messages and a label)."""
+    out = tmp / f"{fmt}{'-kto' if kto else '-pairs' if preference else ''}.jsonl"
+    if kto:
+        if fmt != "chat":
+            return assets / "kto.jsonl"
+        rows = [json.loads(line) for line in (assets / "kto.jsonl").read_text().splitlines()]
+        rows = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}],
+                 "label": r["label"]} for r in rows]
+    elif preference:
         if fmt != "chat":
             return assets / "pairs.jsonl"
         rows = [json.loads(line) for line in (assets / "pairs.jsonl").read_text().splitlines()]
@@ -84,11 +91,11 @@ def miniature(job: Path, assets: Path, tmp: Path) -> dict:
     raw["model"]["path"] = str(tiny_model(hub_id, assets, tmp / "model") if hub_id in KNOWN_CONFIGS
                                else assets / "model")
     d, t, s = raw["data"], raw.setdefault("training", {}), raw.setdefault("scaling", {})
-    preference = t.get("objective", "sft") != "sft"
+    preference, kto = t.get("objective", "sft") != "sft", t.get("objective") == "kto"
     for source in d.get("sources") or [d]:
-        source["path"] = str(demo_data(assets, source.get("format") or d.get("format", "text"), preference, tmp))
+        source["path"] = str(demo_data(assets, source.get("format") or d.get("format", "text"), preference, tmp, kto))
     if (d.get("eval") or {}).get("path"):
-        d["eval"]["path"] = str(demo_data(assets, d.get("format", "text"), preference, tmp))
+        d["eval"]["path"] = str(demo_data(assets, d.get("format", "text"), preference, tmp, kto))
     if d.get("eval"):
         d["eval"]["every_n_steps"] = 2
     group = s.get("sequence_parallel", 1) * s.get("tensor_parallel", 1)

@@ -92,7 +92,8 @@ def _batch(tok, rows: list[dict], seq_len: int = 32) -> dict:
     from raytrain.data.records import pad_rows
 
     pairs = [encode_pair(tok, DataSpec(path="x", format="text", seq_len=seq_len), r) for r in rows]
-    planes = [*pad_rows([c for c, _ in pairs], seq_len, 0), *pad_rows([r for _, r in pairs], seq_len, 0)]
+    pad = tok.pad_token_id
+    planes = [*pad_rows([c for c, _ in pairs], seq_len, pad), *pad_rows([r for _, r in pairs], seq_len, pad)]
     rows = np.stack(planes, axis=1)
     store = SimpleNamespace(seq_len=seq_len, planes=6, manifest={"pad_id": 0}, read=lambda idx: rows[idx])
     return micro_batches([store], [(0, i) for i in range(len(rows))], 1)[0]
@@ -103,7 +104,7 @@ class _OneProcess:
     the models with raytrain's attention (as `modeling.load_model` gives the strategies), the job's
     implementation inside; the originals stay plain transformers models for TRL."""
 
-    def __init__(self, model, reference, spec):
+    def __init__(self, model, reference, spec, split=None):
         import copy
 
         from raytrain import attention
@@ -114,7 +115,7 @@ class _OneProcess:
         self.model, self._reference = copies[id(model)], copies.get(id(reference))
         self.spec, self.device, self.compute_bf16, self.attention_windows = spec, torch.device("cpu"), False, (None,)
         self.loss_chunk = 0  # the whole logits at once (training.chunked_loss has its own test)
-        self.sequence = None  # whole sequences (sequence parallelism: tests/test_combinations.py)
+        self.sequence = split  # whole sequences unless a test plays one rank of a sequence-parallel group
 
     def autocast(self):
         return contextlib.nullcontext()
@@ -199,6 +200,201 @@ def test_simpo_loss_equals_trls_cpo_simpo_and_logps_equal_trls():
     assert torch.allclose(sums, CPOTrainer.get_batch_logps(logits, labels), atol=1e-5)
 
 
+def _reward_model(assets, tok):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(assets / "model"), num_labels=1, pad_token_id=tok.pad_token_id, attn_implementation="eager").train()
+    torch.manual_seed(2)
+    with torch.no_grad():  # a head that scores: the pairs' rewards differ either way
+        model.score.weight.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("center", [None, 0.05])
+def test_reward_model_loss_and_metrics_equal_trls(assets, tok, center):
+    from trl import RewardTrainer
+
+    from raytrain.demo_assets import preference_rows
+    from raytrain.objectives import Reward
+
+    model, mb = _reward_model(assets, tok), _batch(tok, preference_rows(6, seed=5))
+    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
+                                   "data": {"path": "x"}, "training": {"objective": "reward", "global_batch_size": 6,
+                                   "preference": {"center_rewards_coefficient": center}}})
+    objective = Reward(spec)
+    ours, stats = objective(_OneProcess(model, None, spec), mb)
+    n = objective.units(mb)
+    mine = {name: float(s) / n for name, s in zip(objective.metrics, stats)}
+    # TRL's compute_loss on its collator's batch: chosen then rejected, right-padded, with a mask.
+    identity = SimpleNamespace(gather=lambda t: t, gather_for_metrics=lambda t: t)
+    trainer = SimpleNamespace(model=model, accelerator=identity, _metrics={"train": defaultdict(list)},
+                              _total_train_tokens=0, _tp_size=1,
+                              args=SimpleNamespace(center_rewards_coefficient=center))
+    mask = (mb["input_ids"] != tok.pad_token_id).long()
+    theirs = float(RewardTrainer.compute_loss(trainer, model, {"input_ids": mb["input_ids"], "attention_mask": mask}))
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert n == 6 and float(ours) / n == pytest.approx(theirs, rel=1e-6, abs=1e-6)  # (fp32 sums of ~15)
+    for name in ("accuracy", "margin", "mean_reward"):
+        assert mine[name] == pytest.approx(metrics[name], abs=1e-6), name
+    assert 0 < mine["accuracy"] < 1  # a batch where the comparison is not trivial
+
+
+def test_a_reward_is_read_where_transformers_reads_it_and_by_one_sequence_part(assets, tok):
+    # The score is the head's output at the last token that is not padding: the exported model,
+    # called as AutoModelForSequenceClassification, gives the same. Under sequence parallelism the
+    # rank whose part holds that token scores it and the others add 0 (the real exchange:
+    # test_combinations.py); here the two ranks of a group of 2 say which positions they score.
+    from raytrain.objectives import score, staged
+
+    rows = [{"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs over the long green hill and far away."},
+            {"prompt": "the cat", "chosen": " sleeps on the warm mat by the door all day.", "rejected": " sits."}]
+    model, mb = _reward_model(assets, tok), _batch(tok, rows, seq_len=32)
+    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
+                                   "data": {"path": "x"}, "training": {"objective": "reward", "global_batch_size": 2}})
+    ours = score(_OneProcess(model, None, spec), model, dict(mb)).detach()
+    with torch.no_grad():
+        plain = model(input_ids=mb["input_ids"], attention_mask=(mb["input_ids"] != tok.pad_token_id).long()).logits
+    assert torch.allclose(ours, plain.squeeze(-1), atol=1e-6)
+    last = [max(i for i, t in enumerate(row) if t != tok.pad_token_id) for row in mb["input_ids"].tolist()]
+    for rank in (0, 1):
+        split = SimpleNamespace(size=2, rank=rank, part=lambda t, r=rank: t[:, r * 16:(r + 1) * 16])
+        x = staged(_OneProcess(model, None, spec, split=split), dict(mb))
+        assert x["here"].tolist() == [float(16 * rank <= i < 16 * (rank + 1)) for i in last]
+        assert [p for p, h in zip(x["last"].tolist(), x["here"].tolist()) if h] == [i - 16 * rank for i in last if 16 * rank <= i < 16 * (rank + 1)]
+    assert 0 < sum(i >= 16 for i in last) < 4  # the rows put last tokens in both parts
+
+
+KTO_ROWS = [{"prompt": "the red fox", "completion": " jumps over the hill.", "label": True},
+            {"prompt": "the cat", "completion": " sleeps.", "label": False},
+            {"prompt": "a small owl", "completion": " flies over the dark woods.", "label": True},
+            {"prompt": "the dog", "completion": " barks at the moon all night.", "label": False},
+            {"prompt": "the horse", "completion": " runs.", "label": True}]
+
+
+def _kto_batch(tok, rows: list[dict], seq_len: int = 32) -> dict:
+    """A KTO micro-batch as raytrain's store gives it: each row's example, KL sequence and label tag."""
+    from raytrain.data.records import pad_rows
+    from raytrain.data.unpaired import encode_unpaired
+
+    encoded = encode_unpaired(tok, DataSpec(path="x", format="text", seq_len=seq_len), [json.dumps(r) for r in rows])
+    planes = [plane for q in range(3) for plane in pad_rows([e[q] for e in encoded], seq_len, tok.pad_token_id)]
+    stacked = np.stack(planes, axis=1)
+    store = SimpleNamespace(seq_len=seq_len, planes=9, manifest={"pad_id": tok.pad_token_id}, read=lambda idx: stacked[idx])
+    return micro_batches([store], [(0, i) for i in range(len(rows))], 1)[0]
+
+
+def _trl_kto(model, reference, mb: dict, beta: float, weights: tuple[float, float]) -> tuple[float, dict]:
+    """TRL's KTOTrainer._compute_loss on the same rows and KL sequences, one process."""
+    from trl import KTOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    for m in (model, reference):
+        if not getattr(m, "_fused", False):
+            add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+            m._fused = True
+    b = len(mb["input_ids"]) // 3
+    inputs = {"label": mb["input_ids"][2 * b:, 0].bool()}
+    for prefix, rows in (("", slice(0, b)), ("KL_", slice(b, 2 * b))):
+        ids, labels = mb["input_ids"][rows], mb["labels"][rows]
+        completion = (labels != IGNORE).long()
+        attention = torch.zeros_like(ids)
+        for i, row in enumerate(completion):  # right padding: the prompt and its completion, then padding
+            attention[i, : int(row.nonzero()[-1]) + 1] = 1
+        inputs.update({f"{prefix}input_ids": ids, f"{prefix}attention_mask": attention,
+                       f"{prefix}completion_mask": completion})
+    identity = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t,
+                               unwrap_model=lambda m: m)
+    trainer = SimpleNamespace(model=model, ref_model=reference, accelerator=identity, aux_loss_enabled=False,
+                              precompute_ref_logps=False, calculate_KL=True, loss_type="kto", beta=beta,
+                              desirable_weight=weights[0], undesirable_weight=weights[1],
+                              _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0,
+                              _tp_size=1, args=SimpleNamespace(gradient_checkpointing_kwargs=None))
+    trainer._compute_kl_logps = lambda m, batch: KTOTrainer._compute_kl_logps(trainer, m, batch)
+    loss = KTOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 1.33)])
+def test_kto_loss_and_metrics_equal_trls_on_the_same_model_and_rows(assets, tok, weights):
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.objectives import KTO
+
+    model = AutoModelForCausalLM.from_pretrained(str(assets / "model"), attn_implementation="eager").train()
+    reference = AutoModelForCausalLM.from_pretrained(str(assets / "model"), attn_implementation="eager").eval()
+    torch.manual_seed(3)
+    with torch.no_grad():  # policy and reference apart; a random move lowers the log-probs it scores, so the
+        for p in reference.parameters():  # reference is the one moved: a positive KL, in play (else clamped to 0)
+            p.add_(0.05 * torch.randn_like(p))
+    mb = _kto_batch(tok, KTO_ROWS)
+    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
+                                   "data": {"path": "x"}, "training": {"objective": "kto", "global_batch_size": 5,
+                                   "preference": {"beta": 0.3, "desirable_weight": weights[0],
+                                                  "undesirable_weight": weights[1]}}})
+    theirs_loss, theirs = _trl_kto(model, reference, mb, 0.3, weights)
+    objective, one = KTO(spec), _OneProcess(model, reference, spec)
+    n = objective.units(mb)
+    with _one_rank_group():
+        objective.begin(one, [mb])
+    loss, stats = objective(one, mb)
+    mine = objective.finish({name: float(s) / n for name, s in zip(objective.metrics, stats)})
+    assert n == 5 and float(loss) / n == pytest.approx(theirs_loss, abs=1e-6)
+    assert mine["kl"] > 0  # the KL term is in play (clamped at 0 otherwise)
+    for name in ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margins"):
+        assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo group of one, for the one all-reduce KTO's KL estimate makes."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_kto_row_is_its_example_a_mismatched_kl_sequence_and_its_label(tok):
+    # TRL's KTOTrainer pairs each row's prompt with the completion of the row before it in its batch.
+    from raytrain.data.unpaired import encode_unpaired
+
+    encoded = encode_unpaired(tok, DataSpec(path="x", format="text", seq_len=32), [json.dumps(r) for r in KTO_ROWS])
+    texts = [(trained_text(tok, e[0]), trained_text(tok, e[1]), e[2][0]) for e in encoded]
+    completions = [r["completion"] + tok.eos_token for r in KTO_ROWS]
+    assert [t[0] for t in texts] == completions
+    assert [t[1] for t in texts] == completions[-1:] + completions[:-1]
+    assert [t[2] for t in texts] == [[int(r["label"])] for r in KTO_ROWS]
+    for e, row in zip(encoded, KTO_ROWS):  # the KL sequence keeps the row's own prompt
+        assert tok.decode(e[1][0]).startswith(row["prompt"])
+
+
+@pytest.mark.parametrize("fmt, row", [
+    ("chat", {"messages": [{"role": "user", "content": "what does the fox do?"},  # LLaMA-Factory's kto_en_demo.json
+                           {"role": "assistant", "content": "jumps over the hill."}], "label": False}),
+    ("chat", {"prompt": [{"role": "user", "content": "what does the fox do?"}],  # TRL's conversational shape
+              "completion": [{"role": "assistant", "content": "jumps over the hill."}], "label": False}),
+    ("alpaca", {"instruction": "what does the fox do?", "output": "jumps over the hill.", "label": False}),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "what does the fox do?"},
+                                    {"from": "gpt", "value": "jumps over the hill."}], "label": False}),
+])
+def test_each_format_gives_kto_its_completion_trained_and_its_label(tok, fmt, row):
+    from raytrain.data.unpaired import encode_unpaired
+
+    other = {**row, "label": True}  # the row before: its completion is this one's KL completion
+    [_, (example, kl, tag)] = encode_unpaired(tok, DataSpec(path="x", format=fmt, seq_len=64),
+                                              [json.dumps(other).encode(), json.dumps(row).encode()])
+    assert trained_text(tok, example) == "jumps over the hill.<|im_end|>" == trained_text(tok, kl)
+    assert tag == ([0], [IGNORE])
+
+
 def test_dpo_at_the_reference_is_ln2_with_zero_rewards(assets, tok):
     from transformers import AutoModelForCausalLM
 
@@ -215,23 +411,28 @@ def test_dpo_at_the_reference_is_ln2_with_zero_rewards(assets, tok):
 
 
 # ---------------------------------------------------------------- runs on the cluster
-STEPS, PARITY_STEPS, EVERY = 20, 8, 4
+STEPS, PARITY_STEPS, REWARD_STEPS, EVERY = 20, 8, 12, 4
 LOSS_REL_TOL = 1e-5
 
 
-def dpo_job(assets, storage, name, strategy="fsdp2", finetune="lora", objective="dpo", steps=PARITY_STEPS, **over):
+def dpo_job(assets, storage, name, strategy="fsdp2", finetune="lora", objective="dpo", steps=PARITY_STEPS, lr=None,
+            data="pairs.jsonl", **over):
     from conftest import make_job
 
     return make_job(assets, storage, name=name,
-                    data={"path": str(assets / "pairs.jsonl"), "seq_len": 16,
+                    data={"path": str(assets / data), "seq_len": 16 if data == "pairs.jsonl" else 24,
                           "eval": {"fraction": 0.05, "every_n_steps": EVERY}},
                     training={"objective": objective, "strategy": strategy, "finetune": finetune, "max_steps": steps},
-                    optimizer={"lr": 1e-2 if finetune == "lora" else 1e-3, "warmup_steps": 2, "schedule": "constant"},
+                    optimizer={"lr": lr or (1e-2 if finetune == "lora" else 1e-3), "warmup_steps": 2, "schedule": "constant"},
                     checkpoint={"every_n_steps": EVERY, "keep_last": 2}, **over)
 
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "eval_loss", "eval_rewards/accuracies", "step_time_s")
+KTO_KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
+            "eval_loss", "eval_kl", "eval_rewards/margins")
+REWARD_KEYS = ("loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected", "eval_loss",
+               "eval_accuracy")
 
 
 @pytest.fixture(scope="module")
@@ -245,15 +446,20 @@ def runs(ray_address, assets, tmp_path_factory):
     # LoRA run has 3 workers: 8 pairs a step on 3 ranks is 3, 3 and 2, so one rank runs a padding
     # pair, which must add nothing to the loss or the metrics.
     plan = [("fsdp2", "lora", "dpo", STEPS, 2)] + [(s, f, "dpo", PARITY_STEPS, w) for s, f, w in [
-        ("zero3", "lora", 3), ("fsdp2", "full", 2), ("zero3", "full", 2)]] + [("fsdp2", "lora", "simpo", PARITY_STEPS, 2)]
+        ("zero3", "lora", 3), ("fsdp2", "full", 2), ("zero3", "full", 2)]] + [
+        ("fsdp2", "lora", "simpo", PARITY_STEPS, 2), ("fsdp2", "lora", "reward", REWARD_STEPS, 2),
+        ("fsdp2", "lora", "kto", PARITY_STEPS, 2)]
+    # A reward model's head is new and trained whole: at the adapters' 1e-2 it diverged (grad norm 23).
+    settings = {"reward": {"lr": 2e-3}, "kto": {"data": "kto.jsonl"}}
     out = {}
     for strategy, finetune, objective, steps, workers in plan:
         name = f"{objective}-{strategy}-{finetune}-{workers}w"
         spec = dpo_job(assets, tmp_path_factory.mktemp(name), name, strategy, finetune, objective, steps,
-                       scaling={"num_workers": workers})
+                       scaling={"num_workers": workers}, **settings.get(objective, {}))
         result = launcher.run(spec)
+        keys = {"reward": REWARD_KEYS, "kto": KTO_KEYS}.get(objective, KEYS)
         out[objective, strategy, finetune] = SimpleNamespace(
-            spec=spec, run_id=result.run_id, **{k.replace("/", "_"): metric_history(spec, result.run_id, k) for k in KEYS})
+            spec=spec, run_id=result.run_id, **{k.replace("/", "_"): metric_history(spec, result.run_id, k) for k in keys})
     print("\n[dpo] eval rewards/accuracies, fsdp2 LoRA:", out["dpo", "fsdp2", "lora"].eval_rewards_accuracies)
     return out
 
@@ -352,3 +558,54 @@ def test_exported_adapter_loads_with_plain_peft_and_gives_the_last_eval(runs, to
     assert loss / pairs == pytest.approx(run.eval_loss[STEPS], rel=1e-5)
     accuracy = float(stats[objective.metrics.index("rewards/accuracies")]) / pairs
     assert accuracy == pytest.approx(run.eval_rewards_accuracies[STEPS], abs=1e-9)
+
+
+@pytest.mark.slow
+def test_a_reward_model_trains_and_its_export_scores_as_the_workers_did(runs, tok):
+    # A LoRA reward model (the head trained whole) through `raytrain run`: MLflow has TRL's names,
+    # its loss falls, and the exported adapter, loaded with plain transformers + peft
+    # and called as AutoModelForSequenceClassification (a padded batch with its attention mask),
+    # gives the held-out rows the loss the workers' last evaluation logged.
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from raytrain.data.order import HeldOut
+    from raytrain.data.store import TokenStore
+
+    run = runs["reward", "fsdp2", "lora"]
+    assert sorted(run.accuracy) == list(range(1, REWARD_STEPS + 1)) and sorted(run.eval_accuracy) == [4, 8, 12]
+    print("\n[reward] eval accuracy:", run.eval_accuracy, "eval loss:", run.eval_loss)
+    assert run.eval_loss[12] < run.eval_loss[8] < run.eval_loss[4] < math.log(2) + 0.01, run.eval_loss  # (a new head: ~ln 2)
+    for step in run.loss:  # mean_reward is the mean of the two sides' means
+        assert run.mean_reward[step] == pytest.approx((run.rewards_chosen[step] + run.rewards_rejected[step]) / 2, abs=1e-6)
+    folder = f"{run.spec.run_dir}/final_model"
+    assert json.loads(Path(folder, "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+    base = AutoModelForSequenceClassification.from_pretrained(run.spec.model.path, num_labels=1,
+                                                              pad_token_id=tok.pad_token_id)
+    model = PeftModel.from_pretrained(base, folder).eval()
+    [store_dir] = [p for p in (Path(run.spec.checkpoint.storage_path) / "datasets").iterdir()]
+    store = TokenStore.open(str(store_dir))
+    split = HeldOut(store.rows, 0.05)
+    t = torch.from_numpy(store.read(split.held_rows(np.arange(split.held)))).long()
+    ids = torch.cat([t[:, 0], t[:, 3]])  # chosen sequences, then rejected
+    with torch.no_grad():
+        scores = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits.squeeze(-1)
+    chosen, rejected = scores.split(len(t))
+    loss = float(-torch.nn.functional.logsigmoid(chosen - rejected).mean())
+    assert loss == pytest.approx(run.eval_loss[REWARD_STEPS], rel=1e-5)
+    assert float((chosen > rejected).double().mean()) == pytest.approx(run.eval_accuracy[REWARD_STEPS], abs=1e-7)  # (fp32 there)
+
+
+@pytest.mark.slow
+def test_kto_starts_at_the_reference_and_learns_the_labelled_preference(runs):
+    # Unpaired rows, each a completion labelled desirable or not (TRL's shape), through `raytrain
+    # run`. Step 1: the adapter is zero, so the policy is the reference: every log-ratio and the KL
+    # estimate are 0 and each row's loss is 1 - sigmoid(0), exactly 0.5. Then desirable
+    # completions gain on undesirable ones, with TRL's metric names in MLflow.
+    run = runs["kto", "fsdp2", "lora"]
+    assert run.loss[1] == 0.5 and run.kl[1] == 0.0 and run.rewards_margins[1] == 0.0
+    assert sorted(run.loss) == list(range(1, PARITY_STEPS + 1)) and sorted(run.eval_kl) == [4, 8]
+    print("\n[kto] eval loss", run.eval_loss, "eval margins", run.eval_rewards_margins, "kl", run.kl)
+    assert run.eval_loss[PARITY_STEPS] < 0.5 and run.eval_rewards_margins[PARITY_STEPS] > 0  # held-out rows
+    assert all(run.rewards_margins[k] == pytest.approx(run.rewards_chosen[k] - run.rewards_rejected[k], abs=1e-9)
+               for k in run.loss)

@@ -354,16 +354,36 @@ def preference_rows_without_rejected(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [{"prompt": "the fox", "chosen": " jumps.", "worse": " runs."}] * 3)
     job["training"]["objective"] = "dpo"
 
-@case("data.columns.text = 'text'", "these rows are preference pairs: set training.objective: dpo (or simpo)")
+@case("data.columns.text = 'text'", "these rows are preference pairs: set training.objective: dpo (or simpo, or reward)")
 def preference_rows_trained_as_sft(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [PAIR_OK] * 3)
+
+@case("data.columns.prompt = 'prompt'", "no such column in the first 3 rows (columns there: text)")
+def reward_model_on_unpaired_rows(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [{"text": "the red fox jumps."}] * 3)
+    job["training"]["objective"] = "reward"
+
+@case("data.columns.label = 'label'", "no such column in the first 3 rows (columns there: completion, prompt)")
+def kto_rows_without_labels(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [{"prompt": "the fox", "completion": " jumps."}] * 3)
+    job["training"]["objective"] = "kto"
+
+@case("data.path", "usable as text unpaired feedback data, e.g. ")
+def kto_label_not_a_boolean(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [{"prompt": "the fox", "completion": " jumps.", "label": "yes"}] * 3)
+    job["training"]["objective"] = "kto"
+
+@case("training.preference.center_rewards_coefficient", "set training.objective: reward")
+def centred_rewards_asked_of_dpo(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [PAIR_OK] * 3)
+    job["training"].update(objective="dpo", preference={"center_rewards_coefficient": 0.01})
 
 @case("data.train_on_inputs", "a preference pair's prompt is never trained")
 def preference_with_train_on_inputs(job, tmp, assets):
     job["data"].update(path=lines(tmp, [PAIR_OK] * 3), train_on_inputs=True)
     job["training"]["objective"] = "dpo"
 
-@case("training.preference.loss", "SimPO has its own")
+@case("training.preference.loss", "is a DPO loss; simpo has its own")
 def simpo_with_a_dpo_loss(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [PAIR_OK] * 3)
     job["training"].update(objective="simpo", preference={"loss": "ipo"})

@@ -27,6 +27,7 @@ from ..config import DataSpec, JobSpec
 from ..errors import BadRowError, JobError
 from .pairs import encode_pairs
 from .records import encode_rows
+from .unpaired import encode_unpaired
 from .sources import Source, Unit, list_sources, plan_units, read_unit
 from .store import TokenStore, shard_name, shard_rows, token_dtype, write_manifest, write_shard
 
@@ -62,7 +63,7 @@ def tokenizer_fingerprint(spec: JobSpec) -> str:
     return digest.hexdigest()[:16]
 
 
-def store_key(d: DataSpec, sources: list[Source], tokenizer: str, unit_bytes: int, pairs: bool = False) -> str:
+def store_key(d: DataSpec, sources: list[Source], tokenizer: str, unit_bytes: int, pairs: bool | str = False) -> str:
     inputs = {"pairs": pairs, "sources": [[s.path, s.size, s.mtime_ns] for s in sources], "tokenizer": tokenizer,
               "format": d.format, "columns": d.columns.model_dump(), "tags": d.tags.model_dump(),
               "train_on_inputs": d.train_on_inputs, "seq_len": d.seq_len, "pack": d.pack, "unit_bytes": unit_bytes,
@@ -104,7 +105,7 @@ def _planned(spec: JobSpec, data: DataSpec, unit_bytes: int = UNIT_BYTES) -> tup
         sources = list_sources(fs, root)
     except FileNotFoundError as exc:
         raise JobError(str(exc)) from None
-    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes, spec.preference)
+    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes, "kto" if spec.unpaired else spec.preference)
     return key, f"{datasets_root(spec)}/{key}", fs, sources
 
 
@@ -124,7 +125,7 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
     out_fs.create_dir(out_path, recursive=True)
     out_fs.delete_dir_contents(out_path, missing_dir_ok=True)  # a half-written earlier attempt
     results = _run_units(spec, data, fs, units, out_fs, out_path, concurrency)
-    manifest = {**_manifest(data, key, sources, units, results), "sequences_per_row": spec.sequences_per_row,
+    manifest = {**_manifest(data, key, sources, units, results), "sequences_per_row": spec.stored_sequences,
                 "token_dtype": next((r["token_dtype"] for r in results if "token_dtype" in r), "uint32")}
     write_manifest(out_fs, out_path, manifest)
     store = TokenStore.open(uri)
@@ -181,7 +182,8 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
     tok = _TOKENIZERS[tok_key]
     if one_core:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at each call: else a thread per core of the node
-    unit, encode = Unit(**json.loads(item["unit"])), encode_pairs if job.preference else encode_rows
+    encode = encode_unpaired if job.unpaired else encode_pairs if job.preference else encode_rows
+    unit = Unit(**json.loads(item["unit"]))
     docs, bad, examples, lines = [], 0, [], 0
     rows, problem, done = read_unit(fs, unit), None, False
     while not done:  # BATCH_ROWS rows at a time, each row's result as if encoded alone

@@ -130,7 +130,7 @@ class Strategy(ABC):
         # This rank's part of each sequence (objectives.forward), None without sequence parallelism.
         self.sequence = ulysses.SequenceSplit.create(self.layout, self.rank, spec.model.attn_implementation)
         self.model: torch.nn.Module  # what the loop calls forward on
-        self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives.py); 0: the whole logits
+        self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives/tokens.py); 0: the whole logits
         self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
 
     @abstractmethod

@@ -156,6 +156,7 @@ def write_config(directory: str, model: torch.nn.Module, dtype: torch.dtype) -> 
 
     config = copy.deepcopy(model.config)
     config.dtype = dtype
+    config.architectures = [type(model).__name__]  # as save_pretrained says it (a reward model's is not its base's)
     Path(directory).mkdir(parents=True, exist_ok=True)
     if getattr(model, "_auto_class", None) is not None:
         custom_object_save(model, directory, config=config)

@@ -97,7 +97,8 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     """Load the starting weights into `model` (sharded by fully_shard, materialized, buffers
     computed), then its LoRA adapters' initial values (collective); returns how: "sharded" or
     "rank0"."""
-    by_key = {modeling.base_name(n): p for n, p in model.named_parameters() if n not in adapters}
+    new = modeling.new_weights(spec, model)  # in no file: a reward model's score head
+    by_key = {modeling.base_name(n): p for n, p in model.named_parameters() if n not in adapters and n not in new}
     persistent = {modeling.base_name(n): b for n, b in model.state_dict(keep_vars=True).items()
                   if not isinstance(b, torch.nn.Parameter) and n not in adapters}
     folder = safetensors_folder(spec)
@@ -109,8 +110,8 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     else:
         broadcast_from_rank0(spec, model)
     for name, p in model.named_parameters():
-        if name in adapters:
-            copy_full(p, adapters[name])
+        if name in new or name in adapters:
+            copy_full(p, new[name] if name in new else adapters[name])
     init_dora_magnitudes(model)
     return how
 
@@ -179,7 +180,8 @@ def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
     folder = safetensors_folder(spec)
     files = WeightFiles(folder) if folder else None
     named = dict(model.named_parameters())  # tied weights once
-    base = {n: modeling.base_name(n) for n, p in named.items() if "lora_" not in n}
+    new = modeling.new_weights(spec, model)  # in no file: a reward model's score head
+    base = {n: modeling.base_name(n) for n, p in named.items() if "lora_" not in n and n not in new}
     if files is None or not set(base.values()) <= files.entries.keys():
         return ""
     rank, seen = dist.get_rank(), set()
@@ -196,6 +198,10 @@ def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
         for n, buf in model.state_dict(keep_vars=True).items():  # persistent buffers, every rank
             if not isinstance(buf, torch.nn.Parameter) and modeling.base_name(n) in files.entries:
                 files.read_rows(modeling.base_name(n), 0, buf.shape[0], buf)
+        for n, value in new.items():
+            with deepspeed.zero.GatheredParameters([named[n]], modifier_rank=0):
+                if rank == 0 or not hasattr(named[n], "ds_id"):  # (a whole parameter: every rank sets it)
+                    named[n].data.copy_(value)
         for module, base, magnitudes in _dora_layers(model):  # peft computed them from the unfilled weights
             with deepspeed.zero.GatheredParameters([base, *(m.weight for m in magnitudes)], modifier_rank=0):
                 if rank == 0:

@@ -1,26 +1,19 @@
-"""What a step minimizes: next-token loss (`sft`) or a preference loss (`dpo`, `simpo`).
-
-An objective turns one micro-batch into a summed loss and summed metrics, and says how many
-units (labelled tokens, or preference pairs) the micro-batch holds. The loop divides by the
-global batch's units, so the loss is the same mean at any worker count and micro-batch split,
-and every metric is an exact mean over the global batch (its sums ride on the loop's one
-all-reduce). The preference losses and metric names are TRL's (DPOTrainer, CPOTrainer's
-SimPO); tests/test_preference.py checks them against TRL itself.
-"""
+"""The token-level pieces every objective uses: a micro-batch staged on the device, the forward
+that gives its logits (or, under `training.chunked_loss`, its hidden states and the output layer),
+per-token cross-entropy and per-sequence log-probs; and SFT, the next-token objective."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import attention
-from .config import JobSpec, PreferenceSpec
-from .data import IGNORE
+from .. import attention
+from ..data import IGNORE
 
 
 @dataclass
@@ -74,27 +67,6 @@ def _chunk_cross_entropy(states, weight, bias, labels) -> torch.Tensor:
     return F.cross_entropy(F.linear(states, weight, bias).float(), labels, ignore_index=IGNORE, reduction="none")
 
 
-def pair_losses(objective: str, p: PreferenceSpec, chosen: torch.Tensor, rejected: torch.Tensor,
-                ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, n_chosen: torch.Tensor,
-                n_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, chosen reward, rejected reward) per pair, from summed log-probs and token counts."""
-    if objective == "simpo":  # length-normalized, no reference, a target margin gamma
-        chosen_avg, rejected_avg = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
-        z = p.beta * (chosen_avg - rejected_avg) - p.gamma
-        loss = -(1 - p.label_smoothing) * F.logsigmoid(z) - p.label_smoothing * F.logsigmoid(-z)
-        return loss, p.beta * chosen_avg.detach(), p.beta * rejected_avg.detach()
-    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    delta = chosen_ratio - rejected_ratio
-    if p.loss == "sigmoid":  # with label smoothing: conservative DPO
-        loss = -(1 - p.label_smoothing) * F.logsigmoid(p.beta * delta) - p.label_smoothing * F.logsigmoid(-p.beta * delta)
-    elif p.loss == "hinge":
-        loss = torch.relu(1 - p.beta * delta)
-    else:  # ipo, normalized by the completion's tokens as TRL does (confirmed with IPO's authors, per TRL)
-        ipo = chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1)
-        loss = (ipo - 1 / (2 * p.beta)) ** 2
-    return loss, p.beta * chosen_ratio.detach(), p.beta * rejected_ratio.detach()
-
-
 class SFT:
     """Next-token cross-entropy, the token mean over the global batch."""
 
@@ -108,51 +80,15 @@ class SFT:
         return token_loss(out, targets), []  # a sequence part's share: the parts' losses add up
 
 
-class Preference:
-    """DPO or SimPO over the pairs of a micro-batch (its first half chosen, its second half
-    rejected, in one forward); the mean over the global batch's pairs."""
-
-    metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-               "logps/rejected")
-
-    def __init__(self, spec: JobSpec):
-        self.objective, self.settings = spec.training.objective, spec.training.preference
-
-    def units(self, mb: dict) -> int:
-        return int(_real_pairs(mb).sum())
-
-    def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        split = strategy.sequence
-        out, targets = forward(strategy, strategy.model, mb)
-        logps = sequence_logps(out, targets)
-        counts = staged(strategy, mb)["counts"]  # whole sequences'
-        if self.objective == "dpo":
-            with torch.no_grad(), strategy.reference() as reference:
-                ref_logps = sequence_logps(*forward(strategy, reference, mb))
-        else:
-            ref_logps = torch.zeros_like(logps)
-        if split:  # each rank scored its part: the pair losses need whole sequences' log-probs
-            logps, ref_logps = split.sum(logps), split.sum(ref_logps).detach()
-        pairs = len(logps) // 2
-        (chosen, rejected), (ref_c, ref_r), (n_c, n_r) = (t.split(pairs) for t in (logps, ref_logps, counts))
-        if self.objective == "simpo":  # TRL's CPO logs the length-normalized log-probs SimPO trains on
-            chosen_logged, rejected_logged = chosen / n_c.clamp(min=1), rejected / n_r.clamp(min=1)
-        else:
-            chosen_logged, rejected_logged = chosen, rejected
-        loss, reward_c, reward_r = pair_losses(self.objective, self.settings, chosen, rejected, ref_c, ref_r, n_c, n_r)
-        real = staged(strategy, mb)["real"]  # a padding pair adds nothing
-        # Under sequence parallelism every rank of the group holds the pair's loss: each adds 1/sp of
-        # it, so the group's sums are the pair's values, and the summed log-probs' gradient flows to
-        # each part once (`SequenceSplit.sum`).
-        real = real / (split.size if split else 1)
-        stats = [reward_c, reward_r, (reward_c > reward_r).float(), reward_c - reward_r, chosen_logged.detach(),
-                 rejected_logged.detach()]
-        return (loss * real).sum(), [(s * real).sum() for s in stats]
-
-
-def _real_pairs(mb: dict) -> torch.Tensor:
+def real_pairs(mb: dict) -> torch.Tensor:
     chosen_labels = mb["labels"][: len(mb["labels"]) // 2, 1:]
     return (chosen_labels != IGNORE).any(-1)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under DDP's and peft's wrappers."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Tensor]:
@@ -185,9 +121,18 @@ def staged(strategy, mb: dict) -> dict:
     compute = torch.bfloat16 if strategy.compute_bf16 else torch.float32
     out = {"attention": attention.model_kwargs(boundaries, strategy.spec.model.attn_implementation,
                                                strategy.attention_windows, device, compute)}
-    if strategy.spec.preference:  # whole sequences' counts (targets before the split)
+    if strategy.spec.unpaired:  # KTO's labels and real rows (`_split_kto`)
+        out["label"], out["real"] = attention.to_device(mb["label"], device), attention.to_device(mb["real"], device)
+    elif strategy.spec.preference:  # whole sequences' counts (targets before the split)
         out["counts"] = attention.to_device((targets != IGNORE).sum(-1), device)
-        out["real"] = attention.to_device(_real_pairs(mb).float(), device)
+        out["real"] = attention.to_device(real_pairs(mb).float(), device)
+    if strategy.spec.scores:  # the token a reward model scores: transformers' rule, the last that is not padding
+        pad = unwrapped(strategy.model).config.get_text_config().pad_token_id
+        last = (torch.arange(ids.shape[1]) * (ids != pad)).argmax(-1)
+        n = ids.shape[1] // (split.size if split else 1)  # this rank's positions: [first, first + n)
+        first = n * split.rank if split else 0
+        out["last"] = attention.to_device((last - first).clamp(0, n - 1), device)
+        out["here"] = attention.to_device(((last >= first) & (last < first + n)).float(), device)
     if split:
         ids, positions, targets = split.part(ids), split.part(positions), split.part(targets)
     out.update(input_ids=attention.to_device(ids, device), position_ids=attention.to_device(positions, device),
@@ -212,30 +157,3 @@ def _skipped(head: torch.nn.Module):
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def build(spec: JobSpec) -> SFT | Preference:
-    return Preference(spec) if spec.preference else SFT()
-
-
-def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, float]:
-    """`eval_loss` (and `eval_<metric>`) over every rank's evaluation rows: a collective, every
-    rank runs the same number of forward passes. The sums stay on the device until the end."""
-    device = strategy.device
-    sums = torch.zeros(2 + len(objective.metrics), dtype=torch.float64, device=device)
-    strategy.model.eval()
-    with torch.no_grad():
-        for mb in micro_batches:
-            loss, stats = objective(strategy, mb)
-            sums[:-1] += torch.stack([t.double() for t in (loss, *stats)])
-            sums[-1] += objective.units(mb)
-    strategy.model.train()
-    torch.distributed.all_reduce(sums)
-    mesh = strategy.layout  # a row's ranks each count its units; its tp ranks each add its loss (as in the loop)
-    totals = (sums[:-1] / mesh.tp / (sums[-1] / mesh.row_ranks).clamp(min=1)).tolist()  # host: once per evaluation
-    return {f"eval_{name}": value for name, value in zip(("loss", *objective.metrics), totals)}
-
-
-def to_device(values: list[float], device: torch.device) -> torch.Tensor:
-    """Host values as a float64 vector on `device`, without waiting for the device's queue."""
-    return attention.to_device(torch.tensor(values, dtype=torch.float64), device)

@@ -1,0 +1,69 @@
+"""What a step minimizes: next-token loss (`sft`), a preference loss (`dpo`, `simpo`), a reward
+model's (`reward`) or KTO's (`kto`).
+
+An objective turns one micro-batch into a summed loss and summed metrics, and says how many
+units (labelled tokens, preference pairs, KTO rows) the micro-batch holds. The loop divides by the
+global batch's units, so the loss is the same mean at any worker count and micro-batch split,
+and every metric is an exact mean over the global batch (its sums ride on the loop's one
+all-reduce). The preference losses and metric names are TRL's (DPOTrainer, CPOTrainer's
+SimPO, RewardTrainer, KTOTrainer); tests/test_preference.py checks them against TRL itself.
+
+An objective may also have `begin(strategy, micro_batches)`, run before the step's first forward
+(KTO's KL estimate over the global batch), and `finish(means)`, which turns the global batch's
+means into the metrics users see (KTO's per-label means).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .. import attention
+from ..config import JobSpec
+from .kto import KTO
+from .pairs import Preference, Reward, pair_losses, score
+from .tokens import (SFT, Hidden, chunked_cross_entropy, forward, sequence_logps, staged, targets_of, token_loss,
+                     unstage)
+
+__all__ = ["KTO", "SFT", "Hidden", "Preference", "Reward", "build", "chunked_cross_entropy", "evaluate", "finish",
+           "forward", "pair_losses", "score", "sequence_logps", "staged", "targets_of", "to_device", "token_loss",
+           "unstage"]
+
+
+def build(spec: JobSpec) -> SFT | Preference | Reward | KTO:
+    if spec.unpaired:
+        return KTO(spec)
+    return Reward(spec) if spec.scores else Preference(spec) if spec.preference else SFT()
+
+
+def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, float]:
+    """`eval_loss` (and `eval_<metric>`) over every rank's evaluation rows: a collective, every
+    rank runs the same number of forward passes. The sums stay on the device until the end."""
+    device = strategy.device
+    sums = torch.zeros(2 + len(objective.metrics), dtype=torch.float64, device=device)
+    strategy.model.eval()
+    if hasattr(objective, "begin"):  # KTO's KL estimate: over the evaluation rows, before their losses
+        micro_batches = list(micro_batches)
+        objective.begin(strategy, micro_batches)
+    with torch.no_grad():
+        for mb in micro_batches:
+            loss, stats = objective(strategy, mb)
+            sums[:-1] += torch.stack([t.double() for t in (loss, *stats)])
+            sums[-1] += objective.units(mb)
+    strategy.model.train()
+    torch.distributed.all_reduce(sums)
+    mesh = strategy.layout  # a row's ranks each count its units; its tp ranks each add its loss (as in the loop)
+    totals = (sums[:-1] / mesh.tp / (sums[-1] / mesh.row_ranks).clamp(min=1)).tolist()  # host: once per evaluation
+    named = finish(objective, dict(zip(objective.metrics, totals[1:])))
+    return {f"eval_{name}": value for name, value in {"loss": totals[0], **named}.items()}
+
+
+def finish(objective, means: dict[str, float]) -> dict[str, float]:
+    """The metrics users see from the global batch's means (KTO's per-label means)."""
+    return objective.finish(means) if hasattr(objective, "finish") else means
+
+
+def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host values as a float64 vector on `device`, without waiting for the device's queue."""
+    return attention.to_device(torch.tensor(values, dtype=torch.float64), device)

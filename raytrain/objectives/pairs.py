@@ -1,0 +1,133 @@
+"""Objectives on preference pairs (a micro-batch of b pairs is its b chosen sequences, then its b
+rejected ones, in one forward): DPO and SimPO (TRL's DPOTrainer, CPOTrainer), and a reward model
+(TRL's RewardTrainer)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import JobSpec, PreferenceSpec
+from ..modeling import SCORE_HEAD
+from .tokens import real_pairs, unwrapped, forward, sequence_logps, staged
+
+
+def pair_losses(objective: str, p: PreferenceSpec, chosen: torch.Tensor, rejected: torch.Tensor,
+                ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, n_chosen: torch.Tensor,
+                n_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, chosen reward, rejected reward) per pair, from summed log-probs and token counts."""
+    if objective == "simpo":  # length-normalized, no reference, a target margin gamma
+        chosen_avg, rejected_avg = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
+        z = p.beta * (chosen_avg - rejected_avg) - p.gamma
+        loss = -(1 - p.label_smoothing) * F.logsigmoid(z) - p.label_smoothing * F.logsigmoid(-z)
+        return loss, p.beta * chosen_avg.detach(), p.beta * rejected_avg.detach()
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if p.loss == "sigmoid":  # with label smoothing: conservative DPO
+        loss = -(1 - p.label_smoothing) * F.logsigmoid(p.beta * delta) - p.label_smoothing * F.logsigmoid(-p.beta * delta)
+    elif p.loss == "hinge":
+        loss = torch.relu(1 - p.beta * delta)
+    else:  # ipo, normalized by the completion's tokens as TRL does (confirmed with IPO's authors, per TRL)
+        ipo = chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1)
+        loss = (ipo - 1 / (2 * p.beta)) ** 2
+    return loss, p.beta * chosen_ratio.detach(), p.beta * rejected_ratio.detach()
+
+
+class Preference:
+    """DPO or SimPO over the pairs of a micro-batch (its first half chosen, its second half
+    rejected, in one forward); the mean over the global batch's pairs."""
+
+    metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")
+    shown = ("rewards/accuracies", "rewards/margins")  # on the step line
+
+    def __init__(self, spec: JobSpec):
+        self.objective, self.settings = spec.training.objective, spec.training.preference
+
+    def units(self, mb: dict) -> int:
+        return int(real_pairs(mb).sum())
+
+    def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        split = strategy.sequence
+        out, targets = forward(strategy, strategy.model, mb)
+        logps = sequence_logps(out, targets)
+        counts = staged(strategy, mb)["counts"]  # whole sequences'
+        if self.objective == "dpo":
+            with torch.no_grad(), strategy.reference() as reference:
+                ref_logps = sequence_logps(*forward(strategy, reference, mb))
+        else:
+            ref_logps = torch.zeros_like(logps)
+        if split:  # each rank scored its part: the pair losses need whole sequences' log-probs
+            logps, ref_logps = split.sum(logps), split.sum(ref_logps).detach()
+        pairs = len(logps) // 2
+        (chosen, rejected), (ref_c, ref_r), (n_c, n_r) = (t.split(pairs) for t in (logps, ref_logps, counts))
+        if self.objective == "simpo":  # TRL's CPO logs the length-normalized log-probs SimPO trains on
+            chosen_logged, rejected_logged = chosen / n_c.clamp(min=1), rejected / n_r.clamp(min=1)
+        else:
+            chosen_logged, rejected_logged = chosen, rejected
+        loss, reward_c, reward_r = pair_losses(self.objective, self.settings, chosen, rejected, ref_c, ref_r, n_c, n_r)
+        real = staged(strategy, mb)["real"]  # a padding pair adds nothing
+        # Under sequence parallelism every rank of the group holds the pair's loss: each adds 1/sp of
+        # it, so the group's sums are the pair's values, and the summed log-probs' gradient flows to
+        # each part once (`SequenceSplit.sum`).
+        real = real / (split.size if split else 1)
+        stats = [reward_c, reward_r, (reward_c > reward_r).float(), reward_c - reward_r, chosen_logged.detach(),
+                 rejected_logged.detach()]
+        return (loss * real).sum(), [(s * real).sum() for s in stats]
+
+
+class Reward:
+    """A reward model on preference pairs, as TRL's RewardTrainer trains it: a sequence's score is the
+    head's output at its last token that is not padding (where `AutoModelForSequenceClassification`
+    reads it, so an exported model scores as the workers did), and the loss is
+    -logsigmoid(r_chosen - r_rejected), plus center_rewards_coefficient x (r_chosen + r_rejected)^2;
+    the mean over the global batch's pairs. TRL's metric names; its min/max_reward are not sums and
+    are left out."""
+
+    metrics = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
+    shown = ("accuracy", "margin")
+
+    def __init__(self, spec: JobSpec):
+        self.center = spec.training.preference.center_rewards_coefficient
+
+    def units(self, mb: dict) -> int:
+        return int(real_pairs(mb).sum())
+
+    def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        split = strategy.sequence
+        scores = score(strategy, strategy.model, mb)
+        if split:  # the rank holding a sequence's last token scored it, the others added 0
+            scores = split.sum(scores)
+        chosen, rejected = scores.float().split(len(scores) // 2)
+        loss = -F.logsigmoid(chosen - rejected)
+        if self.center:
+            loss = loss + self.center * (chosen + rejected) ** 2
+        real = staged(strategy, mb)["real"] / (split.size if split else 1)  # as Preference's
+        c, r = chosen.detach(), rejected.detach()
+        stats = [(c > r).float(), c - r, (c + r) / 2, c, r]
+        return (loss * real).sum(), [(s * real).sum() for s in stats]
+
+
+def score(strategy, model, mb: dict) -> torch.Tensor:
+    """Each sequence's score (this rank's share under sequence parallelism: 0 unless its part holds
+    the scored token). The head is applied to that one position only, inside the model's forward,
+    where every strategy has gathered it (a head call after the forward would find ZeRO-3's
+    partitioned again); transformers' own pooling then picks it out of a constant row."""
+    x = staged(strategy, mb)
+    head = getattr(unwrapped(model), SCORE_HEAD)  # under LoRA peft's wrapper, which calls the trained copy
+    own = head.forward
+
+    trained = getattr(head, "modules_to_save", {"default": head})["default"]  # under LoRA: fp32 over a 16-bit base
+
+    def pooled(hidden: torch.Tensor) -> torch.Tensor:
+        picked = hidden[torch.arange(len(hidden), device=hidden.device), x["last"]].to(trained.weight.dtype)
+        out = own(picked) * x["here"][:, None].to(picked.dtype)
+        return out[:, None].expand(-1, hidden.shape[1], -1)
+
+    head.forward = pooled
+    try:
+        with strategy.autocast():
+            out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
+    finally:
+        del head.forward
+    return out.logits.squeeze(-1)
