@@ -27,23 +27,33 @@ Sequence = tuple[list[int], list[int]]  # token ids, labels
 
 def to_pair(data: DataSpec, row) -> tuple[str | list, object, object]:
     """(prompt, chosen, rejected) of a row: strings for `text`, messages for the others."""
-    record = decode_line(row) if isinstance(row, (bytes, str)) else row
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    record = record_of(row)
     chosen, rejected = (record.get(data.column(k)) for k in ("chosen", "rejected"))
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         if value is None:
             raise ValueError(f"no {data.column(name)!r} column ({name} response of a preference pair; "
                              f"data.columns.{name} maps another name)")
     if data.format == "text":
-        prompt = record.get(data.column("prompt"))
-        if not isinstance(prompt, str):
-            raise ValueError(f"column {data.column('prompt')!r} (the prompt) must be a string, got {type(prompt).__name__}")
-        return prompt, _text(chosen, data.column("chosen")), _text(rejected, data.column("rejected"))
+        return text_prompt(data, record), _text(chosen, data.column("chosen")), _text(rejected, data.column("rejected"))
     if data.format == "chat" and data.column("prompt") not in record:
         record, chosen, rejected = _implicit_prompt(data, record, chosen, rejected)
     prompt = _prompt_messages(data, record)
     return prompt, _response(data, chosen, "chosen"), _response(data, rejected, "rejected")
+
+
+def record_of(row) -> dict:
+    """A source row (a raw JSON Lines line, or a decoded object) as the JSON object it must be."""
+    record = decode_line(row) if isinstance(row, (bytes, str)) else row
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def text_prompt(data: DataSpec, record: dict) -> str:
+    prompt = record.get(data.column("prompt"))
+    if not isinstance(prompt, str):
+        raise ValueError(f"column {data.column('prompt')!r} (the prompt) must be a string, got {type(prompt).__name__}")
+    return prompt
 
 
 def _implicit_prompt(data: DataSpec, record: dict, chosen, rejected):

@@ -23,26 +23,21 @@ Pure functions, like records.py and pairs.py.
 from __future__ import annotations
 
 from ..config import DataSpec
-from .pairs import _prompt_messages, _response, _text
-from .records import IGNORE, _turns, chat_steps, check_messages, decode_line, run_batch
+from .pairs import _prompt_messages, _response, _text, record_of, text_prompt
+from .records import IGNORE, _turns, chat_steps, check_messages, run_batch
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
 
 def to_unpaired(data: DataSpec, row) -> tuple[str | list, str | list, bool]:
     """(prompt, completion, label) of a row: strings for `text`, messages for the others."""
-    record = decode_line(row) if isinstance(row, (bytes, str)) else row
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    record = record_of(row)
     label = record.get(data.column("label"))
     if not isinstance(label, bool):
         raise ValueError(f"column {data.column('label')!r} (the row's label) must be true (desirable) or false "
                          f"(undesirable), got {str(label)[:40]!r}; data.columns.label maps another name")
     if data.format == "text":
-        prompt = record.get(data.column("prompt"))
-        if not isinstance(prompt, str):
-            raise ValueError(f"column {data.column('prompt')!r} (the prompt) must be a string, got {type(prompt).__name__}")
-        return prompt, _text(record.get(data.column("completion")), data.column("completion")), label
+        return text_prompt(data, record), _text(record.get(data.column("completion")), data.column("completion")), label
     if data.format == "chat" and data.column("completion") in record:  # TRL's conversational shape
         return _prompt_messages(data, record), _response(data, record[data.column("completion")], "completion"), label
     if data.format == "alpaca":

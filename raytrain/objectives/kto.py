@@ -7,7 +7,7 @@ import torch
 
 from ..config import JobSpec
 from ..data import IGNORE
-from .tokens import forward, sequence_logps, staged
+from .tokens import forward, sequence_logps, staged, unstage
 
 
 class KTO:
@@ -45,6 +45,7 @@ class KTO:
                 logps = split.sum(logps)
             real = staged(strategy, kl_rows)["real"]
             sums += torch.stack([(logps * real).sum().double(), real.sum().double()])
+            unstage(kl_rows)  # its device copies (masks: b x s x s) are not needed again
         torch.distributed.all_reduce(sums)  # each of a row's ranks adds it: the mean is the same
         self.kl = (sums[0] / sums[1].clamp(min=1)).clamp(min=0).float()
 

@@ -332,41 +332,31 @@ def test_dpo_steps(assets, storage, bf16_model, device, strategy_name, finetune)
     assert steps[2]["loss"] != steps[1]["loss"]
 
 
-# ------------------------------------------------------------------ reward model
+# ------------------------------------------------------------------ reward model, KTO
+@pytest.mark.parametrize("objective", ["reward", "kto"])
 @pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "ddp", "zero3"), ("lora", "full")))
-def test_reward_model_steps(assets, storage, bf16_model, device, strategy_name, finetune):
-    """Three reward-model steps (the score head new, drawn from the seed) on preference pairs from a
-    bf16 model: finite, and it trains (the losses against TRL's and across strategies in fp32:
-    tests/test_preference.py, tests/test_combinations.py)."""
-    spec = job(assets, storage, bf16_model, f"rm-{strategy_name}-{finetune}", strategy_name, finetune, steps=3,
-               data={"path": str(assets / "pairs.jsonl"), "seq_len": 32}, training={"objective": "reward"})
+def test_reward_model_and_kto_steps(assets, storage, bf16_model, device, strategy_name, finetune, objective):
+    """Three steps of a reward model (the score head new, drawn from the seed) on preference pairs, or
+    of KTO on labelled completions, from a bf16 model: finite, and they train. KTO's step 1 has the
+    policy at its reference (as DPO's): the log-ratios and the KL estimate are 0 and each row's loss
+    is 1 - sigmoid(0) = 0.5. (Both against TRL's losses and across strategies in fp32:
+    tests/test_preference.py, tests/test_combinations.py.)"""
+    rows = {"reward": "pairs.jsonl", "kto": "kto.jsonl"}[objective]
+    spec = job(assets, storage, bf16_model, f"{objective}-{strategy_name}-{finetune}", strategy_name, finetune, steps=3,
+               data={"path": str(assets / rows), "seq_len": 32}, training={"objective": objective})
     prepared = lr.prepare_data(spec)
     strategy = build(spec, device)
     trained = lr.train(spec, strategy, prepared, checkpoints=False)
     lr.release(strategy)
     steps = trained.steps
-    print(f"\n[reward {strategy_name}/{finetune}] " + ", ".join(
-        f"step {k}: loss {m['loss']:.6f} margin {m['margin']:.3e} acc {m['accuracy']:.2f}" for k, m in sorted(steps.items())))
+    shown = ("margin", "accuracy") if objective == "reward" else ("kl", "rewards/margins")
+    print(f"\n[{objective} {strategy_name}/{finetune}] " + ", ".join(
+        f"step {k}: loss {m['loss']:.6f} " + " ".join(f"{n} {m.get(n, float('nan')):.3e}" for n in shown)
+        for k, m in sorted(steps.items())))
     assert sorted(steps) == [1, 2, 3] and finite(trained.losses)
-    assert 0 <= steps[1]["accuracy"] <= 1 and steps[3]["loss"] < steps[1]["loss"]
-
-
-@pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "ddp", "zero3"), ("lora", "full")))
-def test_kto_steps(assets, storage, bf16_model, device, strategy_name, finetune):
-    """Three KTO steps on labelled completions. At step 1 the policy is its reference (as DPO's): the
-    log-ratios and the KL estimate are 0 and each row's loss is 1 - sigmoid(0) = 0.5; then it trains."""
-    spec = job(assets, storage, bf16_model, f"kto-{strategy_name}-{finetune}", strategy_name, finetune, steps=3,
-               data={"path": str(assets / "kto.jsonl"), "seq_len": 32}, training={"objective": "kto"})
-    prepared = lr.prepare_data(spec)
-    strategy = build(spec, device)
-    trained = lr.train(spec, strategy, prepared, checkpoints=False)
-    lr.release(strategy)
-    steps = trained.steps
-    print(f"\n[kto {strategy_name}/{finetune}] " + ", ".join(
-        f"step {k}: loss {m['loss']:.6f} kl {m['kl']:.3e}" for k, m in sorted(steps.items())))
-    assert sorted(steps) == [1, 2, 3] and finite(trained.losses)
-    exact = not CUDA and finetune == "lora"  # as in test_dpo_steps
-    assert abs(steps[1]["loss"] - 0.5) <= (1e-6 if exact else 2e-3), steps[1]
+    if objective == "kto":
+        exact = not CUDA and finetune == "lora"  # as in test_dpo_steps
+        assert abs(steps[1]["loss"] - 0.5) <= (1e-6 if exact else 2e-3), steps[1]
     assert steps[3]["loss"] != steps[1]["loss"]
 
 
