@@ -599,6 +599,12 @@ class JobSpec(Section):
         return self.training.objective == "kto"
 
     @property
+    def row_kind(self) -> bool | str:
+        """What a source row is, as the prepare step and `validate` read it (and the store's key
+        records it): False one sequence, True a preference pair, "kto" an unpaired labelled row."""
+        return "kto" if self.unpaired else self.preference
+
+    @property
     def sequences_per_row(self) -> int:
         """Sequences a row trains in one forward: a preference pair's two (chosen and rejected)."""
         return 1 if self.unpaired else 2 if self.preference else 1

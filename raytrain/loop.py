@@ -157,9 +157,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
             mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
             mfu += f" | eval {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
-            if means:  # the preference objectives' two headline metrics, by their TRL names (`objective.shown`)
-                short = {"accuracies": "acc", "accuracy": "acc", "margins": "margin"}
-                mfu += "".join(f" | {short.get(n.split('/')[-1], n)} {metrics[n]:.3f}" for n in objective.shown if n in metrics)
+            if means:  # the preference objectives' headline metrics: (label, TRL's name) in `objective.shown`
+                mfu += "".join(f" | {label} {metrics[name]:.3f}" for label, name in objective.shown if name in metrics)
             print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
                   f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem {metrics['peak_memory_gb']:.1f}G "
                   f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",

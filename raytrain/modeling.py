@@ -76,18 +76,17 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
 
     kwargs = dict(dtype=DTYPES[spec.model.dtype], attn_implementation=spec.model.attn_implementation,
                   trust_remote_code=spec.model.trust_remote_code)
-    auto = AutoModelForCausalLM
+    auto, head = AutoModelForCausalLM, {}
     if spec.scores:  # a reward model: TRL's RewardTrainer's, read where transformers reads it (`objectives.Reward`)
-        auto, kwargs = AutoModelForSequenceClassification, {**kwargs, "num_labels": 1,
-                                                            "pad_token_id": load_tokenizer(spec).pad_token_id}
+        auto, head = AutoModelForSequenceClassification, {"num_labels": 1,
+                                                          "pad_token_id": load_tokenizer(spec).pad_token_id}
     try:
         if on_meta or empty:
-            config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs(),
-                                                **{k: kwargs.pop(k) for k in ("num_labels", "pad_token_id") if k in kwargs})
+            config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs(), **head)
             with torch.device("meta") if on_meta else contextlib.nullcontext():
                 model = auto.from_config(config, **kwargs)
         else:
-            model = auto.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs)
+            model = auto.from_pretrained(spec.model.path, revision=spec.model.revision, **kwargs, **head)
             new = new_weights(spec, model)  # transformers drew the score head from the global RNG
             with torch.no_grad():
                 for name, p in model.named_parameters():

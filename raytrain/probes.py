@@ -75,7 +75,7 @@ def unreachable(field: str, value: str, why: str, network_required: bool, kind: 
 # ---------------------------------------------------------------- dataset
 def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
     return [p for field, data in spec.data.named_inputs()
-            for p in dataset_problems(data, field, network_required, "kto" if spec.unpaired else spec.preference)]
+            for p in dataset_problems(data, field, network_required, spec.row_kind)]
 
 
 def dataset_problems(d, field: str, network_required: bool, pairs: bool | str = False) -> list[Problem]:

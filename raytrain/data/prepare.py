@@ -105,7 +105,7 @@ def _planned(spec: JobSpec, data: DataSpec, unit_bytes: int = UNIT_BYTES) -> tup
         sources = list_sources(fs, root)
     except FileNotFoundError as exc:
         raise JobError(str(exc)) from None
-    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes, "kto" if spec.unpaired else spec.preference)
+    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes, spec.row_kind)
     return key, f"{datasets_root(spec)}/{key}", fs, sources
 
 

@@ -22,7 +22,7 @@ class KTO:
 
     metrics = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "count/chosen",
                "count/rejected")
-    shown = ("kl", "rewards/margins")
+    shown = (("kl", "kl"), ("margin", "rewards/margins"))
 
     def __init__(self, spec: JobSpec):
         p = spec.training.preference

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ..config import JobSpec, PreferenceSpec
 from ..modeling import SCORE_HEAD
-from .tokens import real_pairs, unwrapped, forward, sequence_logps, staged
+from .tokens import forward, real_pairs, replaced_forward, sequence_logps, staged, unwrapped
 
 
 def pair_losses(objective: str, p: PreferenceSpec, chosen: torch.Tensor, rejected: torch.Tensor,
@@ -39,7 +39,7 @@ class Preference:
 
     metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
-    shown = ("rewards/accuracies", "rewards/margins")  # on the step line
+    shown = (("acc", "rewards/accuracies"), ("margin", "rewards/margins"))  # on the step line
 
     def __init__(self, spec: JobSpec):
         self.objective, self.settings = spec.training.objective, spec.training.preference
@@ -85,7 +85,7 @@ class Reward:
     are left out."""
 
     metrics = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
-    shown = ("accuracy", "margin")
+    shown = (("acc", "accuracy"), ("margin", "margin"))
 
     def __init__(self, spec: JobSpec):
         self.center = spec.training.preference.center_rewards_coefficient
@@ -116,18 +116,13 @@ def score(strategy, model, mb: dict) -> torch.Tensor:
     x = staged(strategy, mb)
     head = getattr(unwrapped(model), SCORE_HEAD)  # under LoRA peft's wrapper, which calls the trained copy
     own = head.forward
-
-    trained = getattr(head, "modules_to_save", {"default": head})["default"]  # under LoRA: fp32 over a 16-bit base
+    trained = head.modules_to_save["default"] if hasattr(head, "modules_to_save") else head  # LoRA: fp32 copy
 
     def pooled(hidden: torch.Tensor) -> torch.Tensor:
         picked = hidden[torch.arange(len(hidden), device=hidden.device), x["last"]].to(trained.weight.dtype)
         out = own(picked) * x["here"][:, None].to(picked.dtype)
         return out[:, None].expand(-1, hidden.shape[1], -1)
 
-    head.forward = pooled
-    try:
-        with strategy.autocast():
-            out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
-    finally:
-        del head.forward
+    with strategy.autocast(), replaced_forward(head, pooled):
+        out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
     return out.logits.squeeze(-1)

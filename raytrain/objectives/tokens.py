@@ -97,7 +97,8 @@ def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Ten
     (attention.py, told by `staged`). Under sequence parallelism: this rank's part of each sequence."""
     chunk, head = strategy.loss_chunk, getattr(model, "module", model).get_output_embeddings()  # (DDP's wrapper)
     x, split = staged(strategy, mb), strategy.sequence
-    with strategy.autocast(), _skipped(head) if chunk else contextlib.nullcontext():
+    # The output layer returns its input for this call: the model's output is its hidden states.
+    with strategy.autocast(), replaced_forward(head, _identity) if chunk else contextlib.nullcontext():
         out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
     # The output layer is used after the model's forward: FSDP2 keeps the root's parameters (the
     # output layer's among them) gathered from its forward to its backward, so this is the same weight.
@@ -147,12 +148,14 @@ def unstage(mb: dict) -> None:
 
 
 @contextlib.contextmanager
-def _skipped(head: torch.nn.Module):
-    head.forward = _identity  # shadows the layer's own forward for this call: the model returns its hidden states
+def replaced_forward(module: torch.nn.Module, forward: Callable):
+    """`module` computes `forward` for the calls inside (an instance attribute shadows the class's
+    method; the module's hooks, FSDP2's and ZeRO-3's gathers among them, still run around it)."""
+    module.forward = forward
     try:
         yield
     finally:
-        del head.forward
+        del module.forward
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
