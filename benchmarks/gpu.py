@@ -54,6 +54,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="training.compile (fsdp2, ddp)")
+    p.add_argument("--attention", default="sdpa", choices=("eager", "sdpa", "flash_attention_2"),
+                   help="model.attn_implementation (default sdpa, the product's)")
     p.add_argument("--workdir", help="keep the generated model, data and token store here (default: a temp folder)")
     p.add_argument("--json", help="write every case's figures to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one case in this process
@@ -117,7 +119,7 @@ def job(a: argparse.Namespace, case: str, model: Path, data: Path, work: Path):
     gpu = not a.cpu
     return JobSpec.model_validate({
         "name": f"bench-{case}",
-        "model": {"path": str(model), "dtype": "bfloat16"},
+        "model": {"path": str(model), "dtype": "bfloat16", "attn_implementation": a.attention},
         "data": {"path": str(data), "seq_len": a.seq_len},
         "training": {"strategy": strategy, "finetune": finetune, "global_batch_size": a.global_batch,
                      "micro_batch_size": a.micro_batch, "max_steps": a.warmup + a.steps, "seed": 0,
@@ -294,7 +296,7 @@ def main(argv=None) -> int:
 def child_flags(a: argparse.Namespace) -> list[str]:
     """The settings a case's process needs, as flags (the defaults already resolved)."""
     flags = ["--gpus", a.gpus, "--seq-len", a.seq_len, "--global-batch", a.global_batch, "--micro-batch", a.micro_batch,
-             "--warmup", a.warmup, "--steps", a.steps, "--lora-rank", a.lora_rank]
+             "--warmup", a.warmup, "--steps", a.steps, "--lora-rank", a.lora_rank, "--attention", a.attention]
     flags += [f"--{name.replace('_', '-')}" for name in ("cpu", "tiny", "activation_checkpointing", "compile")
               if getattr(a, name)]
     return [str(f) for f in flags]

@@ -137,7 +137,8 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     if flash:
         config._attn_implementation = inner
     try:
-        out, _ = function(module, query, key, value, mask, **kwargs)
+        with _masked_kernels(mask, query.device):
+            out, _ = function(module, query, key, value, mask, **kwargs)
     finally:
         module.num_key_value_groups = saved[0]
         if flash:
@@ -145,6 +146,21 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     if split is not None:
         out = split.scatter_positions(out)
     return out, None
+
+
+def _masked_kernels(mask, device: torch.device):
+    """SDPA with a mask tensor (packed rows, sliding windows) on CUDA: any kernel but cuDNN's. Its
+    backward returns NaN gradients with an explicit mask on Hopper (pytorch#196678, the default
+    backend there since torch 2.11 with cuDNN <= 9.25; TRL #7181 hit it in DPO). Seen here: a
+    1B model's bf16 LoRA and full steps under fsdp2 and zero3 went NaN at step 3 of packed 4k rows on
+    an H100 (torch 2.11). Unmasked rows (is_causal) keep every kernel: that path is clean."""
+    import contextlib
+
+    if mask is None or device.type != "cuda":  # (eager calls no SDPA: the context is idle there)
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _inner_function(module, inner: str):

@@ -1,4 +1,4 @@
-"""The device paths on tensors that are not CPU tensors (tests/accelerator.py's stand-in device,
+"""The device paths on tensors that are not CPU tensors (tests/stand_in_device.py's stand-in device,
 `accel:0`, real values underneath): what fails on a GPU fails here, and every host sync is
 counted. One process, a world-1 gloo group; the multi-rank versions of these paths run on CPU
 tensors in test_loading / test_strategies, and on a real GPU in tests/gpu."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from accelerator import DEVICE, FakeAccelerator
+from stand_in_device import DEVICE, FakeAccelerator
 from conftest import REPO, free_port, make_job
 
 from raytrain import modeling

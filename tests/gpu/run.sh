@@ -11,7 +11,8 @@
 # --no-deps, the project with --no-build-isolation, Hugging Face runs offline.
 #
 # Everything goes into .gpu-venv/, a venv over the machine's own packages (torch & co. as they
-# are; nothing of the system's is changed). PYTHON picks the interpreter (default python3).
+# are; nothing of the system's is changed), or into .gpu-site/ on PYTHONPATH where python3 is itself
+# a venv's (the GPU image's is). PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -24,10 +25,14 @@ VENV=.gpu-venv
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
 
 target=()  # pip's --target when there is no venv module
-if [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"; then
+# A venv over an interpreter that is itself a venv's (the GPU image's python3 is /opt/torch/.venv's)
+# would not see that venv's packages (--system-site-packages means the base interpreter's): use
+# .gpu-site/ on PYTHONPATH there instead.
+in_venv=$("$PYTHON" -c 'import sys; print(int(sys.prefix != sys.base_prefix))')
+if [ "$in_venv" = 0 ] && { [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"; }; then
   PY=$VENV/bin/python
 else
-  echo "run.sh: could not make a venv; installing into .gpu-site/ on PYTHONPATH instead" >&2
+  echo "run.sh: $PYTHON is a venv's or could not make one; installing into .gpu-site/ on PYTHONPATH instead" >&2
   PY=$PYTHON
   target=(--target .gpu-site --upgrade)
   export PYTHONPATH=$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}

@@ -393,3 +393,45 @@ def test_two_ranks_sequence_and_tensor_parallel_train_as_data_parallel(assets, s
     tol = 2e-2 if CUDA else (1e-4 if finetune == "lora" else 1e-5)
     for key in ("sp2-tp1", "sp1-tp2"):
         assert max(abs(result[key][s] - base[s]) / base[s] for s in base) <= tol, (key, result[key], base)
+
+
+def test_packed_rows_attention_gradients_are_finite_where_cudnn_returns_nan(device):
+    """pytorch#196678's input (704 positions, every logit ~ -120, so each row's logsumexp is below
+    ln(FLT_MAX)'s negative) through raytrain's attention with a packed rows' mask, in bf16: the
+    gradients are finite and equal the fp32 MATH kernel's to bf16 precision. On an H100 with
+    torch 2.11, SDPA's default (cuDNN) returns NaN grad_q for it; raytrain keeps masks off cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from raytrain import attention
+
+    length, dim = 704, 64
+    config = LlamaConfig(hidden_size=2 * dim, num_attention_heads=2, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    module = LlamaAttention(config, layer_idx=0).to(device)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, length, dim, generator=generator) for _ in range(3))
+    q, k = q * 0.1, k * 0.1
+    q[..., 0], k[..., 0] = 1.0, -120 * math.sqrt(dim)
+    positions = torch.cat([torch.arange(300), torch.arange(length - 300)])[None]  # two documents in one row
+    boundaries = attention.Boundaries.of(positions)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    masks = attention.model_kwargs(boundaries, "sdpa", (None,), device, dtype)["raytrain_masks"]
+    upstream = torch.randn(1, length, 2, dim, generator=generator).to(device)
+
+    def grads(dtype, reference=False):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        if reference:  # the plain math kernel, fp32: what the gradients are
+            with sdpa_kernel([SDPBackend.MATH]):
+                out, _ = attention.attend(module, *leaves, inner="sdpa", split=None, raytrain_masks=masks)
+        else:  # the product's own choice of kernel
+            out, _ = attention.attend(module, *leaves, inner="sdpa", split=None, raytrain_masks=masks)
+        assert out.isfinite().all()
+        out.float().backward(upstream)
+        return [t.grad.float() for t in leaves]
+
+    got, want = grads(dtype), grads(torch.float32, reference=True)
+    for name, g, w in zip("qkv", got, want):
+        assert g.isfinite().all(), f"grad_{name} has {(~g.isfinite()).sum()} non-finite values"
+        assert (g - w).norm() <= 3e-2 * w.norm() + 1e-6, f"grad_{name} off by {(g - w).norm() / w.norm():.3g}"

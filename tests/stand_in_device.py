@@ -1,5 +1,9 @@
 """A stand-in accelerator for machines without one: tensors on a device that is not the CPU
 (`accel:0`, torch's PrivateUse1 device renamed), holding real values in host memory underneath.
+Not named accelerator.py: DeepSpeed's real_accelerator.py tries `import accelerator` (a top-level
+package of its source tree), which with tests/ on sys.path found this file and registered the
+stand-in device in any pytest process that imported DeepSpeed (seen on an H200: the GPU suite's
+pinned copies and every backward failed).
 
 Why: the product's device paths (loading, restore, export, the loss, metrics and telemetry) were
 only ever run on CPU tensors, where `.numpy()` on a target, a host copy or a sync per micro-batch
@@ -141,7 +145,7 @@ class FakeAccelerator:
 
     # --- bookkeeping ---
     def sync(self, kind: str) -> None:
-        frames = [f for f in traceback.extract_stack() if not f.filename.endswith("accelerator.py")]
+        frames = [f for f in traceback.extract_stack() if not f.filename.endswith("stand_in_device.py")]
         ours = [f for f in frames if "/raytrain/" in f.filename] or [f for f in frames if "/tests/" in f.filename]
         where = f"{_short(ours[-1].filename)}:{ours[-1].name}" if ours else "?"
         caller = next((f.filename for f in reversed(frames) if "/torch/" not in f.filename), "")
