@@ -261,14 +261,14 @@ class PreferenceSpec(Section):
 class TrainingSpec(Section):
     strategy: Literal["fsdp2", "zero3", "ddp"] = "fsdp2"
     """Parallelism: `fsdp2` (torch fully_shard), `zero3` (DeepSpeed ZeRO-3), `ddp` (replicated, small models)."""
-    finetune: Literal["lora", "full"] = "lora"
-    """`lora` trains adapters only (base weights frozen); `full` trains every weight."""
+    finetune: Literal["lora", "qlora", "full"] = "lora"
+    """`lora` trains adapters only (base weights frozen); `qlora` the same over a base stored in NF4 (4-bit NormalFloat, as QLoRA; about a quarter of bf16's bytes; fsdp2 only); `full` trains every weight."""
     objective: Literal["sft", "dpo", "simpo", "reward", "kto"] = "sft"
     """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the model). `simpo`: length-normalized preference loss, no reference. `reward`: a reward model on the same pairs: the causal LM with a one-score head (`AutoModelForSequenceClassification`, num_labels 1, TRL's RewardTrainer's model) trained so chosen outscores rejected; under LoRA the head is trained whole. `kto`: unpaired rows, each a prompt, a completion and a true/false label (TRL's KTOTrainer), against a reference as DPO's."""
     preference: PreferenceSpec = PreferenceSpec()
     """DPO / SimPO / KTO / reward model settings."""
     lora: LoraSpec = LoraSpec()
-    """LoRA settings, used when `finetune: lora`."""
+    """LoRA settings, used when `finetune: lora` or `qlora`."""
     global_batch_size: int = Field(32, gt=0)
     """Sequences per optimizer step over all workers; fixed for the whole job, whatever the worker count (each of N workers gets ceil or floor of global/N, so any N up to it works)."""
     micro_batch_size: int = Field(4, gt=0)
@@ -293,6 +293,12 @@ class TrainingSpec(Section):
     """Compute the cross-entropy a chunk of tokens at a time, each chunk's logits recomputed in backward, so a micro-batch's whole fp32 logits never exist (fsdp2, ddp). `auto`: when they would pass 1 GiB (long sequences at a 128k vocabulary); true: always; a number: that many tokens a chunk (else 256 MiB of fp32 logits' worth). The per-token losses are the same; their sum is taken in another order (~1e-7 relative)."""
     deepspeed: dict[str, Any] | None = None
     """Expert overrides merged into the generated DeepSpeed config (`zero3` only)."""
+
+
+    @property
+    def adapters(self) -> bool:
+        """Only LoRA adapters train (`lora`, `qlora`): the base is frozen and never checkpointed."""
+        return self.finetune != "full"
 
 
 class OptimizerSpec(Section):
@@ -624,8 +630,29 @@ class JobSpec(Section):
     @model_validator(mode="after")
     def _dora_is_lora(self):
         if self.training.lora.use_dora and self.training.finetune != "lora":
-            raise ValueError("training.lora.use_dora=true decomposes LoRA adapters, and training.finetune is "
-                             f"{self.training.finetune}: set training.finetune: lora, or remove use_dora")
+            raise ValueError("training.lora.use_dora=true decomposes LoRA adapters over a dense base weight, and "
+                             f"training.finetune is {self.training.finetune}: set training.finetune: lora, or remove use_dora")
+        return self
+
+    @model_validator(mode="after")
+    def _qlora_fits(self):
+        t, s = self.training, self.scaling
+        if t.finetune != "qlora":
+            return self
+        if t.strategy != "fsdp2":
+            why = ("ZeRO-3 flattens parameters into its own partitions, which a 4-bit NF4 weight (codes and "
+                   "scales) is not") if t.strategy == "zero3" else ("DDP holds the whole model on every rank, so a "
+                   "quantized base saves a quarter of what fsdp2 saves by sharding it")
+            raise ValueError(f"training.finetune: qlora with training.strategy: {t.strategy}: {why}; set "
+                             "training.strategy: fsdp2 (one worker works too), or training.finetune: lora")
+        if s.tensor_parallel > 1:
+            raise ValueError(f"training.finetune: qlora with scaling.tensor_parallel={s.tensor_parallel}: an NF4 weight "
+                             "is sharded by whole rows of blocks, and the row-parallel layers split its columns: "
+                             "remove scaling.tensor_parallel (sequence and data parallelism work)")
+        if t.offload.params or t.offload.optimizer:
+            raise ValueError("training.offload with training.finetune: qlora is not supported: FSDP2's CPU offload "
+                             "moves each shard as one plain tensor, and an NF4 shard is four (codes, scales, "
+                             "factors, mean); remove training.offload (a 4-bit base is the smaller step)")
         return self
 
     @model_validator(mode="after")

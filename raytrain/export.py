@@ -31,7 +31,7 @@ def load_checkpoint_model(spec: JobSpec, checkpoint: signing.SignedCheckpoint) -
     wanted = {k: v for k, v in full.items() if spec.training.finetune == "full" or k in trainable}
     if zero3.is_zero3_checkpoint(checkpoint.names):  # DeepSpeed's own layout: its consolidation, not DCP
         wanted = zero3.consolidated_state_dict(checkpoint.fetch(*checkpoint.names),
-                                               trainable_only=spec.training.finetune == "lora")
+                                               trainable_only=spec.training.adapters)
     else:
         read_checkpoint({"model": wanted}, checkpoint)
     result = model.load_state_dict(wanted, strict=False)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from . import masks
+from . import masks, qlora
 from .config import JobSpec
 from .plan import RunPlan
 from .strategies import deepspeed_config
@@ -201,14 +201,20 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         p_b, opt_b, opt_label = (2, 12, "AdamW m, v + fp32 master") if c == 2 else (4, 12, "AdamW m, v + fp32 copy")
     else:  # fsdp2 / ddp: trained weights are fp32 masters with fp32 grads and AdamW state (to_fp32_master)
         p_b, opt_b, opt_label = 4, 8, "AdamW m, v"
-    n_lora = trainable_params(spec, facts) if t.finetune == "lora" else 0
+    n_lora = trainable_params(spec, facts) if t.adapters else 0
     if t.finetune == "full":
         terms = [(Term("weights", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params),
                  (Term("gradients", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_opt and t.strategy == "fsdp2"),
                  (Term(f"optimizer ({opt_label})", f"{opt_b} B × {_n(N)}{per}", opt_b * N / P), host_opt)]
     else:
         base_b = 2 if t.strategy == "zero3" and c == 2 else w
-        terms = [(Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P), host_params),
+        frozen = Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P)
+        if t.finetune == "qlora":  # the adapted layers' weights in NF4, the rest (embeddings, norms) as loaded
+            shapes = quantized_shapes(spec, facts)
+            qn, qb = sum(r * k for r, k in shapes.values()), sum(qlora.quantized_bytes(r, k) for r, k in shapes.values())
+            frozen = Term("frozen weights (NF4 where adapted)", f"({qb / max(qn, 1):.3g} B × {_n(qn)} + {w} B × "
+                          f"{_n(N - qn)}){per}", (qb + w * (N - qn)) / P)
+        terms = [(frozen, host_params),
                  (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt)]
     if spec.reference_copy:  # DPO's frozen reference, sharded like the model
         ref_b = 2 if t.strategy == "zero3" and c == 2 else w  # frozen: kept as loaded (ZeRO-3: its 16-bit copy)
@@ -234,7 +240,9 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     elif sharded and P > 1:
         tp = plan.tensor_parallel  # a rank gathers its tp part of each layer
         layer, per_tp = facts.layer_params / tp, f" / {tp}" if tp > 1 else ""
-        out.device.append(Term("gathered layers", f"2 × {_n(facts.layer_params)}{per_tp} × {c} B", 2 * layer * c))
+        # QLoRA gathers a layer's 4-bit codes and dequantizes one weight at a time for its matmul
+        g = 0.6 if t.finetune == "qlora" else c
+        out.device.append(Term("gathered layers", f"2 × {_n(facts.layer_params)}{per_tp} × {g} B", 2 * layer * g))
     if t.strategy == "fsdp2" and P > 1:
         # The root unit (the embedding, a separate output layer, the last norm) is gathered whole
         # at the first forward and kept through the backward: the largest tensors of the model.
@@ -262,10 +270,16 @@ def trainable_params(spec: JobSpec, facts: ModelFacts) -> int:
     return facts.lora_params(targets, spec.training.lora.rank) + dora
 
 
+def quantized_shapes(spec: JobSpec, facts: ModelFacts) -> dict[str, tuple[int, ...]]:
+    """The (out, in) weights QLoRA stores in NF4: the LoRA-adapted linear layers (not embeddings)."""
+    embeddings = {n[: -len(".weight")] for n, s in facts.shapes.items() if "embed" in n or "wte" in n}
+    return {m: facts.modules[m] for t in _lora_targets(spec, facts) for m in facts.matching(t) if m not in embeddings}
+
+
 def checkpoint_bytes(spec: JobSpec, facts: ModelFacts) -> int:
     """One whole checkpoint: every trainable parameter's saved weights and AdamW state (a LoRA
     checkpoint holds the adapter alone: fp32 weights, m and v)."""
-    if spec.training.finetune == "lora":
+    if spec.training.adapters:
         return 12 * trainable_params(spec, facts)
     w = DTYPE_BYTES[spec.model.dtype]
     per_param = 14 if spec.training.strategy == "zero3" and compute_bytes(spec) == 2 else 3 * w

@@ -102,7 +102,7 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
     # raytrain tells attention where each micro-batch's documents are (attention.py); the strategy
     # puts Ulysses' exchange around it under sequence parallelism.
     attention.install(model, spec.model.attn_implementation)
-    if spec.training.finetune == "lora":
+    if spec.training.adapters:
         with meta_base(model) if on_meta else contextlib.nullcontext():
             model = apply_lora(spec, model)
     return model

@@ -19,9 +19,9 @@ from struct import error as StructError
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import memory, probes, storage
+from . import memory, probes, qlora, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
-from .plan import model_parallel_problems
+from .plan import RunPlan, model_parallel_problems
 from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
                        secret_problems)
 
@@ -219,8 +219,10 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
     if window and spec.data.seq_len > window and "data" not in broken:
         out.append(Problem("data.seq_len", str(spec.data.seq_len), f"longer than the model's context window ({window}); "
                            f"use data.seq_len <= {window}", "model"))
-    if "training" not in broken and spec.training.finetune == "lora" and facts.exact_names:
+    if "training" not in broken and spec.training.adapters and facts.exact_names:
         out += lora_problems(spec, facts)
+    if not broken & {"training", "scaling"} and spec.training.finetune == "qlora" and facts.exact_names:
+        out += qlora_problems(spec, facts)
     if "scaling" not in broken:
         out += [Problem(field, value, text, "model") for field, value, text in
                 model_parallel_problems(config, spec.scaling.sequence_parallel, spec.scaling.tensor_parallel)]
@@ -244,6 +246,23 @@ def remote_code_problems(spec: JobSpec, folder: Path, config: dict) -> list[Prob
     if spec.model.trust_remote_code and not ships_code:
         return [Problem("model.trust_remote_code", "true", "this model ships no code of its own: set it to false", "security", NOTE)]
     return []
+
+
+def qlora_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
+    """Every worker count the job may run with must split each NF4 weight into whole rows of
+    blocks (qlora.py): a resize to one that does not would fail at load."""
+    shapes, plan = memory.quantized_shapes(spec, facts), RunPlan.of(spec)
+    lo, hi = spec.scaling.worker_range
+    bad = {n: qlora.shard_problems(shapes, plan.shard_degree(n)) for n in range(lo, hi + 1)}
+    bad = {n: why for n, why in bad.items() if why}
+    if not bad:
+        return []
+    good = [n for n in range(lo, hi + 1) if n not in bad]
+    first = next(iter(bad.values()))
+    fix = f"run with {', '.join(map(str, good))} workers" if good else "choose a worker count that divides them"
+    return [Problem("training.finetune", "qlora", f"the adapted layers' NF4 weights cannot be sharded by whole rows "
+                    f"over {', '.join(map(str, bad))} workers ({'; '.join(first[:3])}): {fix}, or use "
+                    "training.finetune: lora", "model")]
 
 
 def lora_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:

@@ -67,7 +67,7 @@ class StepFlops:
         trainable = sum(size for size, grad in sizes if grad)
         base = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", model)
         config = getattr(base, "config", None) or getattr(getattr(base, "module", base), "config", None)
-        self.per_token = flops_per_token(config, n, trainable, spec.data.seq_len, spec.training.finetune == "lora",
+        self.per_token = flops_per_token(config, n, trainable, spec.data.seq_len, spec.training.adapters,
                                          extra_forwards={"dpo": 1, "kto": 3}.get(spec.training.objective, 0))
         self.peak = peak_flops(device)
 

@@ -135,6 +135,8 @@ def reference_of(case: dict, opts: dict) -> dict:
     ref = {name: False if opts[name] == (False, True) else REFERENCE.get(name, values[0])
            for name, values in opts.items()}
     ref.update({k: case[k] for k in MATH_KEYS})
+    if case["finetune"] == "qlora":  # an NF4 base is sharded by fsdp2 alone (validate refuses ddp)
+        ref["strategy"] = "fsdp2"
     if case["objective"] != "sft":
         ref["pack"] = False  # pairs never pack: the option does nothing to them
     return ref
@@ -163,6 +165,9 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
         rows = mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ, kto=case["objective"] == "kto")
         # A DoRA adapter is exported as the job's export writes it (collective), for plain peft to load.
         export = f"{storage}/exports/{hashlib.sha1(text.encode()).hexdigest()[:12]}" if case["dora"] else None
-        result = mesh_cases.run_case(spec, rows, steps=3, export_to=export)
+        try:
+            result = mesh_cases.run_case(spec, rows, steps=3, export_to=export)
+        except Exception as exc:  # name the case: the spawned traceback alone does not
+            raise RuntimeError(f"case {text} failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
         out[text] = {**{k: result[k] for k in ("losses", "grad_norms", "means")}, "export": export}
     return out

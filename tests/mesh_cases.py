@@ -55,6 +55,9 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
     return np.stack(out).astype(np.int32)
 
 
+LINEAR = torch.nn.functional.linear
+
+
 def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | None = None) -> dict:
     """Per-step losses and grad norms of `spec` (its scaling names the mesh) on `rows`, every step on
     the same global batch; and this rank's peak resident memory above where the steps started
@@ -68,6 +71,9 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
 
     torch.manual_seed(0)
     plan = RunPlan.of(spec)
+    # zero.Init replaces torch.nn.functional.linear with DeepSpeed's own "for the process" (its
+    # words): cases share processes here, as a worker's strategies never do, so each starts with torch's.
+    torch.nn.functional.linear = LINEAR
     strategy = build_strategy(spec, torch.device("cpu"), plan)
     mesh, rank = strategy.layout, strategy.rank
     start, stop = rank_slice(len(rows), mesh.dp, mesh.dp_rank(rank))

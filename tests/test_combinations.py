@@ -32,6 +32,11 @@ FP32, BF16 = 1e-5, 3e-2  # bf16 compute: two reduction orders round the same sum
 # into a step of lr's size (seen: a tp=2 case's third grad norm 1.5e-5 off, a compiled DPO's 5e-5);
 # a wrong mask or exchange is off by 1e-2 from the first step on (RESULTS.md, "Options together").
 FP32_AFTER_AN_UPDATE = 1e-4
+# bf16 is held over the first update only (steps 1 and 2): fsdp2 computes in bf16 parameters, its
+# residual stream in bf16, and the DDP reference under autocast over fp32 ones. Two lr-1e-2 updates of
+# a full fine-tune drift them apart: seen, full KTO with sp=2, tp=2, 6.5% at step 3 (its log-ratio of
+# two near-equal bf16 models), while the same case in fp32 agrees to 1e-7. The fp32 cases hold all steps.
+BF16_STEPS = 2
 
 
 def mistral_with_a_window(assets: Path, out: Path) -> Path:
@@ -84,8 +89,9 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
         got, want = results[C.key(case)], results[combos["references"][C.key(case)]]
         tol = FP32 if case["precision"] == "fp32" else BF16
         later = FP32_AFTER_AN_UPDATE if case["precision"] == "fp32" else BF16
+        steps = None if case["precision"] == "fp32" else BF16_STEPS
         errors = [(abs(x - y) / max(abs(y), 1e-12), tol if step == 0 else later)
-                  for k in ("losses", "grad_norms") for step, (x, y) in enumerate(zip(got[k], want[k]))]
+                  for k in ("losses", "grad_norms") for step, (x, y) in enumerate(zip(got[k][:steps], want[k][:steps]))]
         worst = max(e for e, _ in errors)
         name = " ".join(f"{k}={v}" for k, v in case.items())
         print(f"[combinations] {worst:.1e} {name}")

@@ -103,4 +103,7 @@ def held_per_rank(config: dict, spec) -> float:
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[spec.model.dtype]
     if spec.training.finetune == "full":  # fp32 master or its 16-bit copy + fp32 moments + a gradient: >= 14 B
         return 14 * params / shards
+    if spec.training.finetune == "qlora":  # the linear layers' weights in NF4: >= 4 bits and a byte a block of 64
+        linear = layers * (per_layer - 2 * h - bias)
+        return (linear * (0.5 + 1 / 64) + dtype_bytes * (params - linear)) / shards
     return dtype_bytes * params / shards

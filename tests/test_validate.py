@@ -426,6 +426,15 @@ def heads_not_split_evenly(job, tmp, assets):  # the demo model: 4 heads, 2 KV h
     job["data"]["seq_len"] = 33
     job["scaling"].update(num_workers=3, sequence_parallel=3)
 
+@case("training.finetune", "ZeRO-3 flattens parameters into its own partitions")
+def qlora_under_zero3(job, tmp, assets):
+    job["training"].update(finetune="qlora", strategy="zero3")
+
+@case("training.finetune = qlora", "cannot be sharded by whole rows over 3 workers")
+def qlora_weights_do_not_split_over_the_workers(job, tmp, assets):
+    job["training"]["finetune"] = "qlora"
+    job["scaling"]["num_workers"] = 3
+
 @case("scaling.tensor_parallel", "num_key_value_heads=2 is not divisible by 4")
 def kv_heads_not_split_evenly(job, tmp, assets):
     job["scaling"].update(num_workers=4, tensor_parallel=4)

@@ -153,7 +153,7 @@ class Strategy(ABC):
         """DPO's frozen reference model, to call under no_grad: under LoRA the same sharded model
         with its adapter off (no second copy); under full fine-tuning the frozen copy that
         `setup` built, sharded like the model."""
-        if self.spec.training.finetune == "lora":
+        if self.spec.training.adapters:
             with self.hf_model.disable_adapter():
                 yield self.model
         else:
@@ -238,7 +238,7 @@ class TorchStrategy(Strategy):
     # --- checkpoints: DCP, each rank writes its shards; resharding on load is DCP's ---
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        if self.spec.training.finetune == "lora":  # frozen base weights come from model.path again
+        if self.spec.training.adapters:  # frozen base weights come from model.path again
             model_sd = {k: v for k, v in model_sd.items() if k in self.trainable}
         return {"model": model_sd, "optim": optim_sd}
 
@@ -263,7 +263,7 @@ class TorchStrategy(Strategy):
                                   self.spec.training.finetune, checkpoint.where)
 
     def export(self, directory: str, tokenizer) -> None:
-        if self.spec.training.finetune == "lora":  # only the adapter is gathered, on rank 0
+        if self.spec.training.adapters:  # only the adapter is gathered, on rank 0
             adapter = get_model_state_dict(self.model, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
             if self.rank == 0:

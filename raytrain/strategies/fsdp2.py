@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .. import modeling
+from .. import modeling, qlora
 from . import tensor_parallel, weights
 from .base import TorchStrategy, needs_fp32_master, to_fp32_master
 
@@ -29,6 +29,10 @@ class FSDP2Strategy(TorchStrategy):
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         adapters = modeling.take_adapters(model)
+        nf4 = set()
+        if self.spec.training.finetune == "qlora":  # the frozen base in NF4: fully_shard shards its 4-bit codes
+            qlora.quantize_on_meta(model)
+            nf4 = {layer.weight for layer in qlora.base_layers(model).values()}
         # fp32 master weights for what trains: cast on meta (free), so no rank ever holds a whole
         # fp32 copy; `weights.fill` rounds them through model.dtype as from_pretrained would.
         if needs_fp32_master(model):
@@ -42,6 +46,9 @@ class FSDP2Strategy(TorchStrategy):
             tensor_parallel.parallelize(modeling.decoder_blocks(model), tp_mesh)
         kwargs = dict(
             mesh=dp_mesh,
+            # On one shard there is nothing to shard, and FSDP2 gathers a one-rank group's parameters
+            # as plain bytes, bypassing NF4's all-gather extension: the NF4 weights stay outside it there.
+            ignored_params=nf4 if dp_mesh.size(dp_mesh.ndim - 1) == 1 else None,
             # bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU.
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.compute_bf16 else None,
                                            reduce_dtype=torch.float32),

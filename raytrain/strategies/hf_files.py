@@ -190,7 +190,7 @@ def write_hf_export(spec: JobSpec, hf_model: torch.nn.Module, full_state: dict, 
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    if spec.training.finetune == "lora":
+    if spec.training.adapters:
         from peft import get_peft_model_state_dict
 
         full_state = {k: v.detach().to("cpu").contiguous() for k, v in full_state.items()}
@@ -209,6 +209,6 @@ def write_export_files(spec: JobSpec, directory: str, tokenizer) -> None:
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     meta = {"job": spec.name, "finetune": spec.training.finetune, "base_model": spec.model.path}
-    if spec.training.finetune == "lora":
+    if spec.training.adapters:
         meta["base_files"] = modeling.base_files(spec)  # the base this adapter was trained on, file by file
     (out / "raytrain.json").write_text(json.dumps(meta, indent=2))

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.futures import Future
 
-from .. import modeling
+from .. import modeling, qlora
 from ..config import JobSpec
 from ..errors import JobError
 from .hf_files import SAFETENSORS_DTYPES
@@ -98,15 +98,24 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     computed), then its LoRA adapters' initial values (collective); returns how: "sharded" or
     "rank0"."""
     new = modeling.new_weights(spec, model)  # in no file: a reward model's score head
-    by_key = {modeling.base_name(n): p for n, p in model.named_parameters() if n not in adapters and n not in new}
+    nf4 = {id(layer.weight) for layer in qlora.base_layers(model).values()} if spec.training.finetune == "qlora" else set()
+    by_key = {modeling.base_name(n): p for n, p in model.named_parameters()
+              if n not in adapters and n not in new and id(p) not in nf4}
+    quantized = {modeling.base_name(n): p for n, p in model.named_parameters() if id(p) in nf4}
     persistent = {modeling.base_name(n): b for n, b in model.state_dict(keep_vars=True).items()
                   if not isinstance(b, torch.nn.Parameter) and n not in adapters}
     folder = safetensors_folder(spec)
     keys = WeightFiles(folder).entries.keys() if folder else set()
-    how = "sharded" if keys and by_key.keys() <= keys else "rank0"
+    how = "sharded" if keys and (by_key.keys() | quantized.keys()) <= keys else "rank0"
+    if quantized and how != "sharded":
+        raise JobError(f"training.finetune: qlora quantizes each rank's rows as it reads them from the model's "
+                       f"safetensors files, and {spec.model.path!r} has none whose weight names match the model's: "
+                       "save the model with save_pretrained (safetensors), or use training.finetune: lora")
     if how == "sharded":
         read_slices(folder, {**{k: b for k, b in persistent.items() if k in keys}, **by_key},
                     modeling.DTYPES[spec.model.dtype])
+        files = WeightFiles(folder)
+        qlora.fill(quantized, lambda key, first, into: files.read_rows(key, first, into.shape[0], into))
     else:
         broadcast_from_rank0(spec, model)
     for name, p in model.named_parameters():

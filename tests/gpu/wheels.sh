@@ -8,6 +8,7 @@
 #   pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions
 #                       raytrain.config (the JobSpec); typing-extensions at pydantic's floor
 #   deepspeed           zero3 (built here as a pure-Python wheel: its ops compile at first use)
+#   torchao             training.finetune: qlora (its NF4Tensor)
 #   hjson, py-cpuinfo, msgpack, einops, ninja
 #                       DeepSpeed's own dependencies
 #
@@ -31,6 +32,10 @@ specs=()
 for name in "${BINARY[@]}"; do specs+=("$name==$(version "$name")"); done
 quiet "$PY" -m pip download --quiet --disable-pip-version-check --dest "$OUT" --no-deps --only-binary=:all: \
   --python-version "$PYV" --implementation cp --abi "cp${PYV/./}" --platform manylinux2014_x86_64 "${specs[@]}"
+# torchao (training.finetune: qlora): one abi3 wheel for every CPython >= 3.10, manylinux_2_24/2_28.
+quiet "$PY" -m pip download --quiet --disable-pip-version-check --dest "$OUT" --no-deps --only-binary=:all: \
+  --python-version "$PYV" --implementation cp --abi abi3 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_24_x86_64 "torchao==$(version torchao)"
 # DeepSpeed publishes a source distribution only: build it here, with no op compiled ahead
 # (DS_BUILD_OPS=0): a py3-none-any wheel that runs on any torch/CUDA and JIT-builds an op if one is used.
 DS_BUILD_OPS=0 quiet "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
@@ -38,8 +43,8 @@ DS_BUILD_OPS=0 quiet "$PY" -m pip wheel --quiet --disable-pip-version-check --no
 
 ls -1 "$OUT"
 count=$(ls "$OUT"/*.whl | wc -l)
-if [ "$count" -ne $(( ${#BINARY[@]} + 1 )) ]; then
-  echo "wheels.sh: expected $(( ${#BINARY[@]} + 1 )) wheels, got $count" >&2
+if [ "$count" -ne $(( ${#BINARY[@]} + 2 )) ]; then
+  echo "wheels.sh: expected $(( ${#BINARY[@]} + 2 )) wheels, got $count" >&2
   exit 1
 fi
 bytes=$(cat "$OUT"/*.whl | wc -c)
