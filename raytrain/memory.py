@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from . import masks, qlora
+from . import masks, nf4_layout
 from .config import JobSpec
 from .plan import RunPlan
 from .strategies import deepspeed_config
@@ -211,7 +211,7 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         frozen = Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P)
         if t.finetune == "qlora":  # the adapted layers' weights in NF4, the rest (embeddings, norms) as loaded
             shapes = quantized_shapes(spec, facts)
-            qn, qb = sum(r * k for r, k in shapes.values()), sum(qlora.quantized_bytes(r, k) for r, k in shapes.values())
+            qn, qb = sum(r * k for r, k in shapes.values()), sum(nf4_layout.quantized_bytes(r, k) for r, k in shapes.values())
             frozen = Term("frozen weights (NF4 where adapted)", f"({qb / max(qn, 1):.3g} B × {_n(qn)} + {w} B × "
                           f"{_n(N - qn)}){per}", (qb + w * (N - qn)) / P)
         terms = [(frozen, host_params),

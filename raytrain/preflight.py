@@ -19,7 +19,7 @@ from struct import error as StructError
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import memory, probes, qlora, storage
+from . import memory, nf4_layout, probes, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
 from .plan import RunPlan, model_parallel_problems
 from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
@@ -250,10 +250,10 @@ def remote_code_problems(spec: JobSpec, folder: Path, config: dict) -> list[Prob
 
 def qlora_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
     """Every worker count the job may run with must split each NF4 weight into whole rows of
-    blocks (qlora.py): a resize to one that does not would fail at load."""
+    blocks (nf4_layout.py): a resize to one that does not would fail at load."""
     shapes, plan = memory.quantized_shapes(spec, facts), RunPlan.of(spec)
     lo, hi = spec.scaling.worker_range
-    bad = {n: qlora.shard_problems(shapes, plan.shard_degree(n)) for n in range(lo, hi + 1)}
+    bad = {n: nf4_layout.shard_problems(shapes, plan.shard_degree(n)) for n in range(lo, hi + 1)}
     bad = {n: why for n, why in bad.items() if why}
     if not bad:
         return []

@@ -20,21 +20,19 @@ all-reduce for all weights. The bytes are those of quantizing the whole weight a
 resized to another worker count rebuilds the same base. The base is never checkpointed.
 
 torchao's NF4Tensor fields and its constructor are torchao's internals: used in this module only,
-with the version checked (`TESTED`).
+with the version checked (`TESTED`). The layout rules (block, group, what shards) are nf4_layout.py's,
+which validate reads without torch.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .errors import JobError
+from .nf4_layout import BLOCK, group_size
 
-BLOCK = 64  # weights a block (one absmax scale each), as QLoRA
-GROUP = 256  # scales a group (one int8 quantization factor each), as QLoRA, where a row holds that many blocks
 TESTED = ("0.18",)  # torchao versions whose NF4Tensor internals this module was tested with
 LEVELS = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379,
           0.4407, 0.5626, 0.7230, 1.0)  # the NF4 code book (torchao's, the QLoRA paper's rounded)
@@ -52,29 +50,6 @@ def nf4():
         raise JobError(f"training.finetune: qlora was tested with torchao {', '.join(TESTED)}, and the workers have "
                        f"{torchao.__version__}: pip install 'torchao=={TESTED[-1]}.*'")
     return nf4_tensor
-
-
-def group_size(in_features: int) -> int:
-    """Scales a group for a weight of rows `in_features` long: QLoRA's 256 where a row holds 256
-    blocks or a multiple, else what divides a row's blocks, so that no group crosses a row."""
-    return math.gcd(GROUP, in_features // BLOCK)
-
-
-def shard_problems(shapes: dict[str, tuple[int, int]], workers: int) -> list[str]:
-    """Why weights of these (out, in) shapes cannot be NF4 and sharded by rows over `workers`."""
-    out = []
-    for name, (rows, cols) in shapes.items():
-        if cols % BLOCK:
-            out.append(f"{name} ({rows}x{cols}): its rows are not whole blocks of {BLOCK} weights")
-        elif rows % workers:
-            out.append(f"{name} ({rows}x{cols}): {rows} rows do not split evenly over {workers} workers")
-    return out
-
-
-def quantized_bytes(rows: int, cols: int) -> float:
-    """What a weight holds in NF4: 4-bit codes, an int8 scale a block, a 2-byte factor a group."""
-    n = rows * cols
-    return n / 2 + n / BLOCK + 2 * n / (BLOCK * group_size(cols))
 
 
 def base_layers(model: nn.Module) -> dict[str, nn.Linear]:

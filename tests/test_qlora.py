@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain import qlora
+from raytrain import nf4_layout, qlora
 
 nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
 
@@ -21,7 +21,7 @@ def per_rank(weight: torch.Tensor, ranks: int) -> list[dict]:
     parts = [qlora.codes_and_scales(rows) for rows in weight.chunk(ranks)]
     total = sum(scales.double().sum() for _, scales in parts) / sum(scales.numel() for _, scales in parts)
     mean = total.to(weight.dtype)
-    group = qlora.group_size(weight.shape[1])
+    group = nf4_layout.group_size(weight.shape[1])
     out = []
     for codes, scales in parts:
         quantized, factor = qlora.quantize_scales(scales, mean, group)
@@ -35,7 +35,7 @@ def per_rank(weight: torch.Tensor, ranks: int) -> list[dict]:
 def test_each_ranks_rows_quantize_to_the_bytes_of_the_whole_weight(shape, dtype):
     torch.manual_seed(0)
     weight = (torch.randn(shape) * 0.02).to(dtype)
-    whole = nf4.to_nf4(weight, qlora.BLOCK, qlora.group_size(shape[1]))
+    whole = nf4.to_nf4(weight, nf4_layout.BLOCK, nf4_layout.group_size(shape[1]))
     for ranks in (1, 2, 4):
         parts = per_rank(weight, ranks)
         for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
@@ -50,15 +50,15 @@ def test_each_ranks_rows_quantize_to_the_bytes_of_the_whole_weight(shape, dtype)
 def test_a_4096_wide_weight_holds_about_a_quarter_of_bf16():
     # codes 0.5 B, an int8 scale a block (1/64 B), a 2-byte factor a group of 64 blocks (QLoRA's 256
     # where a row holds 256 blocks): 0.5161 B a weight, 0.258 of bf16's 2
-    assert qlora.quantized_bytes(4096, 4096) / (2 * 4096 * 4096) == pytest.approx(0.2581, abs=1e-4)
-    assert qlora.group_size(4096) == 64 and qlora.group_size(16384) == 256 and qlora.group_size(192) == 1
+    assert nf4_layout.quantized_bytes(4096, 4096) / (2 * 4096 * 4096) == pytest.approx(0.2581, abs=1e-4)
+    assert nf4_layout.group_size(4096) == 64 and nf4_layout.group_size(16384) == 256 and nf4_layout.group_size(192) == 1
 
 
 def test_shapes_that_cannot_be_sharded_are_named():
     shapes = {"model.layers.0.self_attn.k_proj": (32, 64), "model.layers.0.mlp.down_proj": (64, 192),
               "odd": (64, 100)}
-    assert qlora.shard_problems(shapes, 2) == ["odd (64x100): its rows are not whole blocks of 64 weights"]
-    assert qlora.shard_problems({"model.layers.0.mlp.down_proj": (64, 192)}, 3) == [
+    assert nf4_layout.shard_problems(shapes, 2) == ["odd (64x100): its rows are not whole blocks of 64 weights"]
+    assert nf4_layout.shard_problems({"model.layers.0.mlp.down_proj": (64, 192)}, 3) == [
         "model.layers.0.mlp.down_proj (64x192): 64 rows do not split evenly over 3 workers"]
 
 
