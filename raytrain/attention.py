@@ -16,10 +16,12 @@ deliberately not with its mask interface, so transformers builds no mask and inf
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import masks
 
@@ -154,12 +156,8 @@ def _masked_kernels(mask, device: torch.device):
     backend there since torch 2.11 with cuDNN <= 9.25; TRL #7181 hit it in DPO). Seen here: a
     1B model's bf16 LoRA and full steps under fsdp2 and zero3 went NaN at step 3 of packed 4k rows on
     an H100 (torch 2.11). Unmasked rows (is_causal) keep every kernel: that path is clean."""
-    import contextlib
-
     if mask is None or device.type != "cuda":  # (eager calls no SDPA: the context is idle there)
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 

@@ -58,6 +58,13 @@ def base_layers(model: nn.Module) -> dict[str, nn.Linear]:
             if hasattr(module, "lora_A") and isinstance(getattr(module, "base_layer", None), nn.Linear)}
 
 
+def quantized_weights(spec, model: nn.Module) -> set[nn.Parameter]:
+    """The parameters a job stores in NF4: its adapted layers' weights under qlora, else none."""
+    if spec.training.finetune != "qlora":
+        return set()
+    return {layer.weight for layer in base_layers(model).values()}
+
+
 def quantize_on_meta(model: nn.Module) -> None:
     """Make each adapted layer's frozen weight an empty NF4Tensor on meta (codes and scales
     sized, no values), so that fully_shard shards the 4-bit bytes; `fill` gives them values."""

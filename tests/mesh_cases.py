@@ -14,6 +14,9 @@ import sys
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+import local_run  # noqa: E402  (tests/gpu: the in-process harness the GPU suite shares)
+
 SEQ = 64
 
 
@@ -55,9 +58,6 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
     return np.stack(out).astype(np.int32)
 
 
-LINEAR = torch.nn.functional.linear
-
-
 def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | None = None) -> dict:
     """Per-step losses and grad norms of `spec` (its scaling names the mesh) on `rows`, every step on
     the same global batch; and this rank's peak resident memory above where the steps started
@@ -71,9 +71,7 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
 
     torch.manual_seed(0)
     plan = RunPlan.of(spec)
-    # zero.Init replaces torch.nn.functional.linear with DeepSpeed's own "for the process" (its
-    # words): cases share processes here, as a worker's strategies never do, so each starts with torch's.
-    torch.nn.functional.linear = LINEAR
+    local_run.torch_linear()  # cases share processes: each starts with torch's F.linear
     strategy = build_strategy(spec, torch.device("cpu"), plan)
     mesh, rank = strategy.layout, strategy.rank
     start, stop = rank_slice(len(rows), mesh.dp, mesh.dp_rank(rank))

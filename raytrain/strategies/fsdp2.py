@@ -29,10 +29,9 @@ class FSDP2Strategy(TorchStrategy):
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         adapters = modeling.take_adapters(model)
-        nf4 = set()
         if self.spec.training.finetune == "qlora":  # the frozen base in NF4: fully_shard shards its 4-bit codes
             qlora.quantize_on_meta(model)
-            nf4 = {layer.weight for layer in qlora.base_layers(model).values()}
+        nf4 = qlora.quantized_weights(self.spec, model)
         # fp32 master weights for what trains: cast on meta (free), so no rank ever holds a whole
         # fp32 copy; `weights.fill` rounds them through model.dtype as from_pretrained would.
         if needs_fp32_master(model):

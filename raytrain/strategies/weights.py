@@ -98,14 +98,15 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     computed), then its LoRA adapters' initial values (collective); returns how: "sharded" or
     "rank0"."""
     new = modeling.new_weights(spec, model)  # in no file: a reward model's score head
-    nf4 = {id(layer.weight) for layer in qlora.base_layers(model).values()} if spec.training.finetune == "qlora" else set()
+    nf4 = {id(p) for p in qlora.quantized_weights(spec, model)}
     by_key = {modeling.base_name(n): p for n, p in model.named_parameters()
               if n not in adapters and n not in new and id(p) not in nf4}
     quantized = {modeling.base_name(n): p for n, p in model.named_parameters() if id(p) in nf4}
     persistent = {modeling.base_name(n): b for n, b in model.state_dict(keep_vars=True).items()
                   if not isinstance(b, torch.nn.Parameter) and n not in adapters}
     folder = safetensors_folder(spec)
-    keys = WeightFiles(folder).entries.keys() if folder else set()
+    files = WeightFiles(folder) if folder else None
+    keys = files.entries.keys() if files else set()
     how = "sharded" if keys and (by_key.keys() | quantized.keys()) <= keys else "rank0"
     if quantized and how != "sharded":
         raise JobError(f"training.finetune: qlora quantizes each rank's rows as it reads them from the model's "
@@ -114,7 +115,6 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     if how == "sharded":
         read_slices(folder, {**{k: b for k, b in persistent.items() if k in keys}, **by_key},
                     modeling.DTYPES[spec.model.dtype])
-        files = WeightFiles(folder)
         qlora.fill(quantized, lambda key, first, into: files.read_rows(key, first, into.shape[0], into))
     else:
         broadcast_from_rank0(spec, model)

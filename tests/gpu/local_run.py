@@ -130,6 +130,17 @@ def spawn(fn, world: int, device: torch.device, *args):
         return json.loads(Path(out).read_text())
 
 
+TORCH_LINEAR = torch.nn.functional.linear
+
+
+def torch_linear() -> None:
+    """Put torch's own F.linear back before building a strategy. zero.Init replaces it with
+    DeepSpeed's for the rest of the process (its words: "This will persist unless manually reset"):
+    a worker never builds another strategy, but these harnesses build many in one process, and an
+    NF4 base through DeepSpeed's linear is a shape error (seen after a zero3 case)."""
+    torch.nn.functional.linear = TORCH_LINEAR
+
+
 def release(*objects) -> None:
     """Free a strategy's memory before the next one is built in the same process."""
     for obj in objects:

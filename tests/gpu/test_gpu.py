@@ -104,6 +104,7 @@ def build(spec, device):
     from raytrain.strategies import build_strategy
 
     require_deepspeed(spec.training.strategy)
+    lr.torch_linear()  # the suite's strategies share this process
     return build_strategy(spec, device)
 
 
