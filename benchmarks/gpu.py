@@ -56,6 +56,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="training.compile (fsdp2, ddp)")
     p.add_argument("--attention", default="sdpa", choices=("eager", "sdpa", "flash_attention_2"),
                    help="model.attn_implementation (default sdpa, the product's)")
+    p.add_argument("--detect-anomaly", action="store_true",
+                   help="torch.autograd's anomaly mode: stop at the first backward op that returns NaN, naming its forward")
     p.add_argument("--workdir", help="keep the generated model, data and token store here (default: a temp folder)")
     p.add_argument("--json", help="write every case's figures to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one case in this process
@@ -90,9 +92,15 @@ def make_assets(a: argparse.Namespace, work: Path, device) -> tuple[Path, Path]:
         tmp = model.with_name(model.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tok = make_tokenizer(tmp)
+        # No pad_token_id: with one, the embedding's padding row is initialized to zeros, and a packed
+        # row that starts with a lone end-of-text token (a document's last token carried over) holds
+        # an all-zero hidden state through every layer; RMSNorm's backward at zero is 1/sqrt(eps),
+        # ~100x a layer here, so its gradient overflowed by layer 8 of 16 and every case went NaN
+        # at the step that met such a row (found with --detect-anomaly on an H200). A trained model
+        # has no all-zero row for a token its data holds.
         config = LlamaConfig(**{**dims, "vocab_size": max(dims["vocab_size"], len(tok))},
                              max_position_embeddings=max(2 * a.seq_len, 2048), tie_word_embeddings=False,
-                             eos_token_id=0, pad_token_id=0, bos_token_id=None)
+                             eos_token_id=0, pad_token_id=None, bos_token_id=None)
         started = time.perf_counter()
         torch.manual_seed(0)
         with torch.device(device):
@@ -134,7 +142,8 @@ def job(a: argparse.Namespace, case: str, model: Path, data: Path, work: Path):
 
 
 # ------------------------------------------------------------------ one case (a child process)
-def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warmup: int, model: str) -> dict:
+def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warmup: int, model: str,
+             detect_anomaly: bool = False) -> dict:
     """On every rank: build the strategy, train warm-up + measured steps; rank 0's figures."""
     import torch
 
@@ -147,6 +156,8 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    if detect_anomaly:  # slower; for finding where a non-finite gradient comes from, not for figures
+        torch.autograd.set_detect_anomaly(True)
     started = time.perf_counter()
     strategy = build_strategy(spec, device)
     build_s = time.perf_counter() - started
@@ -193,7 +204,7 @@ def child(a: argparse.Namespace) -> None:
     meta = json.loads((work / "bench.json").read_text())
     spec = job(a, a.child, Path(meta["model"]), Path(meta["data"]), work)
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
-    args = (spec.model_dump_json(), meta["prepared"], a.warmup, meta["model"])
+    args = (spec.model_dump_json(), meta["prepared"], a.warmup, meta["model"], a.detect_anomaly)
     if a.gpus == 1:
         with lr.process_group(device) as d:
             result = run_case(0, 1, d, *args)
@@ -297,7 +308,7 @@ def child_flags(a: argparse.Namespace) -> list[str]:
     """The settings a case's process needs, as flags (the defaults already resolved)."""
     flags = ["--gpus", a.gpus, "--seq-len", a.seq_len, "--global-batch", a.global_batch, "--micro-batch", a.micro_batch,
              "--warmup", a.warmup, "--steps", a.steps, "--lora-rank", a.lora_rank, "--attention", a.attention]
-    flags += [f"--{name.replace('_', '-')}" for name in ("cpu", "tiny", "activation_checkpointing", "compile")
+    flags += [f"--{name.replace('_', '-')}" for name in ("cpu", "tiny", "activation_checkpointing", "compile", "detect_anomaly")
               if getattr(a, name)]
     return [str(f) for f in flags]
 

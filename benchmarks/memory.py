@@ -83,7 +83,8 @@ def measure(config: dict) -> None:
                 with strategy.autocast():
                     loss = strategy.model(input_ids=batch, labels=batch).loss / micro_batches
                 strategy.backward(loss, sync=i == micro_batches - 1)
-            strategy.optimizer_step(1e-5)
+            strategy.begin_update(1e-5)
+            strategy.end_update(True)
 
         step(1)  # AdamW's state exists from here on: both phases below hold it
         for n in (1, 4):

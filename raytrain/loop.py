@@ -50,6 +50,33 @@ class StepResult:
     grad_norm: float
     means: list[float]  # the objective's metrics, means over the global batch
     flags: list[float]  # the stop flags, summed over ranks
+    applied: bool = True  # False: the gradients were not finite and the update was skipped
+
+
+class SkippedUpdates:
+    """Steps whose gradients are not finite (a NaN or inf anywhere) are not applied: the weights
+    and AdamW's state stay as they were and the step's rows count as seen, as Megatron and
+    DeepSpeed skip such iterations. One applied update poisons every later step and checkpoint;
+    a few skipped ones cost a few global batches. `LIMIT` in a row stop the job: then it diverges
+    rather than meets a bad batch, and the last checkpoint is from before."""
+
+    LIMIT = 5
+
+    def __init__(self) -> None:
+        self.run: list[int] = []  # the skipped steps in a row, up to now
+
+    def record(self, step: int, applied: bool) -> bool:
+        """Whether `step`'s update was skipped."""
+        self.run = [] if applied else self.run + [step]
+        return not applied
+
+    def check(self) -> None:
+        """JobError at the LIMIT-th skipped step in a row."""
+        if len(self.run) >= self.LIMIT:
+            raise JobError(f"training diverged: the gradients were not finite at steps {self.run[0]}-{self.run[-1]}, "
+                           f"{self.LIMIT} in a row, and none of those updates was applied. The last checkpoint "
+                           "holds the weights from before them. Lower optimizer.lr, set training.grad_clip, "
+                           "or look at the rows of those steps (printed above)")
 
 
 def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops: StopSignals) -> StepResult:
@@ -77,12 +104,15 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
         objectives.unstage(mb)
         if i + 1 < len(micro_batches):  # the next one's copies queue behind this backward
             objectives.staged(strategy, micro_batches[i + 1])
-    grad_norm = strategy.optimizer_step(lr)
+    grad_norm = strategy.begin_update(lr)
     reduced = torch.cat([sums, objectives.to_device(stops.local(), device)])
     torch.distributed.all_reduce(reduced)  # the stop flags ride along
     n = len(sums)
     values = host_values(torch.cat([reduced[:n] / mesh.tp / units, grad_norm.detach().double().view(1).to(device), reduced[n:]]))
-    return StepResult(loss=values[0], means=values[1:n], grad_norm=values[n], flags=values[n + 1:])
+    # The update waits for the norm on the host (it is the same on every rank): its kernels queue
+    # right behind the read, so the device idles only for the host's decision.
+    applied = strategy.end_update(math.isfinite(values[n]))
+    return StepResult(loss=values[0], means=values[1:n], grad_norm=values[n], flags=values[n + 1:], applied=applied)
 
 
 def _require_lease(fence) -> None:
@@ -123,6 +153,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
     flops = telemetry.StepFlops(strategy.model, spec, device)
     objective = objectives.build(spec)
     checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
+    skipped = SkippedUpdates()
     while state.step < t.max_steps:
         step_start = time.perf_counter()
         seed_step(t.seed, state.step, rank // strategy.layout.tp)  # a layer's tp ranks drop out alike
@@ -134,6 +165,11 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         loss, grad_norm, means, flags = result.loss, result.grad_norm, result.means, stops.agree(result.flags)
         state.step += 1
         state.data = batches.position
+        if skipped.record(state.step, result.applied) and rank == 0:
+            print(f"[raytrain] step {state.step}: the gradients are not finite (grad norm {grad_norm}); its update "
+                  f"is skipped ({len(skipped.run)} in a row of {SkippedUpdates.LIMIT} that stop the job). This "
+                  f"rank's rows (source, epoch, row): {batch.sample_ids}", file=sys.stdout, flush=True)
+        skipped.check()
         step_tokens = t.global_batch_size * spec.sequences_per_row * spec.data.seq_len
         state.tokens_seen += step_tokens
         step_time = time.perf_counter() - step_start
@@ -144,6 +180,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                    "peak_memory_gb": telemetry.peak_memory_gb(device), "tokens_seen": state.tokens_seen,
                    "bad_rows": state.bad_rows, "world_size": world, **flops.metrics(tokens_per_s, world),
                    **objectives.finish(objective, dict(zip(objective.metrics, means)))}
+        if not result.applied:
+            metrics["update_skipped"] = 1.0
         if eval_batches is not None and (state.step % spec.data.eval.every_n_steps == 0 or state.step == t.max_steps):
             metrics.update(objectives.evaluate(strategy, objective, eval_batches))
         if on_step:

@@ -164,6 +164,58 @@ def test_a_step_syncs_the_host_once_and_matches_the_cpu_step(group, assets, tmp_
     assert results["cpu"][2].loss < results["cpu"][0].loss
 
 
+def test_a_step_with_non_finite_gradients_changes_nothing(group, assets, tmp_path):
+    # The first GPU benchmark applied NaN gradients (a packed row's lone zero-embedding token: its
+    # gradient grows ~100x a layer through RMSNorm's 1/sqrt(eps) and overflows by layer 8 of 16)
+    # and trained NaN from then on. Now such a step is skipped: afterwards the model and AdamW are
+    # exactly a run that never saw it, and the step still syncs the host once.
+    from raytrain import objectives
+    from raytrain.loop import train_step
+    from raytrain.preemption import StopSignals
+
+    spec = make_job(assets, tmp_path, training={"finetune": "full", "precision": "fp32", "micro_batch_size": 2})
+    bad, good = micro_batches(spec, 2), micro_batches(spec, 4)[2:]
+    runs = {}
+    for name, batches in (("skipped first", [bad, good]), ("clean", [good])):
+        torch.manual_seed(0)
+        with FakeAccelerator() as accel:
+            strategy = DeviceStrategy.build(spec, DEVICE)
+            objective, stops = objectives.build(spec), StopSignals(None, check_ray_notice=False)
+            weight = strategy.params[0]
+            before = len(accel.syncs)
+            results = []
+            for i, batch in enumerate(batches):
+                hook = weight.register_hook(lambda g: g * float("nan")) if batch is bad else None
+                results.append(train_step(strategy, objective, batch, 1e-3, stops))
+                if hook:
+                    hook.remove()
+                    assert not any(p.grad is not None for p in strategy.params)  # zeroed for the next step
+            assert [s.where for s in accel.syncs[before:]] == ["loop.py:host_values"] * len(batches)
+            runs[name] = (results, {k: v.cpu() for k, v in strategy.model.state_dict().items()},
+                          [int(s["step"]) for s in strategy.optimizer.state.values()])
+    (skipped, applied), clean = runs["skipped first"][0], runs["clean"][0][0]
+    assert not skipped.applied and math.isnan(skipped.grad_norm) and math.isfinite(skipped.loss)
+    assert applied.applied and clean.applied and applied.loss == clean.loss and applied.grad_norm == clean.grad_norm
+    assert runs["skipped first"][2] == runs["clean"][2] == [1] * len(runs["clean"][2])  # AdamW's step counts
+    assert all(torch.equal(v, runs["clean"][1][k]) for k, v in runs["skipped first"][1].items())
+
+
+def test_skipped_updates_stop_the_job_at_the_limit():
+    from raytrain.errors import JobError
+    from raytrain.loop import SkippedUpdates
+
+    policy = SkippedUpdates()
+    for step in range(1, 20):  # a skipped step now and then never stops it
+        assert policy.record(step, applied=step % SkippedUpdates.LIMIT != 0) == (step % SkippedUpdates.LIMIT == 0)
+        policy.check()
+    for step in range(20, 20 + SkippedUpdates.LIMIT - 1):
+        policy.record(step, applied=False)
+        policy.check()
+    policy.record(99, applied=False)
+    with pytest.raises(JobError, match=r"diverged: the gradients were not finite at steps 20-99, 5 in a row"):
+        policy.check()
+
+
 def test_evaluation_syncs_once(group, assets, tmp_path):
     from raytrain import objectives
 

@@ -2,15 +2,16 @@
 resumes under any other, a killed worker of a sequence-parallel group resumes bit for bit, and
 the export is the same model whatever mesh wrote it.
 
-One job (full fine-tuning, 4 CPU workers, a checkpoint every 2 steps), four runs:
+One job (full fine-tuning, 4 CPU workers, a checkpoint every 2 steps), three runs:
   A  sp=2 under HSDP: 2 nodes of 2 workers, each node one sequence-parallel pair, replicated
      across the nodes (FSDP2's mesh replicate 2 x shard 2, the shard dimension being the pair)
   B  A's job with rank 1 killed at step 5: it resumes from step 4 and equals A bit for bit
   C  A's run directory from its step-4 checkpoint, continued under tp=2 x dp=2
-  D  C's run directory from its step-6 checkpoint (written under tp), continued flat, dp=4
-C's steps 5-8 and D's 7-8 against A's are the parity and the resume across meshes in one: a
-mesh whose gradients were reduced wrongly, or a checkpoint resharded wrongly, parts from A at
-once. The in-process parity of every mesh (SFT and DPO, packed and not) is tests/test_mesh.py's.
+C's steps 5-8 against A's are the parity and the resume across meshes in one: a mesh whose
+gradients were reduced wrongly, or a checkpoint resharded wrongly, parts from A at once. (A fourth
+run, C's tp checkpoint continued flat, was cut for CI time: it is DCP's resharding again, in the
+other direction.) The in-process parity of every mesh (SFT and DPO, packed and not) is
+tests/test_mesh.py's.
 """
 
 from __future__ import annotations
@@ -76,17 +77,10 @@ def test_meshes_resume_each_others_checkpoints_and_a_killed_sequence_parallel_ra
         c = metric_history(c_spec, launcher.run(c_spec).run_id)
         assert chunks_of(latest_checkpoint(c_spec.run_dir)) == 4  # split by tp, then sharded over dp
         c_logits = logits_of(f"{c_spec.run_dir}/final_model")
-        shutil.rmtree(f"{c_spec.run_dir}/step_00000008")  # C's run directory from its step 6 (tp's)
-        shutil.rmtree(f"{c_spec.run_dir}/final_model")
-        d_spec = job(assets, storage)
-        d = metric_history(d_spec, launcher.run(d_spec).run_id)
-        assert chunks_of(latest_checkpoint(d_spec.run_dir)) == 4
-        d_logits = logits_of(f"{d_spec.run_dir}/final_model")
 
     print(f"\n[meshes] max relative loss difference from A (sp=2, HSDP): C (tp=2 x dp=2, from A's step 4) "
-          f"{worst(a, c, range(5, 9)):.1e}; D (dp=4, from C's step 6) {worst(a, d, range(7, 9)):.1e}")
-    assert set(range(5, STEPS + 1)) <= set(c) and set(range(7, STEPS + 1)) <= set(d)  # each trained its steps
-    assert worst(a, c, range(5, 9)) <= REL_TOL and worst(a, d, range(7, 9)) <= REL_TOL
-    # The exports (written under sp x HSDP, tp x dp, flat) are the same model within fp32 rounding.
-    for other in (c_logits, d_logits):
-        torch.testing.assert_close(other, a_logits, rtol=1e-4, atol=1e-4)
+          f"{worst(a, c, range(5, 9)):.1e}")
+    assert set(range(5, STEPS + 1)) <= set(c)  # it trained its steps
+    assert worst(a, c, range(5, 9)) <= REL_TOL
+    # The exports (written under sp x HSDP and tp x dp) are the same model within fp32 rounding.
+    torch.testing.assert_close(c_logits, a_logits, rtol=1e-4, atol=1e-4)

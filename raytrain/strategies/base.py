@@ -164,9 +164,14 @@ class Strategy(ABC):
         """Accumulate gradients; `sync` is True on the last micro-batch of a step."""
 
     @abstractmethod
-    def optimizer_step(self, lr: float) -> torch.Tensor:
-        """Clip, step and zero the gradients at learning rate `lr`; returns the global grad norm,
-        a 0-dim tensor the loop reads with the step's other values (no host sync here)."""
+    def begin_update(self, lr: float) -> torch.Tensor:
+        """Set learning rate `lr` and clip the gradients by their global norm; returns the norm
+        before clipping, a 0-dim tensor the loop reads with the step's other values (no host sync)."""
+
+    @abstractmethod
+    def end_update(self, apply: bool) -> bool:
+        """After the loop has read the norm: step the optimizer if `apply` (the norm was finite),
+        then zero the gradients. Returns whether the weights changed."""
 
     @abstractmethod
     def save(self, directory: str) -> None:
@@ -222,13 +227,16 @@ class TorchStrategy(Strategy):
         """A frozen copy of the starting model; here whole on every rank, as DDP holds its model."""
         return modeling.load_model(self.spec).requires_grad_(False).eval().to(self.device)
 
-    def optimizer_step(self, lr: float) -> torch.Tensor:
+    def begin_update(self, lr: float) -> torch.Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        norm = self.clip_gradients(self.spec.training.grad_clip or math.inf)
-        self.optimizer.step()
+        return self.clip_gradients(self.spec.training.grad_clip or math.inf)
+
+    def end_update(self, apply: bool) -> bool:
+        if apply:  # a non-finite step leaves the weights and AdamW's moments and counts as they were
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return apply
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Clip every gradient by the global norm; returns the norm before clipping."""
@@ -277,6 +285,7 @@ class TorchStrategy(Strategy):
         dist.barrier()
 
 
+@torch.no_grad()
 def gather_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:
     """`t` whole on global rank `dst` and None elsewhere (collective over `t`'s mesh): an FSDP2
     weight (one mesh dimension, rows sharded as torch.chunk cuts them: ceil(n/W) a rank, the last
@@ -288,7 +297,9 @@ def gather_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:
     if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or not t.shape[0] \
             or dst not in dist.get_process_group_ranks(mesh.get_group()):
         return t.full_tensor()
-    group, local, n = mesh.get_group(), t.to_local(), t.shape[0]
+    # Detached: a trained weight's shard requires grad, and NCCL's gather on one rank copies it into
+    # `out`'s chunks (views) with autograd watching, which refuses an in-place write to such views.
+    group, local, n = mesh.get_group(), t.to_local().detach(), t.shape[0]
     per = -(-n // mesh.size())
     padded = local if local.shape[0] == per else torch.cat([local, local.new_zeros((per - local.shape[0], *t.shape[1:]))])
     out = torch.empty((per * mesh.size(), *t.shape[1:]), dtype=t.dtype, device=local.device) \

@@ -97,12 +97,17 @@ class Zero3Strategy(Strategy):
         self.engine.set_gradient_accumulation_boundary(sync)
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop's loss is already normalized
 
-    def optimizer_step(self, lr: float) -> torch.Tensor:
+    def begin_update(self, lr: float) -> torch.Tensor:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        self.engine.step()  # clips to gradient_clipping with the global norm, then steps
+        # Clips to gradient_clipping with the global norm, then steps; a non-finite norm is an
+        # "overflow" to ZeRO-3 in every dtype, which skips the update itself (stage3.step).
+        self.engine.step()
         norm = self.engine.get_global_grad_norm()  # a tensor or a float, by DeepSpeed's version and path
         return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64).to(self.device)
+
+    def end_update(self, apply: bool) -> bool:
+        return apply  # DeepSpeed applied or skipped the step in begin_update, by the same norm
 
     # --- checkpoints: DeepSpeed's own layout, each rank writes its partition ---
     def save(self, directory: str) -> None:
