@@ -52,7 +52,7 @@ class ModelSpec(Section):
 # Preference rows (`training.objective: dpo | simpo`) add `chosen` and `rejected`: TRL's standard
 # and conversational shapes for text and chat, LLaMA-Factory's ranking shapes for alpaca and sharegpt.
 # Unpaired feedback rows (`training.objective: kto`) add `completion` (text/chat) and `label`.
-PAIR = {"chosen": "chosen", "rejected": "rejected", "completion": "completion", "label": "label"}
+PAIR = {"chosen": "chosen", "rejected": "rejected", "completion": "completion", "label": "label", "margin": "margin"}
 DEFAULT_COLUMNS = {
     "text": {"text": "text", "prompt": "prompt", **PAIR},
     "chat": {"messages": "messages", "system": "system", "prompt": "prompt", **PAIR},
@@ -93,6 +93,8 @@ class ColumnsSpec(Section):
     """KTO rows in `text`/`chat`: the completion the label judges (default `completion`; without it in a chat row, the last turn of `messages`)."""
     label: str | None = None
     """KTO rows: true (desirable) or false (default `label`, TRL's name; LLaMA-Factory's `kto_tag`)."""
+    margin: str | None = None
+    """Reward-model rows: how much the chosen score must beat the rejected one by (default `margin`, TRL's name); 0 in a row without it."""
 
 
 class TagsSpec(Section):
@@ -607,8 +609,9 @@ class JobSpec(Section):
     @property
     def row_kind(self) -> bool | str:
         """What a source row is, as the prepare step and `validate` read it (and the store's key
-        records it): False one sequence, True a preference pair, "kto" an unpaired labelled row."""
-        return "kto" if self.unpaired else self.preference
+        records it): False one sequence, True a preference pair, "reward" a pair and its margin,
+        "kto" an unpaired labelled row."""
+        return "kto" if self.unpaired else "reward" if self.scores else self.preference
 
     @property
     def sequences_per_row(self) -> int:
@@ -617,9 +620,9 @@ class JobSpec(Section):
 
     @property
     def stored_sequences(self) -> int:
-        """Sequences a row is in the token store: a pair's two; a KTO row's example, its KL
-        sequence and its label tag (data/unpaired.py)."""
-        return 3 if self.unpaired else self.sequences_per_row
+        """Sequences a row is in the token store: a pair's two (a reward model's with its margin
+        tag, data/pairs.py); a KTO row's example, its KL sequence and its label tag (data/unpaired.py)."""
+        return 3 if self.unpaired or self.scores else self.sequences_per_row
 
     @property
     def reference_copy(self) -> bool:

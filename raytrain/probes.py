@@ -23,7 +23,7 @@ from pathlib import Path
 from . import storage
 from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
 from .data import FILE_EXTENSIONS, to_value
-from .data.pairs import to_pair
+from .data.pairs import record_of, to_margin, to_pair
 from .data.unpaired import to_unpaired
 from .data.sources import list_sources, sample_rows
 from .problems import NOTE, Problem, did_you_mean
@@ -171,6 +171,8 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
             records.append(record)
         try:
             to_unpaired(d, raw) if pairs == "kto" else to_pair(d, raw) if pairs else to_value(d, raw)
+            if pairs == "reward":
+                to_margin(d, record_of(raw))
         except ValueError as why:
             bad.append(f"{file} row {n}: {why}")
     mapping = mapping_problems(d, records, len(rows), pairs)

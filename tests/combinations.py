@@ -167,7 +167,8 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
         case = json.loads(text)
         spec = JobSpec.model_validate(job(case, models, storage))
         pairs = case["objective"] != "sft"  # the store never packs pairs, whatever data.pack says
-        rows = mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ, kto=case["objective"] == "kto")
+        rows = mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ, kto=case["objective"] == "kto",
+                                      margins=case["objective"] == "reward")
         # A DoRA adapter is exported as the job's export writes it (collective), for plain peft to load.
         export = f"{storage}/exports/{hashlib.sha1(text.encode()).hexdigest()[:12]}" if case["dora"] else None
         try:

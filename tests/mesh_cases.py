@@ -16,14 +16,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 import local_run  # noqa: E402  (tests/gpu: the in-process harness the GPU suite shares)
+from raytrain.data.pairs import margin_tag  # noqa: E402
 
 SEQ = 64
 
 
-def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ, kto: bool = False) -> np.ndarray:
+def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ, kto: bool = False,
+                margins: bool = False) -> np.ndarray:
     """[rows, planes, SEQ] int32 as the token store gives them: ids, labels, positions (a pair row:
-    chosen then rejected; a KTO row: its example, its KL sequence and a one-token label tag, every
-    other row desirable). Packed: one to three documents of ragged length per sequence, each its
+    chosen then rejected, and with `margins` (a reward model's rows) its margin tag, a margin drawn
+    from [-1, 2); a KTO row: its example, its KL sequence and a one-token label tag, every other row
+    desirable). Packed: one to three documents of ragged length per sequence, each its
     own positions, the first often continuing a document from the row before (its positions start
     past 0); else one document and right padding, whose positions continue the document's (the
     store's rule: padding is never a document). A prompt is unlabelled."""
@@ -50,9 +53,12 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
                 labels[n:] = -100
                 ids[n:] = 0
             planes += [ids, labels, pos]
-        if kto:
+        if kto or margins:
             tag = np.zeros(SEQ, np.int64)
-            tag[0] = len(out) % 2
+            if kto:
+                tag[0] = len(out) % 2
+            else:
+                tag[:3] = margin_tag(float(g.uniform(-1, 2)))
             planes += [tag, np.full(SEQ, -100), np.arange(SEQ)]
         out.append(np.stack(planes))
     return np.stack(out).astype(np.int32)

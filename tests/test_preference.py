@@ -77,6 +77,24 @@ def test_earlier_assistant_turns_of_the_prompt_are_context_not_trained(tok):
     assert trained_text(tok, chosen) == "the fox jumps.<|im_end|>"
 
 
+@pytest.mark.parametrize("margin", ["0.5", True, float("nan"), 1e39])
+def test_a_reward_rows_margin_that_is_no_number_is_a_bad_row(tok, margin):
+    row = {"prompt": "the fox", "chosen": " jumps.", "rejected": " runs.", "margin": margin}
+    with pytest.raises(ValueError, match="column 'margin' \\(the pair's margin\\) must be a finite number"):
+        encode_pair(tok, DataSpec(path="x", format="text", seq_len=32), row, margins=True)
+
+
+def test_a_margin_is_stored_as_three_tokens_and_read_back_bit_for_bit():
+    from raytrain.data.pairs import MARGIN_TAG_BITS, margin_tag
+    from raytrain.objectives.pairs import margins_of
+
+    values = [0.0, -0.0, 0.1, -2.5, 1e-42, 3.4028234663852886e38, -1.5e-38, 7.0]  # a subnormal, float32's max
+    tags = [margin_tag(v) for v in values]
+    assert all(0 <= t < 2**MARGIN_TAG_BITS for tag in tags for t in tag)
+    got = margins_of(torch.tensor([tag + [0] * 5 for tag in tags]))  # a tag sequence padded to its row
+    assert got.numpy().tobytes() == np.array(values, dtype=np.float32).tobytes()
+
+
 @pytest.mark.parametrize("row, why", [
     ({"prompt": "the fox", "chosen": " jumps."}, "no 'rejected' column"),
     ({"prompt": "the fox", "chosen": " jumps.", "rejected": ""}, "'rejected' must be a non-empty string"),
@@ -88,15 +106,16 @@ def test_a_pair_that_cannot_be_compared_is_a_bad_row_with_the_reason(tok, row, w
 
 
 # ---------------------------------------------------------------- losses, against TRL
-def _batch(tok, rows: list[dict], seq_len: int = 32) -> dict:
-    """The micro-batch raytrain's store gives for these pairs: chosen rows, then rejected rows."""
+def _batch(tok, rows: list[dict], seq_len: int = 32, margins: bool = False) -> dict:
+    """The micro-batch raytrain's store gives for these pairs: chosen rows, then rejected rows (then,
+    with `margins`, a reward model's margin tags)."""
     from raytrain.data.records import pad_rows
 
-    pairs = [encode_pair(tok, DataSpec(path="x", format="text", seq_len=seq_len), r) for r in rows]
+    pairs = [encode_pair(tok, DataSpec(path="x", format="text", seq_len=seq_len), r, margins) for r in rows]
     pad = tok.pad_token_id
-    planes = [*pad_rows([c for c, _ in pairs], seq_len, pad), *pad_rows([r for _, r in pairs], seq_len, pad)]
+    planes = [plane for k in range(len(pairs[0])) for plane in pad_rows([p[k] for p in pairs], seq_len, pad)]
     rows = np.stack(planes, axis=1)
-    store = SimpleNamespace(seq_len=seq_len, planes=6, manifest={"pad_id": 0}, read=lambda idx: rows[idx])
+    store = SimpleNamespace(seq_len=seq_len, planes=len(planes), manifest={"pad_id": 0}, read=lambda idx: rows[idx])
     return micro_batches([store], [(0, i) for i in range(len(rows))], 1)[0]
 
 
@@ -212,14 +231,20 @@ def _reward_model(assets, tok):
     return model
 
 
-@pytest.mark.parametrize("center", [None, 0.05])
-def test_reward_model_loss_and_metrics_equal_trls(assets, tok, center):
+MARGINS = [0.5, -0.25, 1.0, None, 2.0, 0.1]  # TRL's per-row margin; a row without one is margin 0
+
+
+@pytest.mark.parametrize("center,margins", [(None, False), (0.05, True)])
+def test_reward_model_loss_and_metrics_equal_trls(assets, tok, center, margins):
     from trl import RewardTrainer
 
     from raytrain.demo_assets import preference_rows
     from raytrain.objectives import Reward
 
-    model, mb = _reward_model(assets, tok), _batch(tok, preference_rows(6, seed=5))
+    rows = preference_rows(6, seed=5)
+    if margins:
+        rows = [{**r, **({"margin": m} if m is not None else {})} for r, m in zip(rows, MARGINS)]
+    model, mb = _reward_model(assets, tok), _batch(tok, rows, margins=True)
     spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
                                    "data": {"path": "x"}, "training": {"objective": "reward", "global_batch_size": 6,
                                    "preference": {"center_rewards_coefficient": center}}})
@@ -233,7 +258,11 @@ def test_reward_model_loss_and_metrics_equal_trls(assets, tok, center):
                               _total_train_tokens=0, _tp_size=1,
                               args=SimpleNamespace(center_rewards_coefficient=center))
     mask = (mb["input_ids"] != tok.pad_token_id).long()
-    theirs = float(RewardTrainer.compute_loss(trainer, model, {"input_ids": mb["input_ids"], "attention_mask": mask}))
+    inputs = {"input_ids": mb["input_ids"], "attention_mask": mask}
+    if margins:  # TRL's collator: a float32 tensor of the rows' margins
+        inputs["margin"] = torch.tensor([m or 0.0 for m in MARGINS], dtype=torch.float)
+        assert torch.equal(mb["margin"], inputs["margin"])  # stored as tags and read back bit for bit
+    theirs = float(RewardTrainer.compute_loss(trainer, model, inputs))
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     assert n == 6 and float(ours) / n == pytest.approx(theirs, rel=1e-6, abs=1e-6)  # (fp32 sums of ~15)
     for name in ("accuracy", "margin", "mean_reward"):
@@ -247,10 +276,11 @@ def test_a_reward_is_read_where_transformers_reads_it_and_by_one_sequence_part(a
     # rank whose part holds that token scores it and the others add 0 (the real exchange:
     # test_combinations.py); here the two ranks of a group of 2 say which positions they score.
     from raytrain.objectives import score, staged
+    from raytrain.objectives.pairs import split_margins
 
     rows = [{"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs over the long green hill and far away."},
             {"prompt": "the cat", "chosen": " sleeps on the warm mat by the door all day.", "rejected": " sits."}]
-    model, mb = _reward_model(assets, tok), _batch(tok, rows, seq_len=32)
+    model, mb = _reward_model(assets, tok), split_margins(_batch(tok, rows, seq_len=32, margins=True))
     spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
                                    "data": {"path": "x"}, "training": {"objective": "reward", "global_batch_size": 2}})
     ours = score(_OneProcess(model, None, spec), model, dict(mb)).detach()
@@ -425,7 +455,7 @@ def _objective_steps(rank: int, world: int, device, model: str, storage: str) ->
     out = {}
     for objective, finetune in WORLD_CASES:
         spec = mesh_cases.job(model, storage, finetune=finetune, objective=objective, workers=world)
-        rows = mesh_cases.global_rows(True, False, 8, seed=1, kto=objective == "kto")
+        rows = mesh_cases.global_rows(True, False, 8, seed=1, kto=objective == "kto", margins=objective == "reward")
         result = mesh_cases.run_case(spec, rows, steps=3)
         out[objective] = {k: result[k] for k in ("losses", "grad_norms", "means")}
     return out
@@ -466,7 +496,7 @@ def dpo_job(assets, storage, name, strategy="fsdp2", finetune="lora", objective=
     from conftest import make_job
 
     return make_job(assets, storage, name=name,
-                    data={"path": str(assets / data), "seq_len": 16 if data == "pairs.jsonl" else 24,
+                    data={"path": str(assets / data), "seq_len": 16 if data.startswith("pairs") else 24,
                           "eval": {"fraction": 0.05, "every_n_steps": EVERY}},
                     training={"objective": objective, "strategy": strategy, "finetune": finetune, "max_steps": steps},
                     optimizer={"lr": lr or (1e-2 if finetune == "lora" else 1e-3), "warmup_steps": 2, "schedule": "constant"},
@@ -479,6 +509,10 @@ KTO_KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins
             "eval_loss", "eval_kl", "eval_rewards/margins")
 REWARD_KEYS = ("loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected", "eval_loss",
                "eval_accuracy")
+
+
+def reward_margin(i: int) -> dict:
+    return {} if i % 5 == 0 else {"margin": (0.0, 0.5, 1.0, -0.5)[i % 4]}
 
 
 @pytest.fixture(scope="module")
@@ -496,7 +530,10 @@ def runs(ray_address, assets, tmp_path_factory):
         ("fsdp2", "lora", "simpo", PARITY_STEPS, 2), ("fsdp2", "lora", "reward", REWARD_STEPS, 2),
         ("fsdp2", "lora", "kto", PARITY_STEPS, 2)]
     # A reward model's head is new and trained whole: at the adapters' 1e-2 it diverged (grad norm 23).
-    settings = {"reward": {"lr": 2e-3}, "kto": {"data": "kto.jsonl"}}
+    # Its rows carry TRL's margins (every fifth row none: margin 0).
+    pairs = [json.loads(line) for line in (assets / "pairs.jsonl").read_text().splitlines()]
+    (assets / "pairs-margin.jsonl").write_text("".join(json.dumps({**r, **reward_margin(i)}) + "\n" for i, r in enumerate(pairs)))
+    settings = {"reward": {"lr": 2e-3, "data": "pairs-margin.jsonl"}, "kto": {"data": "kto.jsonl"}}
     out = {}
     for strategy, finetune, objective, steps, workers in plan:
         name = f"{objective}-{strategy}-{finetune}-{workers}w"
@@ -607,22 +644,21 @@ def test_exported_adapter_loads_with_plain_peft_and_gives_the_last_eval(runs, to
 
 @pytest.mark.slow
 def test_a_reward_model_trains_and_its_export_scores_as_the_workers_did(runs, tok):
-    # A LoRA reward model (the head trained whole) through `raytrain run`: MLflow has TRL's names,
-    # its loss falls, and the exported adapter, loaded with plain transformers + peft
-    # and called as AutoModelForSequenceClassification (a padded batch with its attention mask),
-    # gives the held-out rows the loss the workers' last evaluation logged.
+    # A LoRA reward model (the head trained whole) on rows with TRL's margins, through `raytrain
+    # run`: MLflow has TRL's names, its loss falls, and the exported adapter, loaded with plain
+    # transformers + peft and called as AutoModelForSequenceClassification (a padded batch with its
+    # attention mask), gives the held-out rows, with the margins their sources hold, the loss the
+    # workers' last evaluation logged.
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
     from raytrain.data.order import HeldOut
     from raytrain.data.store import TokenStore
+    from raytrain.objectives.pairs import margins_of
 
     run = runs["reward", "fsdp2", "lora"]
     assert sorted(run.accuracy) == list(range(1, REWARD_STEPS + 1)) and sorted(run.eval_accuracy) == [4, 8, 12]
     print("\n[reward] eval accuracy:", run.eval_accuracy, "eval loss:", run.eval_loss)
-    assert run.eval_loss[12] < run.eval_loss[8] < run.eval_loss[4] < math.log(2) + 0.01, run.eval_loss  # (a new head: ~ln 2)
-    for step in run.loss:  # mean_reward is the mean of the two sides' means
-        assert run.mean_reward[step] == pytest.approx((run.rewards_chosen[step] + run.rewards_rejected[step]) / 2, abs=1e-6)
     folder = f"{run.spec.run_dir}/final_model"
     assert json.loads(Path(folder, "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
     base = AutoModelForSequenceClassification.from_pretrained(run.spec.model.path, num_labels=1,
@@ -631,12 +667,20 @@ def test_a_reward_model_trains_and_its_export_scores_as_the_workers_did(runs, to
     [store_dir] = [p for p in (Path(run.spec.checkpoint.storage_path) / "datasets").iterdir()]
     store = TokenStore.open(str(store_dir))
     split = HeldOut(store.rows, 0.05)
-    t = torch.from_numpy(store.read(split.held_rows(np.arange(split.held)))).long()
+    held = split.held_rows(np.arange(split.held))
+    t = torch.from_numpy(store.read(held)).long()
+    margins = margins_of(t[:, 6])  # the third sequence's ids: the margin tag
+    assert margins.tolist() == [reward_margin(int(i)).get("margin", 0.0) for i in held]  # the store keeps source order
+    # A new head scores ~0 at first: the loss starts near the margins' mean softplus, then falls.
+    start = float(torch.nn.functional.softplus(margins).mean())
+    assert run.eval_loss[12] < run.eval_loss[8] < run.eval_loss[4] < start + 0.01, (run.eval_loss, start)
+    for step in run.loss:  # mean_reward is the mean of the two sides' means
+        assert run.mean_reward[step] == pytest.approx((run.rewards_chosen[step] + run.rewards_rejected[step]) / 2, abs=1e-6)
     ids = torch.cat([t[:, 0], t[:, 3]])  # chosen sequences, then rejected
     with torch.no_grad():
         scores = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits.squeeze(-1)
     chosen, rejected = scores.split(len(t))
-    loss = float(-torch.nn.functional.logsigmoid(chosen - rejected).mean())
+    loss = float(-torch.nn.functional.logsigmoid(chosen - rejected - margins).mean())
     assert loss == pytest.approx(run.eval_loss[REWARD_STEPS], rel=1e-5)
     assert float((chosen > rejected).double().mean()) == pytest.approx(run.eval_accuracy[REWARD_STEPS], abs=1e-7)  # (fp32 there)
 

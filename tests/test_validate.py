@@ -363,6 +363,12 @@ def reward_model_on_unpaired_rows(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [{"text": "the red fox jumps."}] * 3)
     job["training"]["objective"] = "reward"
 
+@case("data.bad_rows = 'fail'", "column 'margin' (the pair's margin) must be a finite number, got 'high'")
+def reward_margin_not_a_number(job, tmp, assets):
+    job["data"].update(path=lines(tmp, [PAIR_OK, {**PAIR_OK, "margin": "high"}, {**PAIR_OK, "margin": 0.5}]),
+                       bad_rows="fail")
+    job["training"]["objective"] = "reward"
+
 @case("data.columns.label = 'label'", "no such column in the first 3 rows (columns there: completion, prompt)")
 def kto_rows_without_labels(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [{"prompt": "the fox", "completion": " jumps."}] * 3)

@@ -14,10 +14,17 @@ with the same `data.columns` / `data.tags` mapping as supervised rows.
 Only the responses are labelled: the prompt is context, never trained. A pair whose prompt
 plus either response is longer than `data.seq_len` is not truncated (a cut response would
 compare two different things): it is a bad row, skipped and counted or fatal per
-`data.bad_rows`. Pure functions, like records.py.
+`data.bad_rows`.
+
+A reward model's row (`training.objective: reward`) may carry TRL's `margin`, a number the
+chosen score must beat the rejected one by (`-logsigmoid(r_c - r_r - margin)`); a row without
+one has margin 0. It is stored as a third sequence, a tag of three tokens holding the margin's
+float32 bits (`margin_tag`), as a KTO row stores its label. Pure functions, like records.py.
 """
 
 from __future__ import annotations
+
+import struct
 
 from ..config import DataSpec
 from .records import IGNORE, _alpaca, _turns, chat_steps, check_messages, decode_line, run_batch, run_one
@@ -104,18 +111,44 @@ def _response(data: DataSpec, value, name: str) -> list[dict]:
     return turns
 
 
-def encode_pair(tok, data: DataSpec, row) -> tuple[Sequence, Sequence]:
-    """A preference row -> (chosen, rejected) sequences; labels on the response tokens only."""
-    return run_one(tok, pair_steps(tok, data, row, tok.eos_token_id))
+def encode_pair(tok, data: DataSpec, row, margins: bool = False) -> tuple[Sequence, ...]:
+    """A preference row -> (chosen, rejected) sequences; labels on the response tokens only
+    (`margins`: and its margin tag)."""
+    return run_one(tok, pair_steps(tok, data, row, tok.eos_token_id, margins))
 
 
-def encode_pairs(tok, data: DataSpec, rows: list) -> list:
-    """`encode_pair` of each row, tokenized as one batch (records.run_batch): each pair, or its ValueError."""
+def encode_pairs(tok, data: DataSpec, rows: list, margins: bool = False) -> list:
+    """`encode_pair` of each row, tokenized as one batch (records.run_batch): each pair, or its
+    ValueError. `margins` (a reward model's rows): each pair with its margin tag as a third sequence."""
     eos = tok.eos_token_id  # once: transformers' special-token attributes cost microseconds a lookup
-    return run_batch(tok, [pair_steps(tok, data, row, eos) for row in rows])
+    return run_batch(tok, [pair_steps(tok, data, row, eos, margins) for row in rows])
 
 
-def pair_steps(tok, data: DataSpec, row, eos: int):
+MARGIN_TAG_BITS = 11  # a float32's 32 bits in 3 tokens under 2**11: below any store's token limit (2**14)
+
+
+def to_margin(data: DataSpec, record: dict) -> float:
+    """A reward row's margin (TRL's `margin` column; data.columns.margin maps another name), 0 without one."""
+    value = record.get(data.column("margin"))
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= 3.4028234663852886e38:
+        raise ValueError(f"column {data.column('margin')!r} (the pair's margin) must be a finite number, "
+                         f"got {str(value)[:40]!r}")
+    return float(value)
+
+
+def margin_tag(margin: float) -> list[int]:
+    """The tag sequence's tokens: the margin's float32 bits, MARGIN_TAG_BITS a token, high first
+    (objectives.pairs.margins_of reads them back, bit for bit)."""
+    bits = struct.unpack("<I", struct.pack("<f", margin))[0]
+    mask = (1 << MARGIN_TAG_BITS) - 1
+    return [bits >> 2 * MARGIN_TAG_BITS, (bits >> MARGIN_TAG_BITS) & mask, bits & mask]
+
+
+def pair_steps(tok, data: DataSpec, row, eos: int, margins: bool = False):
+    row = record_of(row)
+    margin = to_margin(data, row) if margins else None
     prompt, chosen, rejected = to_pair(data, row)
     if data.format == "text":
         (head, _), *tails = yield [(prompt, True, False), (chosen, False, False), (rejected, False, False)]
@@ -132,4 +165,4 @@ def pair_steps(tok, data: DataSpec, row, eos: int):
                              "(pairs are never truncated: raise seq_len)")
         if all(label == IGNORE for label in labels):
             raise ValueError(f"the {name} response has no tokens to compare")
-    return pair
+    return pair if margin is None else (*pair, (margin_tag(margin), [IGNORE] * 3))

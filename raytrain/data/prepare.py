@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from importlib import metadata
+from functools import partial
 from itertools import islice
 from pathlib import Path
 
@@ -182,7 +183,8 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
     tok = _TOKENIZERS[tok_key]
     if one_core:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at each call: else a thread per core of the node
-    encode = encode_unpaired if job.unpaired else encode_pairs if job.preference else encode_rows
+    encode = encode_unpaired if job.unpaired else partial(encode_pairs, margins=job.scores) if job.preference \
+        else encode_rows
     unit = Unit(**json.loads(item["unit"]))
     docs, bad, examples, lines = [], 0, [], 0
     rows, problem, done = read_unit(fs, unit), None, False

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import JobSpec, PreferenceSpec
+from ..data.pairs import MARGIN_TAG_BITS
 from ..modeling import SCORE_HEAD
 from .tokens import forward, real_pairs, replaced_forward, sequence_logps, staged, unwrapped
 
@@ -80,9 +81,10 @@ class Reward:
     """A reward model on preference pairs, as TRL's RewardTrainer trains it: a sequence's score is the
     head's output at its last token that is not padding (where `AutoModelForSequenceClassification`
     reads it, so an exported model scores as the workers did), and the loss is
-    -logsigmoid(r_chosen - r_rejected), plus center_rewards_coefficient x (r_chosen + r_rejected)^2;
-    the mean over the global batch's pairs. TRL's metric names; its min/max_reward are not sums and
-    are left out."""
+    -logsigmoid(r_chosen - r_rejected - margin) (the row's margin, 0 without one), plus
+    center_rewards_coefficient x (r_chosen + r_rejected)^2; the mean over the global batch's pairs.
+    TRL's metric names (its `margin` is r_chosen - r_rejected, the rows' margins apart); its
+    min/max_reward are not sums and are left out."""
 
     metrics = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
     shown = (("acc", "accuracy"), ("margin", "margin"))
@@ -91,21 +93,40 @@ class Reward:
         self.center = spec.training.preference.center_rewards_coefficient
 
     def units(self, mb: dict) -> int:
-        return int(real_pairs(mb).sum())
+        return int(real_pairs(split_margins(mb)).sum())
 
     def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
         split = strategy.sequence
-        scores = score(strategy, strategy.model, mb)
+        scores = score(strategy, strategy.model, split_margins(mb))
         if split:  # the rank holding a sequence's last token scored it, the others added 0
             scores = split.sum(scores)
         chosen, rejected = scores.float().split(len(scores) // 2)
-        loss = -F.logsigmoid(chosen - rejected)
+        loss = -F.logsigmoid(chosen - rejected - staged(strategy, mb)["margin"])
         if self.center:
             loss = loss + self.center * (chosen + rejected) ** 2
         real = staged(strategy, mb)["real"] / (split.size if split else 1)  # as Preference's
         c, r = chosen.detach(), rejected.detach()
         stats = [(c > r).float(), c - r, (c + r) / 2, c, r]
         return (loss * real).sum(), [(s * real).sum() for s in stats]
+
+
+def split_margins(mb: dict) -> dict:
+    """A reward micro-batch (each row's chosen, rejected and margin tag: data/pairs.py) as its pairs
+    (the b chosen sequences, then the b rejected ones) and their margins (`margin`, host float32);
+    made once, in place. A padding pair's margin is 0 (its tag is padding, not a number)."""
+    if "margin" not in mb:
+        b = len(mb["input_ids"]) // 3
+        tags = mb["input_ids"][2 * b:]
+        mb.update({k: mb[k][:2 * b] for k in ("input_ids", "labels", "position_ids")})
+        mb["margin"] = torch.where(real_pairs(mb), margins_of(tags), 0.0)
+    return mb
+
+
+def margins_of(tags: torch.Tensor) -> torch.Tensor:
+    """The margins `data.pairs.margin_tag` stored: float32 bits, MARGIN_TAG_BITS a token, high first."""
+    t = tags[:, :3].long() & ((1 << MARGIN_TAG_BITS) - 1)
+    bits = (t[:, 0] << 2 * MARGIN_TAG_BITS) | (t[:, 1] << MARGIN_TAG_BITS) | t[:, 2]
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
 
 
 def score(strategy, model, mb: dict) -> torch.Tensor:

@@ -134,6 +134,7 @@ def staged(strategy, mb: dict) -> dict:
         first = n * split.rank if split else 0
         out["last"] = attention.to_device((last - first).clamp(0, n - 1), device)
         out["here"] = attention.to_device(((last >= first) & (last < first + n)).float(), device)
+        out["margin"] = attention.to_device(mb["margin"], device)  # the pairs' (objectives.pairs.split_margins)
     if split:
         ids, positions, targets = split.part(ids), split.part(positions), split.part(targets)
     out.update(input_ids=attention.to_device(ids, device), position_ids=attention.to_device(positions, device),
