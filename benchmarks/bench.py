@@ -21,7 +21,7 @@ import time
 from . import compare, datastore, harness as h, lifecycle, memory, prepare_speed
 
 BENCHMARKS = {"p1": compare.p1, "p2": compare.p2, "p3": lifecycle.p3, "p4": lifecycle.p4, "p5": lifecycle.p5,
-              "p6": lifecycle.p6, "p7": compare.p7, "p8": compare.p8, "p9": compare.p9, "p10": compare.p10,
+              "p6": lifecycle.p6, "p7": compare.p7, "p8": compare.p8, "p9": compare.p9, "p10": compare.p10, "p11": compare.p11,
               "d": datastore.d, "s5": prepare_speed.s5, "m": memory.m, "m5": memory.m1u_m5}
 
 

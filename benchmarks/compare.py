@@ -288,3 +288,19 @@ def p10(s: h.Setting) -> dict:
     ratio = h.ratio_line("P10 in-loop step time", "compiled", times["compiled"], "eager", times["eager"])
     h.ratio_line("P10 step 1 (compilation)", "compiled", first["compiled"], "eager", first["eager"])
     return {"ratio": ratio, "times": times, "first_step": first}
+
+
+# ---------------------------------------------------------------- P11
+def p11(s: h.Setting) -> dict:
+    """QLoRA's step against LoRA's on the same rows (#34's measure): the NF4 base is
+    dequantized for every forward and backward of the adapted layers, which costs compute here."""
+    h.header("P11 QLoRA / LoRA in-loop step time, fsdp2, same rows, both through raytrain", s)
+    model, data = h.assets(s)
+    times: dict[str, list[float]] = {"qlora": [], "lora": []}
+    for arm in h.alternate(s.reps, ["qlora", "lora"]):
+        r = raytrain_arm(s, f"p11-{arm}", model, data, training={"finetune": arm})
+        times[arm].append(steady(r["step_time_s"], s.warmup))
+        print(f"    {arm}: in-loop step {times[arm][-1]:.4f} s", flush=True)
+    return {"ratio": h.ratio_line("P11 in-loop step time", "qlora", times["qlora"], "lora", times["lora"]),
+            "times": times}
+

@@ -246,8 +246,8 @@ class OffloadSpec(Section):
 class PreferenceSpec(Section):
     beta: float = Field(0.1, gt=0)
     """DPO: strength of the pull toward the reference (the rewards are beta x log-ratio). SimPO: the reward scale."""
-    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """DPO's loss, as TRL names them: `sigmoid` (the DPO paper), `ipo` (length-normalized squared), `hinge` (SLiC)."""
+    loss: Literal["sigmoid", "ipo", "hinge", "apo_zero_unpaired"] = "sigmoid"
+    """DPO's loss, as TRL names them: `sigmoid` (the DPO paper), `ipo` (length-normalized squared), `hinge` (SLiC). KTO's: `sigmoid` (KTO's own, TRL's `kto`) or `apo_zero_unpaired` (TRL's unpaired APO-zero: no KL estimate, no KL sequences run; for completions better than the model's own)."""
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
     """The share of pairs assumed mislabelled (conservative DPO / SimPO); `sigmoid` only."""
     gamma: float = Field(0.5, ge=0.0)
@@ -491,7 +491,10 @@ class JobSpec(Section):
         if self.data.train_on_inputs:
             raise ValueError(f"data.train_on_inputs: true with training.objective: {t.objective}: a preference pair's "
                              "prompt is never trained (only the responses are compared); remove data.train_on_inputs")
-        if t.objective in ("simpo", "kto") and p.loss != "sigmoid":
+        if p.loss == "apo_zero_unpaired" and t.objective != "kto":
+            raise ValueError(f"training.preference.loss='apo_zero_unpaired' is KTO's unpaired loss, and "
+                             f"training.objective is {t.objective}: remove it or set training.objective: kto")
+        if t.objective in ("simpo", "kto") and p.loss not in ("sigmoid", "apo_zero_unpaired"):
             raise ValueError(f"training.preference.loss={p.loss!r} is a DPO loss; {t.objective} has its own: remove "
                              "preference.loss or set training.objective: dpo")
         if (p.desirable_weight, p.undesirable_weight) != (1.0, 1.0) and t.objective != "kto":

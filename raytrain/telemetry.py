@@ -22,6 +22,13 @@ PEAK_BF16_FLOPS = {
 }
 
 
+def extra_forwards(spec) -> int:
+    """Forwards without backward a trained row pays: DPO's reference; KTO's reference and its KL
+    sequence's two (none under apo_zero_unpaired, which has no KL estimate)."""
+    kl_free = spec.training.preference.loss == "apo_zero_unpaired"
+    return {"dpo": 1, "kto": 1 if kl_free else 3}.get(spec.training.objective, 0)
+
+
 def flops_per_token(config, n_params: int, n_trainable: int, seq_len: int, lora: bool,
                     extra_forwards: int = 0) -> dict[str, float]:
     """`extra_forwards`: forwards without backward a trained token also pays (DPO's reference;
@@ -68,7 +75,7 @@ class StepFlops:
         base = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", model)
         config = getattr(base, "config", None) or getattr(getattr(base, "module", base), "config", None)
         self.per_token = flops_per_token(config, n, trainable, spec.data.seq_len, spec.training.adapters,
-                                         extra_forwards={"dpo": 1, "kto": 3}.get(spec.training.objective, 0))
+                                         extra_forwards=extra_forwards(spec))
         self.peak = peak_flops(device)
 
     def metrics(self, tokens_per_s: float, world: int) -> dict[str, float]:

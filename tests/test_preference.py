@@ -315,7 +315,8 @@ def _kto_batch(tok, rows: list[dict], seq_len: int = 32) -> dict:
     return micro_batches([store], [(0, i) for i in range(len(rows))], 1)[0]
 
 
-def _trl_kto(model, reference, mb: dict, beta: float, weights: tuple[float, float]) -> tuple[float, dict]:
+def _trl_kto(model, reference, mb: dict, beta: float, weights: tuple[float, float],
+             loss_type: str = "kto") -> tuple[float, dict]:
     """TRL's KTOTrainer._compute_loss on the same rows and KL sequences, one process."""
     from trl import KTOTrainer
     from trl.trainer.utils import add_fused_lm_head
@@ -337,7 +338,7 @@ def _trl_kto(model, reference, mb: dict, beta: float, weights: tuple[float, floa
     identity = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t,
                                unwrap_model=lambda m: m)
     trainer = SimpleNamespace(model=model, ref_model=reference, accelerator=identity, aux_loss_enabled=False,
-                              precompute_ref_logps=False, calculate_KL=True, loss_type="kto", beta=beta,
+                              precompute_ref_logps=False, calculate_KL=loss_type == "kto", loss_type=loss_type, beta=beta,
                               desirable_weight=weights[0], undesirable_weight=weights[1],
                               _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0,
                               _tp_size=1, args=SimpleNamespace(gradient_checkpointing_kwargs=None))
@@ -346,8 +347,9 @@ def _trl_kto(model, reference, mb: dict, beta: float, weights: tuple[float, floa
     return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
-@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 1.33)])
-def test_kto_loss_and_metrics_equal_trls_on_the_same_model_and_rows(assets, tok, weights):
+@pytest.mark.parametrize("weights,loss_type", [((1.0, 1.0), "kto"), ((1.0, 1.33), "kto"),
+                                               ((1.0, 1.33), "apo_zero_unpaired")])
+def test_kto_loss_and_metrics_equal_trls_on_the_same_model_and_rows(assets, tok, weights, loss_type):
     from transformers import AutoModelForCausalLM
 
     from raytrain.objectives import KTO
@@ -362,8 +364,9 @@ def test_kto_loss_and_metrics_equal_trls_on_the_same_model_and_rows(assets, tok,
     spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
                                    "data": {"path": "x"}, "training": {"objective": "kto", "global_batch_size": 5,
                                    "preference": {"beta": 0.3, "desirable_weight": weights[0],
-                                                  "undesirable_weight": weights[1]}}})
-    theirs_loss, theirs = _trl_kto(model, reference, mb, 0.3, weights)
+                                                  "undesirable_weight": weights[1],
+                                                  "loss": "sigmoid" if loss_type == "kto" else loss_type}}})
+    theirs_loss, theirs = _trl_kto(model, reference, mb, 0.3, weights, loss_type)
     objective, one = KTO(spec), _OneProcess(model, reference, spec)
     n = objective.units(mb)
     with _one_rank_group():
@@ -371,7 +374,7 @@ def test_kto_loss_and_metrics_equal_trls_on_the_same_model_and_rows(assets, tok,
     loss, stats = objective(one, mb)
     mine = objective.finish({name: float(s) / n for name, s in zip(objective.metrics, stats)})
     assert n == 5 and float(loss) / n == pytest.approx(theirs_loss, abs=1e-6)
-    assert mine["kl"] > 0  # the KL term is in play (clamped at 0 otherwise)
+    assert (mine["kl"] > 0) == (loss_type == "kto")  # the KL term is in play (clamped at 0 otherwise); APO has none
     for name in ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margins"):
         assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
 

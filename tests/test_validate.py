@@ -379,6 +379,11 @@ def kto_label_not_a_boolean(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [{"prompt": "the fox", "completion": " jumps.", "label": "yes"}] * 3)
     job["training"]["objective"] = "kto"
 
+@case("training.preference.loss = 'apo_zero_unpaired'", "is KTO's unpaired loss, and training.objective is dpo")
+def kto_loss_asked_of_dpo(job, tmp, assets):
+    job["data"]["path"] = lines(tmp, [PAIR_OK] * 3)
+    job["training"].update(objective="dpo", preference={"loss": "apo_zero_unpaired"})
+
 @case("training.preference.center_rewards_coefficient", "set training.objective: reward")
 def centred_rewards_asked_of_dpo(job, tmp, assets):
     job["data"]["path"] = lines(tmp, [PAIR_OK] * 3)

@@ -27,6 +27,7 @@ class KTO:
     def __init__(self, spec: JobSpec):
         p = spec.training.preference
         self.beta, self.weights = p.beta, (p.desirable_weight, p.undesirable_weight)
+        self.kl_free = p.loss == "apo_zero_unpaired"  # TRL's unpaired APO-zero: the log-ratio against 0
         self.kl: torch.Tensor | None = None
 
     def units(self, mb: dict) -> int:
@@ -34,8 +35,12 @@ class KTO:
 
     @torch.no_grad()
     def begin(self, strategy, micro_batches: list[dict]) -> None:
-        """The global batch's KL estimate, from the KL sequences under the policy and the reference."""
+        """The global batch's KL estimate, from the KL sequences under the policy and the reference
+        (under apo_zero_unpaired none: 0, and the KL sequences are not run, as TRL skips them)."""
         split, sums = strategy.sequence, torch.zeros(2, dtype=torch.float64, device=strategy.device)
+        if self.kl_free:
+            self.kl = sums[0].float()
+            return
         for mb in micro_batches:
             kl_rows = _split_kto(mb)["kl"]
             logps = sequence_logps(*forward(strategy, strategy.model, kl_rows))
@@ -60,6 +65,8 @@ class KTO:
         x = staged(strategy, rows)
         desirable, kl = x["label"], self.kl
         ratio = logps - ref_logps
+        # KTO: 1 - sigmoid(beta (ratio - KL)) / 1 - sigmoid(beta (KL - ratio)); APO-zero: KL is 0 and an
+        # undesirable row's loss is sigmoid(beta ratio), the same value as KTO's at KL 0.
         loss = desirable * self.weights[0] * (1 - torch.sigmoid(self.beta * (ratio - kl))) + \
             (1 - desirable) * self.weights[1] * (1 - torch.sigmoid(self.beta * (kl - ratio)))
         real = x["real"] / (split.size if split else 1)  # as Preference's
