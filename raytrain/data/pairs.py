@@ -135,7 +135,7 @@ def to_margin(data: DataSpec, record: dict) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= 3.4028234663852886e38:
         raise ValueError(f"column {data.column('margin')!r} (the pair's margin) must be a finite number, "
                          f"got {str(value)[:40]!r}")
-    return float(value)
+    return float(value)  # host: a JSON number from the row
 
 
 def margin_tag(margin: float) -> list[int]:
