@@ -125,6 +125,7 @@ def encode_pairs(tok, data: DataSpec, rows: list, margins: bool = False) -> list
 
 
 MARGIN_TAG_BITS = 11  # a float32's 32 bits in 3 tokens under 2**11: below any store's token limit (2**14)
+FLOAT32_MAX = 3.4028234663852886e38  # a margin is stored as a float32, as TRL's collator makes it
 
 
 def to_margin(data: DataSpec, record: dict) -> float:
@@ -132,7 +133,7 @@ def to_margin(data: DataSpec, record: dict) -> float:
     value = record.get(data.column("margin"))
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= 3.4028234663852886e38:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= FLOAT32_MAX:
         raise ValueError(f"column {data.column('margin')!r} (the pair's margin) must be a finite number, "
                          f"got {str(value)[:40]!r}")
     return float(value)  # host: a JSON number from the row

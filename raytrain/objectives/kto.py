@@ -37,10 +37,10 @@ class KTO:
     def begin(self, strategy, micro_batches: list[dict]) -> None:
         """The global batch's KL estimate, from the KL sequences under the policy and the reference
         (under apo_zero_unpaired none: 0, and the KL sequences are not run, as TRL skips them)."""
-        split, sums = strategy.sequence, torch.zeros(2, dtype=torch.float64, device=strategy.device)
         if self.kl_free:
-            self.kl = sums[0].float()
+            self.kl = torch.zeros((), device=strategy.device)
             return
+        split, sums = strategy.sequence, torch.zeros(2, dtype=torch.float64, device=strategy.device)
         for mb in micro_batches:
             kl_rows = _split_kto(mb)["kl"]
             logps = sequence_logps(*forward(strategy, strategy.model, kl_rows))
