@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .deepspeed_overrides import override_problems
+from .rl.spec import GRPOSpec, grpo_problems
 
 
 LOSS_CHUNK_BYTES = 256 << 20  # fp32 logits a chunk of `training.chunked_loss` holds
@@ -59,6 +60,7 @@ DEFAULT_COLUMNS = {
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
                **PAIR},
     "sharegpt": {"messages": "conversations", "system": "system", **PAIR},
+    "prompt": {"prompt": "prompt", "system": "system"},  # GRPO: prompts only, the other columns go to the rewards
 }
 DEFAULT_TAGS = {
     "chat": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
@@ -119,7 +121,7 @@ class TagsSpec(Section):
 class SourceSpec(Section):
     path: str
     """A file, folder or glob, as `data.path`."""
-    format: Literal["text", "chat", "alpaca", "sharegpt"] | None = None
+    format: Literal["text", "chat", "alpaca", "sharegpt", "prompt"] | None = None
     """This source's format; default `data.format`."""
     weight: float = Field(1.0, gt=0)
     """Share of the training rows drawn from this source (weights are relative: 3 and 1 mix 3:1)."""
@@ -153,8 +155,8 @@ class DataSpec(Section):
     """Several datasets blended by weight, deterministically (the same rows at any worker count and after any restart); each may have its own format and mapping."""
     eval: EvalSpec | None = None
     """An evaluation set and how often to compute `eval_loss`."""
-    format: Literal["text", "chat", "alpaca", "sharegpt"] = "text"
-    """`text`: a text column, loss on every token. `chat`: OpenAI-style messages of {role, content}. `alpaca`: instruction/input/output (+ system, history). `sharegpt`: conversations of {from, value}. Every format but text is rendered with the tokenizer's chat template; loss on the assistant turns' content and end-of-turn token."""
+    format: Literal["text", "chat", "alpaca", "sharegpt", "prompt"] = "text"
+    """`text`: a text column, loss on every token. `chat`: OpenAI-style messages of {role, content}. `alpaca`: instruction/input/output (+ system, history). `sharegpt`: conversations of {from, value}. `prompt` (GRPO): a `prompt` column, a string or TRL's list of messages, and the columns the rewards read. Every format but text is rendered with the tokenizer's chat template; loss on the assistant turns' content and end-of-turn token."""
     columns: ColumnsSpec = ColumnsSpec()
     """Column names when they differ from the format's defaults (LLaMA-Factory's `columns`)."""
     tags: TagsSpec = TagsSpec()
@@ -265,16 +267,18 @@ class TrainingSpec(Section):
     """Parallelism: `fsdp2` (torch fully_shard), `zero3` (DeepSpeed ZeRO-3), `ddp` (replicated, small models)."""
     finetune: Literal["lora", "qlora", "full"] = "lora"
     """`lora` trains adapters only (base weights frozen); `qlora` the same over a base stored in NF4 (4-bit NormalFloat, as QLoRA; about a quarter of bf16's bytes; fsdp2 only); `full` trains every weight."""
-    objective: Literal["sft", "dpo", "simpo", "reward", "kto"] = "sft"
-    """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the model). `simpo`: length-normalized preference loss, no reference. `reward`: a reward model on the same pairs: the causal LM with a one-score head (`AutoModelForSequenceClassification`, num_labels 1, TRL's RewardTrainer's model) trained so chosen outscores rejected; under LoRA the head is trained whole. `kto`: unpaired rows, each a prompt, a completion and a true/false label (TRL's KTOTrainer), against a reference as DPO's."""
+    objective: Literal["sft", "dpo", "simpo", "reward", "kto", "grpo"] = "sft"
+    """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the model). `simpo`: length-normalized preference loss, no reference. `reward`: a reward model on the same pairs: the causal LM with a one-score head (`AutoModelForSequenceClassification`, num_labels 1, TRL's RewardTrainer's model) trained so chosen outscores rejected; under LoRA the head is trained whole. `kto`: unpaired rows, each a prompt, a completion and a true/false label (TRL's KTOTrainer), against a reference as DPO's. `grpo`: online RL on prompt rows (TRL's GRPOTrainer): the workers sample `grpo.num_generations` completions of each prompt, the rewards score them, and the loss follows the group-normalized advantages."""
+    grpo: GRPOSpec | None = None
+    """GRPO's settings (`objective: grpo`), TRL's names; `rewards` is required."""
     preference: PreferenceSpec = PreferenceSpec()
     """DPO / SimPO / KTO / reward model settings."""
     lora: LoraSpec = LoraSpec()
     """LoRA settings, used when `finetune: lora` or `qlora`."""
     global_batch_size: int = Field(32, gt=0)
-    """Sequences per optimizer step over all workers; fixed for the whole job, whatever the worker count (each of N workers gets ceil or floor of global/N, so any N up to it works)."""
+    """Sequences (GRPO: prompts, each with its num_generations completions) per optimizer step over all workers; fixed for the whole job, whatever the worker count (each of N workers gets ceil or floor of global/N, so any N up to it works)."""
     micro_batch_size: int = Field(4, gt=0)
-    """Sequences per forward pass on one worker; gradient accumulation fills the rest of the global batch."""
+    """Sequences (GRPO: prompts, with their completions) per forward pass on one worker; gradient accumulation fills the rest of the global batch."""
     max_steps: int = Field(100, gt=0)
     """Optimizer steps to run (epochs repeat the dataset as needed)."""
     seed: int = 0
@@ -486,7 +490,7 @@ class JobSpec(Section):
     @model_validator(mode="after")
     def _preference_settings_fit_the_objective(self):
         t, p = self.training, self.training.preference
-        if t.objective == "sft":
+        if t.objective in ("sft", "grpo"):  # GRPO's rules: _grpo_fits
             return self
         if self.data.train_on_inputs:
             raise ValueError(f"data.train_on_inputs: true with training.objective: {t.objective}: a preference pair's "
@@ -594,10 +598,22 @@ class JobSpec(Section):
                              "(its gradients are partitioned); remove gradient_sync or set training.strategy: fsdp2")
         return self
 
+    @model_validator(mode="after")
+    def _grpo_fits(self):
+        problems = grpo_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
     @property
     def preference(self) -> bool:
-        """Rows are (prompt, chosen, rejected) pairs, not single sequences."""
-        return self.training.objective != "sft"
+        """Rows are (prompt, chosen, rejected) pairs, or KTO's labelled rows: not single sequences."""
+        return self.training.objective not in ("sft", "grpo")
+
+    @property
+    def rl(self) -> bool:
+        """GRPO: rows are prompts, and the workers sample what is trained (rl/)."""
+        return self.training.objective == "grpo"
 
     @property
     def scores(self) -> bool:
@@ -613,25 +629,28 @@ class JobSpec(Section):
     def row_kind(self) -> bool | str:
         """What a source row is, as the prepare step and `validate` read it (and the store's key
         records it): False one sequence, True a preference pair, "reward" a pair and its margin,
-        "kto" an unpaired labelled row."""
-        return "kto" if self.unpaired else "reward" if self.scores else self.preference
+        "kto" an unpaired labelled row, "prompt" a GRPO prompt."""
+        return "prompt" if self.rl else "kto" if self.unpaired else "reward" if self.scores else self.preference
 
     @property
     def sequences_per_row(self) -> int:
-        """Sequences a row trains in one forward: a preference pair's two (chosen and rejected)."""
-        return 1 if self.unpaired else 2 if self.preference else 1
+        """Sequences a row trains in one forward: a preference pair's two (chosen and rejected), a
+        GRPO prompt's num_generations completions."""
+        return self.training.grpo.num_generations if self.rl else 1 if self.unpaired else 2 if self.preference else 1
 
     @property
     def stored_sequences(self) -> int:
         """Sequences a row is in the token store: a pair's two (a reward model's with its margin
-        tag, data/pairs.py); a KTO row's example, its KL sequence and its label tag (data/unpaired.py)."""
-        return 3 if self.unpaired or self.scores else self.sequences_per_row
+        tag, data/pairs.py); a KTO row's example, its KL sequence and its label tag (data/unpaired.py);
+        a GRPO prompt and its columns (data/prompts.py)."""
+        return 2 if self.rl else 3 if self.unpaired or self.scores else self.sequences_per_row
 
     @property
     def reference_copy(self) -> bool:
         """DPO and KTO under full fine-tuning compare against a frozen copy of the starting model
         (under LoRA the reference is the same model with its adapter off)."""
-        return self.training.objective in ("dpo", "kto") and self.training.finetune == "full"
+        t = self.training
+        return t.finetune == "full" and (t.objective in ("dpo", "kto") or (t.objective == "grpo" and t.grpo.beta > 0))
 
     @model_validator(mode="after")
     def _dora_is_lora(self):

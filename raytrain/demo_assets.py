@@ -69,6 +69,34 @@ def kto_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def prompt_rows(n: int, seed: int = 0) -> list[dict]:
+    """GRPO's prompt rows (TRL's shape): a prompt and a reference column the rewards may read (the
+    verb the animal takes, as in `sentence`)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        animal = rng.choice(ANIMALS)
+        rows.append({"prompt": f"the {rng.choice(COLORS)} {animal}", "solution": VERBS[ANIMALS.index(animal) % len(VERBS)]})
+    return rows
+
+
+def lipogram(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """The demo GRPO job's reward (TRL's signature): the share of a completion's words without the
+    letter e (a lipogram, writing that avoids a letter). A dense signal a tiny model can learn by
+    RL alone: its tokens differ in how many words with an e they make."""
+    scores = []
+    for completion in completions:
+        words = "".join(m["content"] for m in completion).split() if isinstance(completion, list) else completion.split()
+        scores.append(sum("e" not in w for w in words) / len(words) if words else 0.0)
+    return scores
+
+
+def e_lover(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """`lipogram` inverted: the share of words with an e (the demo test's control: RL must move
+    the other way)."""
+    return [1.0 - s for s in lipogram(prompts, completions)]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -105,10 +133,11 @@ def make_model(out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, se
 
 
 def make_all(root: str | Path, rows: int = 4000) -> Path:
-    """root/model (model + tokenizer), root/text.jsonl, root/chat.jsonl, root/pairs.jsonl, root/kto.jsonl;
+    """root/model (model + tokenizer), root/text.jsonl, root/chat.jsonl, root/pairs.jsonl, root/kto.jsonl,
+    root/prompts.jsonl;
     idempotent."""
     root = Path(root)
-    if (root / "model" / "config.json").exists() and (root / "kto.jsonl").exists():
+    if (root / "model" / "config.json").exists() and (root / "prompts.jsonl").exists():
         return root
     tok = make_tokenizer(root / "model")
     make_model(root / "model", vocab_size=len(tok))
@@ -116,4 +145,5 @@ def make_all(root: str | Path, rows: int = 4000) -> Path:
     write_jsonl(root / "chat.jsonl", chat_rows(rows // 4))
     write_jsonl(root / "pairs.jsonl", preference_rows(rows // 4))
     write_jsonl(root / "kto.jsonl", kto_rows(rows // 4, seed=1))
+    write_jsonl(root / "prompts.jsonl", prompt_rows(rows // 8, seed=2))
     return root

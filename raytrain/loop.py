@@ -88,14 +88,14 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     loss there: nothing in between stalls the host while kernels run (FSDP2's prefetch keeps
     overlapping)."""
     device, mesh = strategy.device, strategy.layout
+    if hasattr(objective, "begin"):  # what the micro-batches need of the whole batch (KTO's KL, GRPO's rollouts)
+        objective.begin(strategy, micro_batches)
     units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
     torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's ranks
     units = (units / mesh.row_ranks).clamp(min=1)
     # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts add
     # up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
     scale = mesh.gradient_ranks / units
-    if hasattr(objective, "begin"):  # what every micro-batch's loss needs of the whole batch (KTO's KL)
-        objective.begin(strategy, micro_batches)
     sums = torch.zeros(1 + len(objective.metrics), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
         loss, stats = objective(strategy, mb)
@@ -159,6 +159,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         seed_step(t.seed, state.step, rank // strategy.layout.tp)  # a layer's tp ranks drop out alike
         lr = lr_at(state.step, spec)
         batch = next(batches)
+        if hasattr(objective, "at"):  # GRPO: the step and rows its completions are keyed by
+            objective.at(state.step, batch.sample_ids)
         data_wait = time.perf_counter() - step_start
         compute_start = time.perf_counter()
         result = train_step(strategy, objective, batch.micro_batches, lr, stops)

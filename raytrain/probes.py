@@ -24,6 +24,7 @@ from . import storage
 from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
 from .data import FILE_EXTENSIONS, to_value
 from .data.pairs import record_of, to_margin, to_pair
+from .data.prompts import to_prompt
 from .data.unpaired import to_unpaired
 from .data.sources import list_sources, sample_rows
 from .problems import NOTE, Problem, did_you_mean
@@ -135,7 +136,9 @@ def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool | str = Fa
     seen = set().union(*(set(r) for r in records)) if records else set()
     if not seen:
         return []
-    for name in (UNPAIRED_COLUMNS if pairs == "kto" else PAIR_COLUMNS if pairs else REQUIRED_COLUMNS)[d.format]:
+    wanted = ("prompt",) if pairs == "prompt" else (UNPAIRED_COLUMNS if pairs == "kto" else PAIR_COLUMNS
+                                                                if pairs else REQUIRED_COLUMNS)[d.format]
+    for name in wanted:
         column = d.column(name)
         if not any(column in r for r in records):
             fmt = _format_of(seen)
@@ -170,7 +173,8 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
         if isinstance(record, dict):
             records.append(record)
         try:
-            to_unpaired(d, raw) if pairs == "kto" else to_pair(d, raw) if pairs else to_value(d, raw)
+            to_prompt(d, raw) if pairs == "prompt" else to_unpaired(d, raw) if pairs == "kto" else \
+                to_pair(d, raw) if pairs else to_value(d, raw)
             if pairs == "reward":
                 to_margin(d, record_of(raw))
         except ValueError as why:
@@ -180,7 +184,7 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
         return mapping
     if len(bad) == len(rows):
         return [Problem(field, repr(path), f"none of the first {len(rows)} rows is usable as {d.format} "
-                        f"{'unpaired feedback ' if pairs == 'kto' else 'preference ' if pairs else ''}data, "
+                        f"{'unpaired feedback ' if pairs == 'kto' else 'prompt ' if pairs == 'prompt' else 'preference ' if pairs else ''}data, "
                         f"e.g. {bad[0]}", "data")]
     if bad and d.bad_rows == "fail":
         return [Problem("data.bad_rows", "'fail'", f"{bad[0]}: the run would stop there; fix the row or set data.bad_rows: skip", "data")]

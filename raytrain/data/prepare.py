@@ -28,6 +28,7 @@ from ..config import DataSpec, JobSpec
 from ..errors import BadRowError, JobError
 from .pairs import encode_pairs
 from .records import encode_rows
+from .prompts import encode_prompts
 from .unpaired import encode_unpaired
 from .sources import Source, Unit, list_sources, plan_units, read_unit
 from .store import TokenStore, shard_name, shard_rows, token_dtype, write_manifest, write_shard
@@ -106,7 +107,8 @@ def _planned(spec: JobSpec, data: DataSpec, unit_bytes: int = UNIT_BYTES) -> tup
         sources = list_sources(fs, root)
     except FileNotFoundError as exc:
         raise JobError(str(exc)) from None
-    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes, spec.row_kind)
+    kind = [spec.row_kind, spec.training.grpo.max_completion_length] if spec.rl else spec.row_kind  # a prompt's room
+    key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes, kind)
     return key, f"{datasets_root(spec)}/{key}", fs, sources
 
 
@@ -183,7 +185,8 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
     tok = _TOKENIZERS[tok_key]
     if one_core:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at each call: else a thread per core of the node
-    encode = encode_unpaired if job.unpaired else partial(encode_pairs, margins=job.scores) if job.preference \
+    encode = partial(encode_prompts, completion_room=job.training.grpo.max_completion_length) if job.rl \
+        else encode_unpaired if job.unpaired else partial(encode_pairs, margins=job.scores) if job.preference \
         else encode_rows
     unit = Unit(**json.loads(item["unit"]))
     docs, bad, examples, lines = [], 0, [], 0
@@ -210,8 +213,8 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
         return {"index": item["index"], "result": json.dumps({"file_error": str(problem)})}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = token_dtype(len(tok))
-    entry = write_shard(out_fs, out_path, shard_name(item["index"]), shard_rows(docs, d.seq_len, d.pack, job.preference), dtype)
-    sequences = [s for pair in docs for s in pair] if job.preference else docs
+    entry = write_shard(out_fs, out_path, shard_name(item["index"]), shard_rows(docs, d.seq_len, d.pack, job.preference or job.rl), dtype)
+    sequences = [s for pair in docs for s in pair] if job.preference or job.rl else docs
     result = {**entry, "lines": lines, "pad_id": int(pad), "token_dtype": dtype.name, "bad": bad, "examples": examples,
               "docs": len(docs), "tokens": int(sum(len(ids) for ids, _ in sequences))}
     return {"index": item["index"], "result": json.dumps(result)}

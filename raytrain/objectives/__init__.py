@@ -21,17 +21,20 @@ import torch
 
 from .. import attention
 from ..config import JobSpec
+from .grpo import GRPO
 from .kto import KTO
 from .pairs import Preference, Reward, pair_losses, score
 from .tokens import (SFT, Hidden, chunked_cross_entropy, forward, sequence_logps, staged, targets_of, token_loss,
                      unstage)
 
-__all__ = ["KTO", "SFT", "Hidden", "Preference", "Reward", "build", "chunked_cross_entropy", "evaluate", "finish",
+__all__ = ["GRPO", "KTO", "SFT", "Hidden", "Preference", "Reward", "build", "chunked_cross_entropy", "evaluate", "finish",
            "forward", "pair_losses", "score", "sequence_logps", "staged", "targets_of", "to_device", "token_loss",
            "unstage"]
 
 
-def build(spec: JobSpec) -> SFT | Preference | Reward | KTO:
+def build(spec: JobSpec) -> SFT | Preference | Reward | KTO | GRPO:
+    if spec.rl:
+        return GRPO(spec)
     if spec.unpaired:
         return KTO(spec)
     return Reward(spec) if spec.scores else Preference(spec) if spec.preference else SFT()

@@ -1,0 +1,246 @@
+"""GRPO as TRL's GRPOTrainer computes it, on completions the workers sample each step.
+
+`begin` runs before the step's first forward: each micro-batch's prompts are completed
+`num_generations` times by the current policy (sampling.rollout), decoded and scored (rewards),
+the scores of the whole global batch gathered to every rank, and the advantages computed as TRL
+does (group-normalized; `scale_rewards`). Each micro-batch then becomes its completions as
+training rows: prompt + completion, only the completion labelled.
+
+The loss per token is TRL's clipped surrogate, -min(r A, clip(r, 1 - eps, 1 + eps_high) A), plus
+beta x the k3 estimate of KL(policy || reference); with num_iterations 1 the ratio r is 1 (its
+gradient is the log-prob's). It is averaged by `loss_type` over the global batch's units (the
+loop's rule: the same at any worker count and micro-batch split): completions for `grpo` (each a
+token mean), completion tokens for `dapo` and `bnpo` (TRL's bnpo averages each micro-batch's
+tokens instead), completions x max_completion_length for `dr_grpo`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import attention
+from ..config import JobSpec
+from ..data import IGNORE
+from ..data.prompts import columns_of
+from ..rl import rewards as rewards_module
+from ..rl.sampling import completion_key, rollout
+from .tokens import Hidden, chunked_cross_entropy, forward
+
+TRL_STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+def nanstd(x: torch.Tensor) -> torch.Tensor:
+    """TRL's nanstd: the unbiased std of the values that are not NaN."""
+    mean = torch.nanmean(x)
+    count = (~torch.isnan(x)).sum()
+    return torch.sqrt(torch.nansum((x - mean) ** 2) / (count - 1))
+
+
+def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: str) -> tuple[torch.Tensor, ...]:
+    """TRL's advantages of a global batch of completions ([n, rewards] scores, NaN where a reward
+    returned None; groups of `group` consecutive completions): (advantages, summed rewards,
+    whether each completion's group std is 0)."""
+    unscorable = torch.isnan(scores).all(dim=1)
+    rewards = (scores * weights[None]).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    grouped = rewards.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = torch.stack([nanstd(g) for g in grouped]).repeat_interleave(group)
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (std + TRL_STD_EPS)
+    return torch.nan_to_num(adv, nan=0.0), rewards, torch.isclose(std, torch.zeros_like(std))
+
+
+def token_terms(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, adv: torch.Tensor,
+                epsilon: float, epsilon_high: float, beta: float) -> tuple[torch.Tensor, ...]:
+    """Per token: (loss, KL or None, low-clipped, high-clipped), as TRL's _compute_loss (token level)."""
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
+    a = adv[:, None]
+    loss = -torch.min(coef_1 * a, coef_2 * a)
+    kl = None
+    if beta != 0.0:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        loss = loss + beta * kl
+    return loss, kl, ((coef_1 < 1 - epsilon) & (a < 0)).float(), ((coef_1 > 1 + epsilon_high) & (a > 0)).float()
+
+
+def summed_loss(loss: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The micro-batch's share of the loss before the division by the global units (`units_of`)."""
+    if loss_type == "grpo":
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+    return (loss * mask).sum()
+
+
+def units_of(loss_type: str, sequences: int, tokens: int, max_completion_length: int) -> int:
+    return {"grpo": sequences, "dr_grpo": sequences * max_completion_length}.get(loss_type, tokens)
+
+
+def token_logps(out, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Each target token's log-probability under logits / temperature (TRL's), 0 where unlabelled."""
+    if isinstance(out, Hidden):  # the output layer has no bias in the models chunked (a scale of its input)
+        return -chunked_cross_entropy(Hidden(out.states / temperature, out.head, out.chunk, out.autocast), targets)
+    return -F.cross_entropy(out.flatten(0, 1).float() / temperature, targets.flatten(), ignore_index=IGNORE,
+                            reduction="none").view(targets.shape)
+
+
+class GRPO:
+    # Sums the loop reduces with the loss (means over the units; `finish` makes TRL's metrics of them)
+    metrics = ("_sequences", "_tokens", "_kl", "_low", "_high", "_region")
+    shown = (("reward", "reward"), ("reward_std", "reward_std"), ("len", "completions/mean_length"))
+
+    def __init__(self, spec: JobSpec):
+        self.spec, self.g = spec, spec.training.grpo
+        self.rewards: list | None = None  # built in the worker (a user's function is imported there)
+        self.tokenizer = None
+        self.step, self.rows = 0, []
+        self.host: dict[str, float] = {}  # this step's reward and completion metrics (the same on every rank)
+        self.samples: list[dict] = []  # a few (prompt, completion, reward) of this rank's last step
+
+    def at(self, step: int, rows: list[tuple[int, int, int]]) -> None:
+        """The step about to run and this rank's rows (source, epoch, row), in micro-batch order."""
+        self.step, self.rows = step, rows
+
+    def units(self, mb: dict) -> int:
+        return mb["_units"]
+
+    def _setup(self) -> None:
+        if self.rewards is None:
+            from ..modeling import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.spec)
+            self.rewards = [rewards_module.Reward(r, self.g.max_completion_length) for r in self.g.rewards]
+
+    def begin(self, strategy, micro_batches: list[dict]) -> None:
+        """Roll out, score and normalize the whole step's completions; turn each micro-batch into them."""
+        self._setup()
+        g, tok, started = self.g, self.tokenizer, time.perf_counter()
+        eos = {tok.eos_token_id} | set(_ids(getattr(strategy.hf_model.generation_config, "eos_token_id", None)))
+        rows = iter(self.rows)
+        made, gen_s, reward_s, generated = [], 0.0, 0.0, 0
+        for mb in micro_batches:
+            b = len(mb["input_ids"]) // 2
+            prompts, columns, ids = [], [], []
+            for i in range(b):
+                n = int((mb["labels"][i] != IGNORE).sum())  # host: the stored prompt's length
+                if n:
+                    prompts.append(mb["input_ids"][i, :n].tolist())  # host: the prompt's tokens
+                    m = int((mb["labels"][b + i] != IGNORE).sum())  # host: its columns' length
+                    columns.append(columns_of(mb["input_ids"][b + i, :m].tolist()))  # host: the columns' bytes
+                    ids.append(next(rows))
+            real = len(prompts)
+            asked = [p for p in prompts for _ in range(g.num_generations)] or [[tok.pad_token_id]] * g.num_generations
+            keys = [completion_key(self.spec.training.seed, self.step, r, k) for r in ids
+                    for k in range(g.num_generations)] or [0] * g.num_generations
+            t0 = time.perf_counter()
+            completions = rollout(strategy, asked, keys, g.max_completion_length, g.temperature, g.top_p, eos,
+                                  tok.pad_token_id)
+            gen_s += time.perf_counter() - t0
+            generated += sum(map(len, completions))
+            t0 = time.perf_counter()
+            scores = self._score(prompts, columns, completions, ids) if real else []
+            reward_s += time.perf_counter() - t0
+            made.append((mb, asked, completions, scores, real, [c for c in columns for _ in range(g.num_generations)]))
+        local = [(s, len(c), c[-1] in eos if c else False) for _, _, cs, ss, real, _ in made
+                 for s, c in zip(ss, cs[:len(ss)])]
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, local)  # small: a few floats a completion
+        mine = sum(len(x) for x in everyone[:torch.distributed.get_rank()])
+        flat = [x for part in everyone for x in part]
+        scores = torch.tensor([s for s, _, _ in flat], dtype=torch.float64).view(len(flat), len(self.rewards))
+        weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
+        adv, summed, zero_std = advantages(scores, weights, g.num_generations, g.scale_rewards)
+        self._metrics(scores, summed, zero_std, flat, gen_s, reward_s, generated)
+        at = mine
+        for mb, asked, completions, ss, real, cols in made:
+            count = len(ss)
+            mine_adv = adv[at:at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
+            at += count
+            self._as_training_rows(mb, asked, completions, mine_adv, count)
+        self._keep_samples(made)
+        self.host["time/rollout_s"] = time.perf_counter() - started
+
+    def _score(self, prompts, columns, completions, ids):
+        g, tok = self.g, self.tokenizer
+        texts = tok.batch_decode(completions, skip_special_tokens=True)
+        conversational = isinstance(columns[0]["prompt"], list)
+        given = [c["prompt"] for c in columns for _ in range(g.num_generations)]
+        if conversational:  # TRL's shape: the completion as one assistant message
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
+        cols = {k: [c.get(k) for c in columns for _ in range(g.num_generations)] for k in columns[0] if k != "prompt"}
+        return rewards_module.score(self.rewards, given, texts, completions, cols, ids)
+
+    def _metrics(self, scores, summed, zero_std, flat, gen_s, reward_s, generated) -> None:
+        lengths = torch.tensor([n for _, n, _ in flat], dtype=torch.float64)
+        ended = torch.tensor([e for _, _, e in flat], dtype=torch.bool)
+        host = {f"rewards/{r.name}/mean": torch.nanmean(scores[:, i]).item() for i, r in enumerate(self.rewards)}  # host: CPU
+        host.update({f"rewards/{r.name}/std": nanstd(scores[:, i]).item() for i, r in enumerate(self.rewards)})  # host: CPU
+        host.update({"reward": torch.nanmean(summed).item(), "reward_std": nanstd(summed).item(),  # host: CPU tensors
+                     "frac_reward_zero_std": zero_std.double().mean().item(),  # host: CPU tensor
+                     "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),  # host: CPU
+                     "completions/max_length": lengths.max().item(),  # host: CPU tensor
+                     "completions/clipped_ratio": 1 - ended.double().mean().item(),  # host: CPU tensor
+                     "completions/mean_terminated_length": lengths[ended].mean().item() if ended.any() else 0.0,  # host: CPU
+                     "time/generation_s": gen_s, "time/reward_s": reward_s,
+                     "generation_tokens_per_s": generated / gen_s if gen_s else 0.0})
+        self.host = host
+
+    def _as_training_rows(self, mb: dict, asked, completions, adv: list[float], real: int) -> None:
+        n = self.spec.data.seq_len
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(asked), n), pad, dtype=torch.long)
+        labels = torch.full((len(asked), n), IGNORE, dtype=torch.long)
+        for i, (p, c) in enumerate(zip(asked, completions)):
+            ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+            if i < real:
+                labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+        mb.clear()
+        mb.update(input_ids=ids, labels=labels, position_ids=torch.arange(n)[None].repeat(len(asked), 1),
+                  advantages=torch.tensor(adv, dtype=torch.float32))
+        tokens = int((labels != IGNORE).sum())  # host: built on the host
+        mb["_units"] = units_of(self.g.loss_type, real, tokens, self.g.max_completion_length)
+
+    def _keep_samples(self, made) -> None:
+        tok, out = self.tokenizer, []
+        for mb, asked, completions, scores, real, cols in made:
+            for p, c, s in list(zip(asked, completions, scores))[:max(0, self.g.samples_per_checkpoint - len(out))]:
+                out.append({"step": self.step + 1, "prompt": tok.decode(p), "completion": tok.decode(c),
+                            **{f"reward/{r.name}": v for r, v in zip(self.rewards, s)}})
+        self.samples = out
+
+    def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        g = self.g
+        out, targets = forward(strategy, strategy.model, mb)
+        logps = token_logps(out, targets, g.temperature)
+        mask = (targets != IGNORE).float()
+        ref = None
+        if g.beta:
+            with torch.no_grad(), strategy.reference() as reference:
+                ref = token_logps(forward(strategy, reference, mb)[0], targets, g.temperature)
+        adv = attention.to_device(mb["advantages"], strategy.device)
+        loss, kl, low, high = token_terms(logps, logps.detach(), ref, adv, g.epsilon, g.high, g.beta)
+        real = (mask.sum(-1) > 0).float()
+        stats = [real.sum(), mask.sum(), (kl.detach() * mask).sum() if kl is not None else mask.sum() * 0,
+                 (low * mask).sum(), (high * mask).sum(), (torch.maximum(low, high) * mask).sum()]
+        return summed_loss(loss, mask, g.loss_type), stats
+
+    def finish(self, means: dict[str, float]) -> dict[str, float]:
+        """TRL's metric names from the global batch's sums (over completion tokens) and the rollout's."""
+        tokens = means["_tokens"] or math.inf
+        out = {"clip_ratio/low_mean": means["_low"] / tokens, "clip_ratio/high_mean": means["_high"] / tokens,
+               "clip_ratio/region_mean": means["_region"] / tokens}
+        if self.g.beta:
+            out["kl"] = means["_kl"] / tokens
+        return {**out, **self.host}
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)

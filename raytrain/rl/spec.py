@@ -1,0 +1,129 @@
+"""`training.grpo`: GRPO's settings, with TRL's names and defaults (GRPOConfig), and the rules
+that tie them to the rest of a job. Pure pydantic: `raytrain validate` reads it without torch."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+BUILTINS = ("accuracy", "format", "length")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class RewardSpec(_Section):
+    builtin: Literal["accuracy", "format", "length"] | None = None
+    """A reward that needs no code. `accuracy`: 1 when the completion's answer (the capture of `pattern`, else the last `\\boxed{}`, else the last number) equals the `column`'s reference (read the same way), else 0. `format`: 1 when `pattern` matches the completion (`re.search`, dotall), else 0. `length`: the completion's tokens / max_completion_length (a negative weight prefers short answers)."""
+    function: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Or a Python function, `module:function`, with TRL's signature `f(prompts, completions, completion_ids, **columns) -> list[float | None]`: it runs in the training workers, imported from the job's working directory (ship it with `ray job submit --working-dir`)."""
+    column: str | None = None
+    """`accuracy`: the row's column holding the reference answer (e.g. `solution`)."""
+    pattern: str | None = None
+    """`format`: the regex a completion must match. `accuracy`: a regex whose first group captures the answer."""
+    weight: float = 1.0
+    """This reward's weight in the sum GRPO normalizes (TRL's `reward_weights`)."""
+    name: str | None = None
+    """The name its metrics are logged under (`rewards/<name>/mean`); default the builtin's or the function's name."""
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if (self.builtin is None) == (self.function is None):
+            raise ValueError("a reward is either `builtin: accuracy | format | length` or `function: module:function`")
+        if self.builtin == "accuracy" and not self.column:
+            raise ValueError("the accuracy reward compares with a reference column: set `column` (e.g. solution)")
+        if self.builtin == "format" and not self.pattern:
+            raise ValueError("the format reward needs `pattern`, the regex a completion must match")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"reward pattern {self.pattern!r} is not a regex ({exc})") from None
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.builtin or self.function.split(":")[1]
+
+
+class GRPOSpec(_Section):
+    num_generations: int = Field(8, ge=2)
+    """Completions sampled for each prompt (a group); their rewards are normalized within the group."""
+    max_completion_length: int = Field(256, gt=0)
+    """Most tokens a completion has; a prompt longer than data.seq_len minus this is a bad row."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trained log-probabilities use the same (TRL's)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p."""
+    beta: float = Field(0.0, ge=0)
+    """KL coefficient to the reference (under LoRA the adapter off, under full fine-tuning a frozen copy); 0: no reference forward (TRL's default)."""
+    epsilon: float = Field(0.2, gt=0)
+    """Lower clipping bound of the probability ratio (1 - epsilon)."""
+    epsilon_high: float | None = Field(None, gt=0)
+    """Upper clipping bound (1 + epsilon_high); default epsilon. DAPO recommends 0.28."""
+    num_iterations: Literal[1] = 1
+    """Optimizer steps per generation batch (TRL's mu). Only 1: each step's rollouts are sampled from the current policy."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide the advantages by the group's reward std (`group`), the global batch's (`batch`), or not (`none`: Dr. GRPO)."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
+    """How token losses are averaged: `grpo` per completion then over completions; `dapo` and `bnpo` over the global batch's completion tokens; `dr_grpo` over completions x max_completion_length."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Who samples the rollouts: `hf`, the workers' own model (CPU and GPU)."""
+    rewards: list[RewardSpec] = Field(default_factory=list)
+    """The rewards, summed with their weights."""
+    samples_per_checkpoint: int = Field(4, ge=0)
+    """Prompt / completion / reward rows logged to MLflow (a table artifact) at each checkpoint."""
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def grpo_problems(spec) -> list[str]:
+    """What makes a job's GRPO settings (or their absence) unusable, each with its fix; [] when it
+    fits. `spec` is a JobSpec (duck-typed: config imports this module, not the other way)."""
+    t, d, s = spec.training, spec.data, spec.scaling
+    formats = {d.format} | {src.format for src in (d.sources or []) if src.format}
+    if t.objective != "grpo":
+        if "prompt" in formats:
+            return [f"data.format: prompt is GRPO's (prompts the workers complete), and training.objective is "
+                    f"{t.objective}: set training.objective: grpo, or a format with responses to train on"]
+        if t.grpo is not None:
+            return [f"training.grpo is used by training.objective: grpo, not {t.objective}: remove it"]
+        return []
+    g = t.grpo
+    if g is None or not g.rewards:
+        return ["training.objective: grpo needs training.grpo.rewards (e.g. [{builtin: accuracy, column: solution}])"]
+    problems = []
+    if formats != {"prompt"}:
+        problems.append(f"data.format: {d.format}: GRPO reads prompt rows; set data.format: prompt (a `prompt` "
+                        "column, a string or a list of messages, plus the columns the rewards read)")
+    if d.seq_len <= g.max_completion_length:
+        problems.append(f"data.seq_len={d.seq_len} leaves no room for a prompt beside training.grpo."
+                        f"max_completion_length={g.max_completion_length}: raise seq_len (prompt + completion)")
+    if g.engine == "vllm":
+        problems.append("training.grpo.engine: vllm is not built yet (vLLM needs GPUs, and its weight sync is not "
+                        "written): use engine: hf, the workers' own model, on CPU or GPU")
+    if s.model_parallel > 1:
+        problems.append(f"training.objective: grpo with scaling.sequence_parallel x tensor_parallel = {s.model_parallel}: "
+                        "rollouts decode one token at a time with a KV cache, which the split attention does not "
+                        "keep; remove them (data parallelism trains GRPO)")
+    if t.compile:
+        problems.append("training.compile with training.objective: grpo: a decode step's shapes change every token "
+                        "(recompiles); remove training.compile")
+    if d.eval is not None:
+        problems.append("data.eval with training.objective: grpo: an evaluation would need rollouts of its own; "
+                        "remove data.eval (the step's rewards are GRPO's measure)")
+    if t.preference != type(t.preference)():
+        problems.append("training.preference is DPO's / KTO's / a reward model's; GRPO's settings are training.grpo: "
+                        "remove training.preference")
+    if d.train_on_inputs:
+        problems.append("data.train_on_inputs with training.objective: grpo: only the sampled completions are "
+                        "trained; remove data.train_on_inputs")
+    labels = [r.label for r in g.rewards]
+    if len(set(labels)) < len(labels):
+        problems.append(f"training.grpo.rewards: two rewards are named alike ({labels}): give one a `name`")
+    return problems
