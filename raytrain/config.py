@@ -60,7 +60,7 @@ DEFAULT_COLUMNS = {
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
                **PAIR},
     "sharegpt": {"messages": "conversations", "system": "system", **PAIR},
-    "prompt": {"prompt": "prompt", "system": "system"},  # GRPO: prompts only, the other columns go to the rewards
+    "prompt": {"prompt": "prompt"},  # GRPO: prompts only, the other columns go to the rewards
 }
 DEFAULT_TAGS = {
     "chat": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
@@ -68,6 +68,7 @@ DEFAULT_TAGS = {
     "sharegpt": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "system_tag": "system", "observation_tag": "observation", "function_tag": "function_call"},
 }
+DEFAULT_TAGS["prompt"] = DEFAULT_TAGS["chat"]  # GRPO's conversational prompts: TRL's messages
 
 
 class ColumnsSpec(Section):
@@ -609,6 +610,11 @@ class JobSpec(Section):
     def preference(self) -> bool:
         """Rows are (prompt, chosen, rejected) pairs, or KTO's labelled rows: not single sequences."""
         return self.training.objective not in ("sft", "grpo")
+
+    @property
+    def packed(self) -> bool:
+        """Rows hold several documents (SFT with data.pack); pairs, KTO rows and prompts never do."""
+        return self.data.pack and self.training.objective == "sft"
 
     @property
     def rl(self) -> bool:

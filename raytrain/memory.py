@@ -313,13 +313,17 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     # The masks attention is given (masks.py, the rule the model path follows): whole rows' b·s²
     # under sequence parallelism too. Rows pack only in SFT with data.pack; padding is no document.
     impl = spec.model.attn_implementation
-    built = masks.mask_windows(impl, spec.data.pack and not spec.preference, masks.windows(facts.config, s))
+    built = masks.mask_windows(impl, spec.packed, masks.windows(facts.config, s))
     if built:
         mask_b = masks.mask_element_bytes(impl, c)
-        why = "packed rows" if spec.data.pack and not spec.preference else "causal" if impl == "eager" else "sliding window"
+        why = "packed rows" if spec.packed else "causal" if impl == "eager" else "sliding window"
         count = f"{len(built)} × " if len(built) > 1 else ""
         terms.append(Term(f"attention mask{'s' * (len(built) > 1)} (s×s: {why})", f"{count}{b}·{s}² × {mask_b} B",
                           len(built) * b * s * s * mask_b))
+    if spec.rl:  # GRPO's rollout: a micro-batch's completions decoded with a KV cache (before the step's
+        # forwards, so never beside its activations; counted beside them, which over-states by the smaller)
+        kv = facts.dim("num_key_value_heads", default=heads) * (d // heads)
+        terms.append(Term("rollout KV cache", f"2 × {n_layers} × {b}·{s} × {kv} × {c} B", 2 * n_layers * b * s * kv * c))
     if spec.scores:  # a reward model's head scores one position a sequence: no vocabulary logits
         return terms
     chunk = spec.loss_chunk_tokens(facts.config)

@@ -151,6 +151,8 @@ def probe(spec: JobSpec, broken: set[str], network_required: bool) -> list[Probl
         checks.append(("model.path", lambda: model_problems(spec, broken)))
     if ok("data"):
         checks.append(("data.path", lambda: probes.data_problems(spec, network_required)))
+    if ok("training") and spec.rl:
+        checks.append(("training.grpo.rewards", lambda: probes.reward_problems(spec)))
     if ok("checkpoint"):
         checks.append(("checkpoint.storage_path", lambda: probes.storage_problems(spec, network_required)))
     if ok("checkpoint", "tracking"):
@@ -288,7 +290,8 @@ def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Pr
     if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return [Problem("model.tokenizer", repr(tok), f"{tok_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                         "set model.tokenizer to a tokenizer folder or hub id", "model")]
-    if "data" in broken or all(d.format == "text" for _, d in spec.data.named_inputs()):
+    if "data" in broken or all(d.format in ("text", "prompt") for _, d in spec.data.named_inputs()):  # prompt: its
+        # plain prompts need no template; a conversational one without it is a bad row, named
         return []
     config = tok_dir / "tokenizer_config.json"
     has_template = (tok_dir / "chat_template.jinja").is_file() or (tok_dir / "chat_template.json").is_file() or (

@@ -194,6 +194,32 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
     return []
 
 
+# ---------------------------------------------------------------- GRPO's reward functions
+def reward_problems(spec: JobSpec) -> list[Problem]:
+    """A reward function whose module is not importable from here (the job's working directory, which
+    `ray job submit --working-dir` ships to the workers). Found, not imported: nothing of it runs here."""
+    import importlib.util
+    import sys
+
+    out = []
+    for i, reward in enumerate(spec.training.grpo.rewards):
+        if not reward.function:
+            continue
+        module = reward.function.split(":")[0]
+        try:
+            sys.path.insert(0, "")
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.remove("")
+        if not found:
+            out.append(Problem(f"training.grpo.rewards[{i}].function", repr(reward.function), f"no module {module!r} "
+                               "here: run from the folder that holds it (it ships with `ray job submit --working-dir "
+                               ".`), or install it in the image", "data"))
+    return out
+
+
 # ---------------------------------------------------------------- checkpoint storage and MLflow
 def storage_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
     uri = spec.checkpoint.storage_path

@@ -109,7 +109,7 @@ def unknown_nested_key(job, tmp, assets):
 def unknown_strategy(job, tmp, assets):
     job["training"]["strategy"] = "fsdp"
 
-@case("data.format", "use one of 'text', 'chat', 'alpaca' or 'sharegpt'")
+@case("data.format", "use one of 'text', 'chat', 'alpaca', 'sharegpt' or 'prompt'")
 def unknown_data_format(job, tmp, assets):
     job["data"]["format"] = "openai"
 
@@ -449,6 +449,45 @@ def qlora_weights_do_not_split_over_the_workers(job, tmp, assets):
 @case("scaling.tensor_parallel", "num_key_value_heads=2 is not divisible by 4")
 def kv_heads_not_split_evenly(job, tmp, assets):
     job["scaling"].update(num_workers=4, tensor_parallel=4)
+
+GRPO = {"objective": "grpo", "grpo": {"num_generations": 2, "max_completion_length": 8,
+                                      "rewards": [{"builtin": "accuracy", "column": "solution"}]}}
+
+
+def grpo_job(job, tmp, **grpo):
+    job["data"].update(path=lines(tmp, [{"prompt": "the red fox", "solution": "jumps"}] * 3), format="prompt")
+    job["training"].update({**GRPO, "grpo": {**GRPO["grpo"], **grpo}})
+
+@case("training.objective", "needs training.grpo.rewards")
+def grpo_without_rewards(job, tmp, assets):
+    grpo_job(job, tmp, rewards=[])
+
+@case("training.grpo.engine", "vllm is not built yet")
+def grpo_on_vllm(job, tmp, assets):
+    grpo_job(job, tmp, engine="vllm")
+
+@case("training.objective", "rollouts decode one token at a time with a KV cache")
+def grpo_with_sequence_parallelism(job, tmp, assets):
+    grpo_job(job, tmp)
+    job["scaling"]["sequence_parallel"] = 2
+
+@case("data.format", "is GRPO's (prompts the workers complete), and training.objective is sft")
+def prompt_rows_for_sft(job, tmp, assets):
+    job["data"].update(path=lines(tmp, [{"prompt": "the red fox"}] * 3), format="prompt")
+
+@case("training.grpo.rewards[0].function", "no module 'my_rewards_nowhere' here")
+def grpo_reward_module_missing(job, tmp, assets):
+    grpo_job(job, tmp, rewards=[{"function": "my_rewards_nowhere:brevity"}])
+
+@case("training.grpo.rewards.0", "set `column`")
+def grpo_accuracy_without_a_column(job, tmp, assets):
+    grpo_job(job, tmp, rewards=[{"builtin": "accuracy"}])
+
+@case("data.columns.prompt", "no such column in the first 3 rows")
+def grpo_rows_without_a_prompt(job, tmp, assets):
+    grpo_job(job, tmp)
+    job["data"]["path"] = lines(tmp, [{"question": "the red fox", "solution": "jumps"}] * 3)
+
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_job_exits_2_naming_the_field(name, assets, tmp_path):

@@ -37,7 +37,8 @@ def nanstd(x: torch.Tensor) -> torch.Tensor:
     """TRL's nanstd: the unbiased std of the values that are not NaN."""
     mean = torch.nanmean(x)
     count = (~torch.isnan(x)).sum()
-    return torch.sqrt(torch.nansum((x - mean) ** 2) / (count - 1))
+    std = torch.sqrt(torch.nansum((x - mean) ** 2) / (count - 1))
+    return std if count > 1 else torch.full_like(std, torch.nan)  # no judged values: unknown, not 0
 
 
 def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: str) -> tuple[torch.Tensor, ...]:

@@ -6,11 +6,12 @@ module at start-up (Python's `sitecustomize`). It wraps two raytrain functions a
 imported, the way a site's own instrumentation would, and reads the plan (when the file
 exists) at each step:
 
-    {"dir": marker folder, "faults": [{"at": "step"|"save", "step": k|"*", "rank": r,
+    {"dir": marker folder, "faults": [{"at": "step"|"save"|"rollout", "step": k|"*", "rank": r,
                                        "action": "exit"|"sigterm"|"pause", "seconds": s}]}
 
 "step" fires after rank r finished step k; "save" after rank r wrote its part of step k's
-checkpoint and before the checkpoint is reported (so it is never committed). A fault with
+checkpoint and before the checkpoint is reported (so it is never committed); "rollout" after rank
+r sampled the first micro-batch's completions of GRPO's step k (mid-rollout). A fault with
 "after_commit": {"run_dir": d, "step": j} first waits until Ray Train has registered the
 checkpoint of step j in d (its checkpoint_manager_snapshot.json names it): a kill that must
 come after a background upload committed. Each fault fires
@@ -109,7 +110,22 @@ def _after_write(cls_name: str):
     return patch
 
 
-PATCHES = {"raytrain.preemption": _after_step, "raytrain.checkpoint": _around_save,
+def _in_rollout(module) -> None:  # raytrain.objectives.grpo: after the first micro-batch's completions of a step
+    original_at, original_rollout = module.GRPO.at, module.rollout
+
+    def at(self, step, rows):
+        _saving["rollout"] = step + 1  # the step whose rollouts come next
+        return original_at(self, step, rows)
+
+    def rollout(strategy, *args, **kwargs):
+        out = original_rollout(strategy, *args, **kwargs)
+        fire("rollout", _saving.get("rollout", 0), strategy.rank)
+        return out
+
+    module.GRPO.at, module.rollout = at, rollout
+
+
+PATCHES = {"raytrain.objectives.grpo": _in_rollout, "raytrain.preemption": _after_step, "raytrain.checkpoint": _around_save,
            "raytrain.strategies.base": _after_write("TorchStrategy"),
            "raytrain.strategies.zero3": _after_write("Zero3Strategy")}
 

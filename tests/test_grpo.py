@@ -1,0 +1,318 @@
+"""GRPO's pieces without a cluster: the loss, its gradient and its metrics against TRL's own
+GRPOTrainer._compute_loss for every loss type; the advantages against TRL's formula (weights,
+None rewards, unscorable completions, equal rewards); the sampler (a function of its key only,
+and the distribution softmax(logits / temperature), top_p as transformers filters it); the
+rewards (built-ins, a user's function, and the errors a user reads); and the prompt rows as the
+store keeps them.
+
+TRL is a test-only dependency: its methods run on a stand-in `self` holding just what they read."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from raytrain.config import DataSpec
+from raytrain.data.prompts import columns_of, encode_prompts, stored_columns, to_prompt
+from raytrain.errors import JobError
+from raytrain.objectives.grpo import advantages, summed_loss, token_terms, units_of
+from raytrain.rl.rewards import Reward, RewardError, answer_of, same_answer, score
+from raytrain.rl.sampling import completion_key, sample, uniforms
+from raytrain.rl.spec import RewardSpec
+
+
+@pytest.fixture(scope="module")
+def tok(assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(assets / "model"))
+
+
+# ---------------------------------------------------------------- the loss
+B, T = 6, 7
+LENGTHS = [7, 3, 5, 1, 6, 2]  # varied: grpo's per-completion mean and the token means differ
+
+
+def trl_loss(logps, mask, old, ref, adv, loss_type, beta):
+    """TRL's GRPOTrainer._compute_loss on one micro-batch, one process (its gathers are the identity),
+    the policy's log-probs given (the model's forward is not what is compared)."""
+    from trl import GRPOTrainer
+
+    accelerator = SimpleNamespace(num_processes=1, process_index=0, gather=lambda t: t, gather_for_metrics=lambda t: t,
+                                  reduce=lambda t, reduction="sum": t)
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, use_vllm=False, max_completion_length=T,
+        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)), accelerator=accelerator,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1))
+    inputs = {"prompt_ids": torch.ones(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+              "completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    if beta:
+        inputs["ref_per_token_logps"] = ref
+    loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_the_loss_and_its_gradient_equal_trls_for_each_loss_type(loss_type, beta):
+    g = torch.Generator().manual_seed(0)
+    logps = (-2 * torch.rand(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).double()
+    # old != policy: ratios beyond 0.8 and 1.28 on both sides, so both clips (and their zero gradient) are exercised
+    old = logps.detach() + 0.35 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = logps.detach() + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.1, 0.9, -0.2], dtype=torch.float64)
+
+    loss, kl, low, high = token_terms(logps, old, ref, adv, 0.2, 0.28, beta)
+    ours = summed_loss(loss, mask, loss_type) / units_of(loss_type, B, int(mask.sum()), T)
+    theirs, metrics = trl_loss(logps, mask, old, ref, adv, loss_type, beta)
+    assert ((low * mask).sum() > 0) and ((high * mask).sum() > 0)  # the case exercises both clips
+
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    (ours_grad,), (their_grad,) = torch.autograd.grad(ours, logps), torch.autograd.grad(theirs, logps)
+    torch.testing.assert_close(ours_grad, their_grad, rtol=0, atol=1e-6)
+    assert ours_grad.abs().sum() > 0
+
+    def mean(x):  # raytrain's metrics: token means over the completion tokens (GRPO.finish); TRL counts in float32
+        return ((x * mask).sum() / mask.sum()).item()
+
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(mean(low), rel=1e-6)
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(mean(high), rel=1e-6)
+    assert metrics["clip_ratio/region_mean"] == pytest.approx(mean(torch.maximum(low, high)), rel=1e-6)
+    assert (kl is None) == (beta == 0.0) and ("kl" in metrics) == (beta != 0.0)
+    if beta:
+        assert metrics["kl"] == pytest.approx(mean(kl.detach()), rel=1e-6)
+
+
+def test_equal_rewards_in_a_group_give_zero_gradient():
+    # num_iterations 1: the loop passes old = logps.detach(), so the ratio is exactly 1 and nothing is clipped;
+    # a completion with advantage 0 (its group's rewards all equal) must not move the policy at all.
+    logps = (-3 * torch.rand(4, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    loss, kl, low, high = token_terms(logps, logps.detach(), None, torch.zeros(4), 0.2, 0.28, 0.0)
+    (grad,) = torch.autograd.grad(summed_loss(loss, torch.ones(4, 5), "dapo"), logps)
+    assert kl is None and torch.equal(grad, torch.zeros_like(grad))
+    assert torch.equal(torch.exp(logps - logps.detach()), torch.ones(4, 5))
+    assert low.sum() == 0 and high.sum() == 0
+    # with an advantage, the gradient of the unclipped surrogate at ratio 1 is -A per token
+    loss, *_ = token_terms(logps, logps.detach(), None, torch.tensor([1.0, -2.0, 0.0, 0.5]), 0.2, 0.28, 0.0)
+    (grad,) = torch.autograd.grad(loss.sum(), logps)
+    assert torch.equal(grad, -torch.tensor([1.0, -2.0, 0.0, 0.5])[:, None].expand(4, 5))
+
+
+# ---------------------------------------------------------------- advantages
+def trl_advantages(scores, weights, group, scale):
+    """TRL 1.x GRPOTrainer._generate_and_score_completions, multi_objective_aggregation
+    sum_then_normalize, written out (it is inline there, not a method)."""
+    from trl.trainer.utils import nanstd
+
+    unscorable_mask = torch.isnan(scores).all(dim=1)
+    rewards = (scores * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    mean_grouped_rewards = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
+    if scale in ["group", "none"]:
+        std_rewards = nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
+    else:
+        std_rewards = nanstd(rewards).expand_as(rewards)
+    adv = rewards - mean_grouped_rewards
+    if scale != "none":
+        adv = adv / (std_rewards + 1e-4)
+    is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))
+    return torch.nan_to_num(adv, nan=0.0), rewards, is_std_zero
+
+
+nan = math.nan
+SCORES = torch.tensor([
+    [1.0, 0.2], [0.0, nan], [1.0, 0.9], [0.0, 0.1],  # a reward returned None once: nansum keeps the other
+    [nan, nan], [1.0, 0.5], [0.0, 0.3], [1.0, 0.0],  # no reward judged the first: unscorable, out of the baseline
+    [1.0, 0.5], [1.0, 0.5], [1.0, 0.5], [1.0, 0.5],  # all equal: std 0, advantage exactly 0
+], dtype=torch.float64)
+WEIGHTS = torch.tensor([1.0, 0.5], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trls_formula(scale):
+    adv, summed, zero_std = advantages(SCORES.clone(), WEIGHTS, 4, scale)
+    their_adv, their_summed, their_zero = trl_advantages(SCORES.clone(), WEIGHTS, 4, scale)
+    # TRL's nanstd rounds its Bessel correction count / (count - 1) to float32: equal to that precision
+    torch.testing.assert_close(adv, their_adv, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(summed, their_summed, equal_nan=True)
+    assert torch.equal(zero_std, their_zero)
+    assert adv[4] == 0 and torch.isnan(summed[4])  # the unscorable completion does not move the policy
+    assert torch.equal(adv[8:], torch.zeros(4, dtype=adv.dtype))  # equal rewards: exactly 0, so zero gradient
+    assert torch.cat([adv[:4], adv[5:8]]).abs().min() > 0.1  # the others carry a signal
+    if scale == "group":
+        assert torch.equal(zero_std, torch.tensor([False] * 8 + [True] * 4))
+
+
+def test_a_group_no_reward_judged_is_not_a_zero_std_group():
+    scores = torch.tensor([[1.0], [0.0], [nan], [nan]], dtype=torch.float64)
+    weights = torch.tensor([1.0], dtype=torch.float64)
+    assert torch.equal(advantages(scores, weights, 2, "group")[2], trl_advantages(scores, weights, 2, "group")[2])
+
+
+# ---------------------------------------------------------------- sampling
+def test_sampling_is_a_function_of_its_key_not_of_the_batch():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 50, generator=g)
+    keys = torch.tensor([completion_key(0, 3, (0, 0, r), k) for r, k in [(0, 0), (0, 1), (1, 0), (2, 5)]])
+    for t in range(4):
+        batch = sample(logits, keys, t, 0.9, 0.95)
+        alone = torch.stack([sample(logits[i:i + 1], keys[i:i + 1], t, 0.9, 0.95)[0] for i in range(4)])
+        order = torch.tensor([2, 0, 3, 1])
+        assert torch.equal(batch, alone) and torch.equal(sample(logits[order], keys[order], t, 0.9, 0.95), batch[order])
+
+    # different keys (and positions) draw differently from the same distribution
+    flat = torch.zeros(200, 50)
+    many = torch.tensor([completion_key(0, 0, (0, 0, 0), k) for k in range(200)])
+    assert len(set(sample(flat, many, 0, 1.0, 1.0).tolist())) > 40
+    assert not torch.equal(sample(flat, many, 0, 1.0, 1.0), sample(flat, many, 1, 1.0, 1.0))
+
+
+def test_the_sampler_draws_softmax_of_logits_over_temperature_and_top_p_as_transformers():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.tensor([1.0, 0.7, 0.4, -1.0, 0.0])
+    keys = torch.tensor([completion_key(7, 1, (0, 0, r), 0) for r in range(20000)])
+    z = logits / 0.7
+    drawn = sample(logits.expand(len(keys), 5), keys, 3, 0.7, 1.0)
+    frequency = torch.bincount(drawn, minlength=5).double() / len(keys)
+    assert (frequency - z.softmax(-1).double()).abs().max() < 0.015
+
+    kept = TopPLogitsWarper(0.6)(None, z[None].clone())[0]
+    assert 1 < int(torch.isfinite(kept).sum()) < 5  # the nucleus drops some tokens here, not all but one
+    drawn = sample(logits.expand(len(keys), 5), keys, 3, 0.7, 0.6)
+    frequency = torch.bincount(drawn, minlength=5).double() / len(keys)
+    assert torch.equal(frequency > 0, torch.isfinite(kept))  # never outside the nucleus
+    assert (frequency - kept.softmax(-1).double()).abs().max() < 0.015  # renormalized within it
+
+
+def test_uniforms_and_keys():
+    u = uniforms(torch.tensor([completion_key(0, 0, (0, 0, r), 0) for r in range(1000)]), 5, 100)
+    assert u.shape == (1000, 100) and u.dtype == torch.float64
+    assert (u > 0).all() and (u < 1).all()  # -log(-log(u)) is finite
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert u.unique().numel() > 99_000  # no repeats across tokens and keys
+    base = completion_key(0, 3, (0, 1, 5), 2)
+    for other in [(1, 3, (0, 1, 5), 2), (0, 4, (0, 1, 5), 2), (0, 3, (1, 1, 5), 2), (0, 3, (0, 2, 5), 2),
+                  (0, 3, (0, 1, 6), 2), (0, 3, (0, 1, 5), 3)]:
+        assert completion_key(*other) != base, other
+    assert completion_key(0, 3, (0, 1, 5), 2) == base  # a restart resamples the same completion
+
+
+# ---------------------------------------------------------------- rewards
+@pytest.mark.parametrize("completion, reference, pattern, same", [
+    ("so 8 * 9 = 72.\n#### 72", "The answer is 72.", None, True),  # GSM8K's mark and a sentence
+    ("we get \\boxed{1,000} in all", "1000", None, True),
+    ("it costs 3.50", "$3.5", None, True),
+    ("first 12, then 13", "12", None, False),  # the last number is the answer
+    ("<think>5 or 6</think><answer> 42 </answer> and 7", "42", r"<answer>(.*?)</answer>", True),
+    ("<think>42</think> no answer tag", "42", r"<answer>(.*?)</answer>", False),
+    ("I do not know", "0", None, False),  # no number is no answer, not 0
+])
+def test_answers_compare_as_numbers(completion, reference, pattern, same):
+    assert same_answer(answer_of(completion, pattern), answer_of(reference)) is same
+
+
+def test_the_builtin_rewards():
+    completions = [[{"role": "assistant", "content": "<think>6 x 12</think> #### 72"}],
+                   [{"role": "assistant", "content": "it is 70"}],
+                   [{"role": "assistant", "content": "I cannot say"}]]
+    ids, columns, rows = [[5, 6, 7, 0], [5, 6], [1] * 8], {"solution": ["72", "72", "72"]}, [(0, 0, 1)] * 3
+    prompts = [[{"role": "user", "content": "6 x 12?"}]] * 3
+    accuracy = Reward(RewardSpec(builtin="accuracy", column="solution"), 8)
+    form = Reward(RewardSpec(builtin="format", pattern=r"^<think>.*</think>"), 8)
+    length = Reward(RewardSpec(builtin="length", weight=-0.5), 8)
+    assert accuracy(prompts, completions, ids, columns, rows) == [1.0, 0.0, 0.0]
+    assert form(prompts, completions, ids, columns, rows) == [1.0, 0.0, 0.0]
+    assert length(prompts, completions, ids, columns, rows) == [0.5, 0.25, 1.0]
+    assert score([accuracy, length], prompts, completions, ids, columns, rows) == [[1.0, 0.5], [0.0, 0.25], [0.0, 1.0]]
+    assert (length.name, length.weight) == ("length", -0.5)
+    with pytest.raises(RewardError, match="solution"):  # a column the rows lack: named, with the ones they have
+        Reward(RewardSpec(builtin="accuracy", column="solution"), 8)(prompts, completions, ids, {"answer": ["72"] * 3},
+                                                                     rows)
+
+
+USER_REWARDS = '''
+SEEN = []
+
+def judge(prompts, completions, completion_ids, **columns):
+    SEEN.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+    return [None if "?" in c else float(len(c)) for c in completions]
+
+def broken(prompts, completions, **kw):
+    raise KeyError("solution")
+
+def short(prompts, completions, **kw):
+    return [1.0] * (len(completions) - 1)
+
+def wordy(prompts, completions, **kw):
+    return ["good"] * len(completions)
+
+not_a_function = 3
+'''
+
+
+def test_a_users_reward_function_and_its_errors(tmp_path, monkeypatch):
+    (tmp_path / "grpo_test_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts, completions, ids = ["p1", "p1", "p2"], ["abc", "what?", "z"], [[1, 2], [3], [4, 5, 6]]
+    columns, rows = {"solution": ["7", "7", "8"], "level": [1, 1, 3]}, [(0, 0, 4), (0, 0, 9)]
+    judge = Reward(RewardSpec(function="grpo_test_rewards:judge"), 16)
+    out = judge(prompts, completions, ids, columns, rows)
+    assert out[0] == 3.0 and math.isnan(out[1]) and out[2] == 1.0  # None: this completion is not judged
+    import grpo_test_rewards
+
+    assert grpo_test_rewards.SEEN == [dict(prompts=prompts, completions=completions, completion_ids=ids, **columns)]
+    assert judge.name == "judge"
+
+    for name in ["broken", "short", "wordy"]:  # each stops the job with the function's name, not a traceback
+        reward = Reward(RewardSpec(function=f"grpo_test_rewards:{name}"), 16)
+        with pytest.raises(RewardError, match=f"grpo_test_rewards:{name}"):
+            reward(prompts, completions, ids, columns, rows)
+    for target in ["grpo_no_such_module:f", "grpo_test_rewards:missing", "grpo_test_rewards:not_a_function"]:
+        with pytest.raises(RewardError, match=target) as caught:
+            Reward(RewardSpec(function=target), 16)
+        assert isinstance(caught.value, JobError)
+
+
+# ---------------------------------------------------------------- prompt rows
+def test_prompt_rows_as_the_store_keeps_them(tok):
+    data = DataSpec(path="x", format="prompt", seq_len=256)
+    row = {"prompt": "the red fox jumps over the hill. what color is the fox?", "solution": "red",
+           "note": "naïve café — 日本語 ✓", "level": 3, "tags": ["a", None], "meta": {"k": 1.5}}
+    prompt, columns = to_prompt(data, row)
+    assert prompt == row["prompt"] and columns == row  # the rewards get every column back as written
+    assert columns_of(stored_columns(columns)) == row
+
+    long = {"prompt": " ".join(["the red fox"] * 12)}  # 143 bytes (they fit), 36 tokens (they do not)
+    rows = [row, long, {"question": "what?"}, {"prompt": "hi", "solution": "x" * 250}, {"prompt": "  "}]
+    out = encode_prompts(tok, data, rows, completion_room=230)
+    (ids, labels), (raw, raw_labels) = out[0]
+    # the prompt as written, no special tokens (GRPOTrainer's); flagged labelled so its length survives the padding
+    assert ids == tok(row["prompt"], add_special_tokens=False)["input_ids"] and labels == ids
+    assert raw_labels == raw and columns_of(raw) == row and all(0 <= b < 256 for b in raw)
+    assert isinstance(out[1], ValueError) and "max_completion_length=230" in str(out[1])
+    assert isinstance(out[2], ValueError) and "'prompt'" in str(out[2])
+    assert isinstance(out[3], ValueError) and "seq_len=256" in str(out[3]) and "bytes" in str(out[3])
+    assert isinstance(out[4], ValueError) and "empty" in str(out[4])
+    assert len(tok(long["prompt"], add_special_tokens=False)["input_ids"]) > 256 - 230 >= len(ids)  # the case's premise
+
+
+def test_a_conversational_prompt_is_rendered_by_the_chat_template(tok):
+    data = DataSpec(path="x", format="prompt", seq_len=256)
+    messages = [{"role": "system", "content": "answer briefly."}, {"role": "user", "content": "what color is the fox?"}]
+    row = {"prompt": messages, "solution": "rouge ✓"}
+    prompt, columns = to_prompt(data, row)
+    assert prompt == messages and columns == row
+    (ids, labels), (raw, _) = encode_prompts(tok, data, [row], completion_room=128)[0]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")  # the completion answers as the assistant
+    assert ids == labels == tok(text, add_special_tokens=False)["input_ids"] and columns_of(raw) == row
