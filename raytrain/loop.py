@@ -221,6 +221,8 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent,
                                                    before_commit=fence.require if fence else None)
             checkpoint_s = time.perf_counter() - save_start
+            if logger and getattr(objective, "samples", None):  # GRPO: what the step sampled and scored
+                logger.log_table(f"samples/step_{state.step:08d}.json", objective.samples)
             uploading = [] if urgent else done
             if urgent:
                 _log_committed(logger, done, committed)

@@ -90,6 +90,19 @@ class StepLogger:
                 self._cond.wait(left)
             return True
 
+    def log_table(self, artifact_file: str, rows: list[dict]) -> None:
+        """A table artifact (GRPO's prompt / completion / reward samples), written in the background
+        and best effort: samples are worth a line in the log, not a step's wait or a failed job."""
+        def write() -> None:
+            try:
+                self.client.log_table(self.run_id, data={k: [r.get(k) for r in rows] for k in rows[0]},
+                                      artifact_file=artifact_file)
+            except Exception as exc:
+                print(f"[raytrain] {artifact_file} was not logged to MLflow ({_why(exc)})", file=sys.stdout, flush=True)
+
+        if rows:
+            threading.Thread(target=write, name="raytrain-table", daemon=True).start()
+
     def log_model_dir(self, local_dir: str) -> None:
         """`tracking.log_model`: a copy of the final model as the run's artifact, if MLflow takes it."""
         try:

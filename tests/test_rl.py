@@ -2,7 +2,8 @@
 
 One test, three runs of the same job (they share the cluster and the model):
   A  the job as shipped: its reward rises by RL alone (the mean of the last 5 steps beats the first
-     5 steps' by REWARD_RISE), and MLflow has TRL's metric names;
+     5 steps' by REWARD_RISE), MLflow has TRL's metric names, and each checkpoint a table of samples
+     (prompt, completion, each reward) whose rewards are the reward function's on those completions;
   B  A again with rank 1 killed mid-rollout of step 7 (after its first micro-batch's completions):
      the restart resumes from step 5's checkpoint and every step's loss, reward and completion
      lengths equal A's, bit for bit (the completions are a function of (seed, step, prompt,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import yaml
@@ -55,6 +57,18 @@ def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inver
     for name in ("reward_std", "frac_reward_zero_std", "rewards/accuracy/mean", "completions/clipped_ratio",
                  "clip_ratio/region_mean", "time/generation_s", "generation_tokens_per_s"):
         assert len(metric_history(a_spec, a_run.run_id, name)) == 20, name
+
+    # Each checkpoint logs a table of what its step sampled, with the rewards each sample got
+    from mlflow.tracking import MlflowClient
+
+    from raytrain.demo_assets import lipogram
+    from raytrain.tracking import tracking_uri
+
+    table = json.loads(Path(MlflowClient(tracking_uri(a_spec)).download_artifacts(
+        a_run.run_id, "samples/step_00000010.json", str(tmp_path))).read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert len(rows) == 4 and {r["step"] for r in rows} == {10}
+    assert [r["reward/lipogram"] for r in rows] == pytest.approx(lipogram(None, [r["completion"] for r in rows]), abs=1e-9)
 
     inject_faults([{"at": "rollout", "step": 7, "rank": 1, "action": "exit"}])
     b_spec = demo(assets, tmp_path / "runs", "grpo-b")

@@ -213,7 +213,7 @@ class GRPO:
         tok, out = self.tokenizer, []
         for mb, asked, completions, scores, real, cols in made:
             for p, c, s in list(zip(asked, completions, scores))[:max(0, self.g.samples_per_checkpoint - len(out))]:
-                out.append({"step": self.step + 1, "prompt": tok.decode(p), "completion": tok.decode(c),
+                out.append({"step": self.step + 1, "prompt": tok.decode(p), "completion": tok.decode(c, skip_special_tokens=True),
                             **{f"reward/{r.name}": v for r, v in zip(self.rewards, s)}})
         self.samples = out
 
