@@ -83,15 +83,20 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     start, stop = rank_slice(len(rows), mesh.dp, mesh.dp_rank(rank))
     batch = micro_batches([_Rows(rows)], [(0, r) for r in range(start, stop)], plan.accumulation_steps(strategy.world_size))
     objective = objectives.build(spec)
-    losses, norms = [], []
+    losses, norms, rewards = [], [], []
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set starts again from here
     before = _status_mb("VmRSS")
     for step in range(steps):
         loop.seed_step(0, step, rank // mesh.tp)
-        result = loop.train_step(strategy, objective, batch, 1e-2, StopSignals(None, check_ray_notice=False))
+        if hasattr(objective, "at"):  # GRPO: its completions are keyed by the step and the rows
+            objective.at(step, [(0, 0, r) for r in range(start, stop)])
+        # A fresh dict a step, as the store gives one: GRPO turns its prompts into completions in place
+        result = loop.train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2,
+                                 StopSignals(None, check_ray_notice=False))
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        rewards.append(getattr(objective, "host", {}).get("reward"))  # GRPO's: what its completions scored
         if on_step:
             on_step()
     peak = _status_mb("VmHWM") - before
@@ -99,7 +104,7 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     if export_to:  # the HF model (or peft adapter) as the job's export writes it (collective)
         strategy.export(export_to, None)
         gathered = _gathered_to_writer_only(strategy)
-    return {"losses": losses, "grad_norms": norms, "means": result.means, "loaded_by": getattr(strategy, "loaded_by", "whole"),
+    return {"losses": losses, "grad_norms": norms, "rewards": rewards, "means": result.means, "loaded_by": getattr(strategy, "loaded_by", "whole"),
             "step_peak_mb": peak, "gathered_to_writer_only": gathered}
 
 
@@ -139,16 +144,39 @@ class _Rows:
         return self.rows[index]
 
 
+GRPO = {"num_generations": 4, "max_completion_length": 8, "rewards": [{"function": "raytrain.demo_assets:lipogram"}]}
+
+
+def grpo_rows(model: str, rows: int, seq: int = SEQ) -> np.ndarray:
+    """GRPO's rows as the store gives them: the demo prompts and their columns (data/prompts.py)."""
+    from transformers import AutoTokenizer
+
+    from raytrain.config import DataSpec
+    from raytrain.data.prompts import encode_prompts
+    from raytrain.demo_assets import prompt_rows
+
+    encoded = encode_prompts(AutoTokenizer.from_pretrained(model), DataSpec(path="x", format="prompt", seq_len=seq),
+                             prompt_rows(rows, seed=3), GRPO["max_completion_length"])
+    out = np.zeros((rows, 6, seq), np.int32)
+    for i, sequences in enumerate(encoded):
+        for q, (ids, labels) in enumerate(sequences):
+            out[i, 3 * q, :len(ids)], out[i, 3 * q + 1] = ids, -100
+            out[i, 3 * q + 1, :len(ids)] = labels
+            out[i, 3 * q + 2] = np.arange(seq)
+    return out
+
+
 def job(model: str, storage: str, sp: int = 1, tp: int = 1, finetune: str = "full", objective: str = "sft",
         workers: int = 4, attn: str = "sdpa", strategy: str = "fsdp2", seq: int = SEQ, batch: int = 8):
     from raytrain.config import JobSpec
 
+    rl = {"grpo": GRPO} if objective == "grpo" else {}
     return JobSpec.model_validate({
         "name": "mesh", "model": {"path": model, "attn_implementation": attn},
-        "data": {"path": "unused.jsonl", "seq_len": seq},
+        "data": {"path": "unused.jsonl", "seq_len": seq, **({"format": "prompt"} if rl else {})},
         "training": {"strategy": strategy, "finetune": finetune, "objective": objective, "global_batch_size": batch,
                      "micro_batch_size": 1, "max_steps": 3, "seed": 0, "precision": "fp32",
-                     "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}},
+                     "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}, **rl},
         "scaling": {"num_workers": workers, "sequence_parallel": sp, "tensor_parallel": tp},
         "checkpoint": {"storage_path": storage}, "tracking": {"experiment": "tests"}})
 

@@ -445,7 +445,8 @@ def test_dpo_at_the_reference_is_ln2_with_zero_rewards(assets, tok):
 
 
 # ---------------------------------------------------------------- any worker count
-WORLD_CASES = [("dpo", "lora"), ("reward", "full"), ("kto", "full")]  # KTO full: its frozen reference copy
+WORLD_CASES = [("dpo", "lora"), ("reward", "full"), ("kto", "full"),  # KTO full: its frozen reference copy
+               ("grpo", "full")]  # GRPO: the same prompts' completions sampled, scored and trained alike
 
 
 def _objective_steps(rank: int, world: int, device, model: str, storage: str) -> dict:
@@ -458,9 +459,10 @@ def _objective_steps(rank: int, world: int, device, model: str, storage: str) ->
     out = {}
     for objective, finetune in WORLD_CASES:
         spec = mesh_cases.job(model, storage, finetune=finetune, objective=objective, workers=world)
-        rows = mesh_cases.global_rows(True, False, 8, seed=1, kto=objective == "kto", margins=objective == "reward")
+        rows = mesh_cases.grpo_rows(model, 8) if objective == "grpo" else mesh_cases.global_rows(
+            True, False, 8, seed=1, kto=objective == "kto", margins=objective == "reward")
         result = mesh_cases.run_case(spec, rows, steps=3)
-        out[objective] = {k: result[k] for k in ("losses", "grad_norms", "means")}
+        out[objective] = {k: result[k] for k in ("losses", "grad_norms", "means", "rewards")}
     return out
 
 
@@ -468,7 +470,8 @@ def _objective_steps(rank: int, world: int, device, model: str, storage: str) ->
 def test_each_objective_takes_the_same_steps_at_one_two_and_three_workers(assets, tmp_path):
     # The same global batch of 8 rows at 1, 2 and 3 workers: 8, 4 or 3/3/2 rows a rank, one row a
     # micro-batch, so at 3 workers one rank runs a padding row, which must add nothing (to KTO's KL
-    # estimate either). Losses, grad norms and metric means agree to fp32 rounding.
+    # estimate either; GRPO's padding rolls out a dummy prompt, trained on nothing). Losses, grad norms
+    # and metric means agree to fp32 rounding; GRPO's completions are the same, so are its rewards.
     sys_path = str(Path(__file__).resolve().parent / "gpu")
     import sys
 
@@ -486,6 +489,8 @@ def test_each_objective_takes_the_same_steps_at_one_two_and_three_workers(assets
                 for step, (x, y) in enumerate(zip(got[key], one[key])):  # difference into lr's size (combinations)
                     assert abs(x - y) <= (1e-6 if step == 0 else 1e-5) * max(1.0, abs(y)), (objective, world, key, got[key], one[key])
             assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(got["means"], one["means"])), objective
+            assert got["rewards"] == one["rewards"], (world, got["rewards"], one["rewards"])  # the same completions
+    assert len(set(runs[1]["grpo"]["rewards"])) == 3 and runs[1]["grpo"]["grad_norms"][0] > 0  # they trained
     assert runs[1]["kto"]["losses"][0] == pytest.approx(0.5, abs=1e-6)  # the policy at its reference: each row 1 - sigmoid(0)
 
 
