@@ -35,14 +35,14 @@ from raytrain.export import export_checkpoint, latest_checkpoint
 pytestmark = pytest.mark.slow
 STRATEGIES = ("fsdp2", "zero3", "ddp")
 FINETUNES = ("lora", "full")
-STEPS, EVERY = 20, 10
+STEPS, EVERY = 12, 6
 LOSS_REL_TOL = 1e-5
 PROBE = torch.tensor([[5, 17, 42, 9, 33, 120, 7, 64, 1, 200, 88, 13]])
 
 
 def job(assets, storage, strategy, finetune, name, steps=STEPS, **over):
-    # A constant LR after warmup: a run stopped at step 10 and continued is the same
-    # optimization as the 20-step run (a cosine schedule would depend on max_steps).
+    # A constant LR after warmup: a run stopped at step EVERY and continued is the same
+    # optimization as the STEPS-step run (a cosine schedule would depend on max_steps).
     return make_job(assets, storage, name=name,
                     training={"strategy": strategy, "finetune": finetune, "max_steps": steps, **over.pop("training", {})},
                     optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},

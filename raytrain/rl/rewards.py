@@ -56,7 +56,7 @@ def same_answer(a: str | None, b: str | None) -> bool:
     if a is None or b is None:
         return False
     try:
-        x, y = float(a.replace(",", "").strip("$ ")), float(b.replace(",", "").strip("$ "))
+        x, y = float(a.replace(",", "").strip("$ ")), float(b.replace(",", "").strip("$ "))  # host: text, parsed
         return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9)
     except ValueError:
         return a.strip() == b.strip()
@@ -81,12 +81,12 @@ class Reward:
         if s.builtin == "length":
             return [len(ids) / self.limit for ids in completion_ids]
         if s.builtin == "format":
-            return [float(re.search(s.pattern, text_of(c), re.DOTALL) is not None) for c in completions]
+            return [float(re.search(s.pattern, text_of(c), re.DOTALL) is not None) for c in completions]  # host: 0/1
         if s.builtin == "accuracy":
             if s.column not in columns:
                 raise RewardError(f"training.grpo.rewards: accuracy reads column {s.column!r}, which row {rows[0]} "
                                   f"does not have (its columns: {sorted(columns)}); set `column` to one of them")
-            return [float(same_answer(answer_of(text_of(c), s.pattern), answer_of(str(ref))))
+            return [float(same_answer(answer_of(text_of(c), s.pattern), answer_of(str(ref))))  # host: 0/1
                     for c, ref in zip(completions, columns[s.column])]
         try:
             out = self.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
@@ -99,7 +99,9 @@ class Reward:
             raise RewardError(f"reward function {s.function} returned {got} for {len(completions)} completions: it "
                               "must return one float (or None) per completion, in order")
         try:
-            return [math.nan if v is None else float(v) for v in out]
+            if any(isinstance(v, (str, bytes)) for v in out):  # TRL's tensor of them refuses text too
+                raise TypeError
+            return [math.nan if v is None else float(v) for v in out]  # host: the function's numbers
         except (TypeError, ValueError):
             raise RewardError(f"reward function {s.function} returned {str(out)[:80]}: each value must be a number "
                               "or None") from None
