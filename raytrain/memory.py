@@ -320,16 +320,29 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
         count = f"{len(built)} × " if len(built) > 1 else ""
         terms.append(Term(f"attention mask{'s' * (len(built) > 1)} (s×s: {why})", f"{count}{b}·{s}² × {mask_b} B",
                           len(built) * b * s * s * mask_b))
-    if spec.rl:  # GRPO's rollout: a micro-batch's completions decoded with a KV cache (before the step's
-        # forwards, so never beside its activations; counted beside them, which over-states by the smaller)
-        kv = facts.dim("num_key_value_heads", default=heads) * (d // heads)
-        terms.append(Term("rollout KV cache", f"2 × {n_layers} × {b}·{s} × {kv} × {c} B", 2 * n_layers * b * s * kv * c))
     if spec.scores:  # a reward model's head scores one position a sequence: no vocabulary logits
         return terms
     chunk = spec.loss_chunk_tokens(facts.config)
     if chunk:  # one chunk's logits exist at a time (training.chunked_loss)
-        return terms + [Term("logits (one chunk)", f"{chunk}·{vocab} × ({c} + 4 + 4) B", chunk * vocab * (c + 8))]
-    return terms + [Term("logits", f"{b}·{local}·{vocab} × ({c} + 4 + 4) B", b * local * vocab * (c + 8))]
+        terms.append(Term("logits (one chunk)", f"{chunk}·{vocab} × ({c} + 4 + 4) B", chunk * vocab * (c + 8)))
+    else:
+        terms.append(Term("logits", f"{b}·{local}·{vocab} × ({c} + 4 + 4) B", b * local * vocab * (c + 8)))
+    return terms + (rollout_terms(spec, facts, terms, b, s, c) if spec.rl else [])
+
+
+def rollout_terms(spec: JobSpec, facts: ModelFacts, step: list[Term], b: int, s: int, c: int) -> list[Term]:
+    """GRPO's rollout comes before the step's forwards, never beside their activations: what it holds
+    beyond them. A micro-batch's completions decoded with a KV cache, and under fsdp2 the whole model
+    gathered in the compute dtype for the rollout's length (FSDP2Strategy.generating)."""
+    heads, d = facts.dim("num_attention_heads", "n_head", default=1), facts.dim("hidden_size", "n_embd", "d_model")
+    kv_dim = facts.dim("num_key_value_heads", default=heads) * (d // heads)
+    n_layers = facts.dim("num_hidden_layers", "n_layer", "num_layers")
+    kv = 2 * n_layers * b * s * kv_dim * c
+    whole = facts.n_params * c if spec.training.strategy == "fsdp2" else 0
+    beyond = max(0, kv + whole - sum(t.bytes for t in step))
+    text = f"2 × {n_layers} × {b}·{s} × {kv_dim} × {c} B KV cache" + (f" + {c} B × {facts.n_params / 1e9:.2f}B params "
+                                                                      "gathered" if whole else "")
+    return [Term("rollout, beyond the step's activations", f"max(0, {text} − the terms above)", beyond)]
 
 
 def _lora_targets(spec: JobSpec, facts: ModelFacts) -> list[str]:

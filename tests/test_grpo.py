@@ -195,11 +195,13 @@ def test_the_sampler_draws_softmax_of_logits_over_temperature_and_top_p_as_trans
 
 
 def test_uniforms_and_keys():
-    u = uniforms(torch.tensor([completion_key(0, 0, (0, 0, r), 0) for r in range(1000)]), 5, 100)
-    assert u.shape == (1000, 100) and u.dtype == torch.float64
-    assert (u > 0).all() and (u < 1).all()  # -log(-log(u)) is finite
-    assert abs(u.mean().item() - 0.5) < 0.01
-    assert u.unique().numel() > 99_000  # no repeats across tokens and keys
+    keys = torch.tensor([completion_key(0, 0, (0, 0, r), 0) for r in range(100_000)])
+    u = uniforms(keys, 5)
+    assert u.shape == (100_000,) and u.dtype == torch.float64
+    assert (u > 0).all() and (u < 1).all()  # strictly inside: a draw never lands on a cdf's end
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.std().item() - 12 ** -0.5) < 0.01
+    assert u.unique().numel() > 99_000  # no repeats across keys
+    assert (uniforms(keys, 6) != u).float().mean() > 0.999  # another position, another draw
     base = completion_key(0, 3, (0, 1, 5), 2)
     for other in [(1, 3, (0, 1, 5), 2), (0, 4, (0, 1, 5), 2), (0, 3, (1, 1, 5), 2), (0, 3, (0, 2, 5), 2),
                   (0, 3, (0, 1, 6), 2), (0, 3, (0, 1, 5), 3)]:

@@ -1,12 +1,13 @@
 """Rollouts on the training workers: the policy's own forward with a KV cache, and a sampler whose
-randomness is a pure function of (seed, step, prompt, generation, position, token).
+randomness is a pure function of (seed, step, prompt, generation, position).
 
-Sampling is Gumbel-max: the token is argmax(logits / temperature + Gumbel noise), the noise drawn
-from a counter-based hash (lowbias32) of the completion's key, the position and the token id, not
-from torch's global generator. So a completion depends on its own key and the policy only: the
+Each token is drawn by inverse transform: one uniform a completion a position, from a
+counter-based hash (lowbias32) of the completion's key and the position, not from torch's global
+generator, against the cumulative softmax of logits / temperature (top_p-filtered first, as
+transformers' TopPLogitsWarper). So a completion depends on its own key and the policy only: the
 same whatever the micro-batch it shares, the worker count, or a restart (a resumed step k samples
-what the uninterrupted run sampled), and alike on CPU and GPU. top_p filters the logits first, as
-transformers' TopPLogitsWarper.
+what the uninterrupted run sampled), and alike on CPU and GPU. (The first cut, Gumbel-max over
+hashed noise, hashed every vocabulary entry at every token.)
 
 Every rank runs the same number of forwards (FSDP2 and ZeRO-3 gather each layer in a collective):
 ranks agree every `CHECK` tokens whether all their completions have ended."""
@@ -43,23 +44,22 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniforms(keys: torch.Tensor, t: int, vocab: int) -> torch.Tensor:
-    """[len(keys), vocab] uniforms in (0, 1), float64: one per (completion, position t, token)."""
-    base = _mix((keys + _mul(torch.full_like(keys, t + 1), 0x9E3779B1)) & M32)
-    tokens = _mix(torch.arange(vocab, device=keys.device, dtype=torch.long))
-    return (_mix(base[:, None] ^ tokens[None, :]).double() + 0.5) / 2.0**32
+def uniforms(keys: torch.Tensor, t: int) -> torch.Tensor:
+    """One uniform in (0, 1) a completion (its key) at position t, float64."""
+    h = _mix(_mix((keys + _mul(torch.full_like(keys, t + 1), 0x9E3779B1)) & M32) ^ 0x5BD1E995)
+    return (h.double() + 0.5) / 2.0**32
 
 
 def sample(logits: torch.Tensor, keys: torch.Tensor, t: int, temperature: float, top_p: float) -> torch.Tensor:
-    """The next token of each row: Gumbel-max over logits / temperature (top_p-filtered)."""
-    z = logits.float() / temperature
+    """The next token of each row: inverse transform of the softmax of logits / temperature (top_p-filtered)."""
+    probs = (logits.float() / temperature).double().softmax(-1)
     if top_p < 1.0:
-        ordered, index = z.sort(dim=-1, descending=True)
-        probs = ordered.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p  # the tokens after the smallest set reaching top_p
-        z = z.scatter(-1, index, ordered.masked_fill(drop, float("-inf")))
-    gumbel = -torch.log(-torch.log(uniforms(keys, t, z.shape[-1])))
-    return (z.double() + gumbel).argmax(-1)
+        ordered, index = probs.sort(dim=-1, descending=True)
+        drop = ordered.cumsum(-1) - ordered >= top_p  # the tokens after the smallest set reaching top_p
+        probs = probs.scatter(-1, index, ordered.masked_fill(drop, 0.0))
+    cdf = probs.cumsum(-1)
+    u = uniforms(keys, t) * cdf[:, -1]  # the kept mass (1 without top_p)
+    return torch.searchsorted(cdf, u[:, None], right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
 @contextlib.contextmanager
@@ -100,7 +100,7 @@ def rollout(strategy, prompts: list[list[int]], keys: list[int], max_tokens: int
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
-        with native_attention(strategy), strategy.autocast():
+        with native_attention(strategy), strategy.generating(), strategy.autocast():
             step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
             last = positions[:, -1]
             steps = 0

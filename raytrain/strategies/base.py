@@ -159,6 +159,11 @@ class Strategy(ABC):
         else:
             yield self.reference_model
 
+    def generating(self):
+        """Context for GRPO's rollout (rl/sampling.py): whatever makes many small forwards cheap.
+        Here nothing (DDP holds the whole model; ZeRO-3 gathers each layer per forward)."""
+        return contextlib.nullcontext()
+
     @abstractmethod
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         """Accumulate gradients; `sync` is True on the last micro-batch of a step."""
