@@ -225,7 +225,7 @@ def tamper(step: Path, case: str, strategy: str, side_effect: Path) -> None:
 REFUSALS = {"changed": "{shard} was changed after it was written", "pickle": "{pickled} was changed after it was written",
             "resigned": "MANIFEST.json has a wrong signature", "planted": "extra.pt is in no manifest",
             "no-manifest": r"it has no signed manifest \(MANIFEST.json\)",
-            "replayed": "signs checkpoint step_00000020 of run"}
+            "replayed": f"signs checkpoint step_{STEPS:08d} of run"}
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
