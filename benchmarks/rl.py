@@ -272,7 +272,7 @@ def rollout_probe(argv: list[str]) -> None:
 
     for _ in range(2):
         out["train_update"] = update_only()  # clipping + AdamW alone
-    del strategy
+    strategy = None  # released before the plain copy is built
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

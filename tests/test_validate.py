@@ -471,6 +471,11 @@ def grpo_with_sequence_parallelism(job, tmp, assets):
     grpo_job(job, tmp)
     job["scaling"]["sequence_parallel"] = 2
 
+@case("model.attn_implementation", "the rollout's decode (left-padded prompts, a KV cache) is not verified")
+def grpo_with_flash_attention(job, tmp, assets):
+    grpo_job(job, tmp)
+    job["model"]["attn_implementation"] = "flash_attention_2"
+
 @case("data.format", "is GRPO's (prompts the workers complete), and training.objective is sft")
 def prompt_rows_for_sft(job, tmp, assets):
     job["data"].update(path=lines(tmp, [{"prompt": "the red fox"}] * 3), format="prompt")

@@ -111,6 +111,10 @@ def grpo_problems(spec) -> list[str]:
         problems.append(f"training.objective: grpo with scaling.sequence_parallel x tensor_parallel = {s.model_parallel}: "
                         "rollouts decode one token at a time with a KV cache, which the split attention does not "
                         "keep; remove them (data parallelism trains GRPO)")
+    if spec.model.attn_implementation == "flash_attention_2":
+        problems.append("model.attn_implementation: flash_attention_2 with training.objective: grpo: the rollout's "
+                        "decode (left-padded prompts, a KV cache) is not verified under it; use "
+                        "model.attn_implementation: sdpa")
     if t.compile:
         problems.append("training.compile with training.objective: grpo: a decode step's shapes change every token "
                         "(recompiles); remove training.compile")
