@@ -149,9 +149,8 @@ class GRPO:
             t0 = time.perf_counter()
             scores = self._score(prompts, columns, completions, ids) if real else []
             reward_s += time.perf_counter() - t0
-            made.append((mb, asked, completions, scores, real, [c for c in columns for _ in range(g.num_generations)]))
-        local = [(s, len(c), c[-1] in eos if c else False) for _, _, cs, ss, real, _ in made
-                 for s, c in zip(ss, cs[:len(ss)])]
+            made.append((mb, asked, completions, scores))  # scores: the real completions' (the first ones)
+        local = [(s, len(c), c[-1] in eos if c else False) for _, _, cs, ss in made for s, c in zip(ss, cs)]
         everyone = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, local)  # small: a few floats a completion
         mine = sum(len(x) for x in everyone[:torch.distributed.get_rank()])
@@ -161,7 +160,7 @@ class GRPO:
         adv, summed, zero_std = advantages(scores, weights, g.num_generations, g.scale_rewards)
         self._metrics(scores, summed, zero_std, flat, gen_s, reward_s, generated)
         at = mine
-        for mb, asked, completions, ss, real, cols in made:
+        for mb, asked, completions, ss in made:
             count = len(ss)
             mine_adv = adv[at:at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
             at += count
@@ -211,7 +210,7 @@ class GRPO:
 
     def _keep_samples(self, made) -> None:
         tok, out = self.tokenizer, []
-        for mb, asked, completions, scores, real, cols in made:
+        for mb, asked, completions, scores in made:
             for p, c, s in list(zip(asked, completions, scores))[:max(0, self.g.samples_per_checkpoint - len(out))]:
                 out.append({"step": self.step + 1, "prompt": tok.decode(p), "completion": tok.decode(c, skip_special_tokens=True),
                             **{f"reward/{r.name}": v for r, v in zip(self.rewards, s)}})
