@@ -136,7 +136,7 @@ def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool | str = Fa
     seen = set().union(*(set(r) for r in records)) if records else set()
     if not seen:
         return []
-    wanted = ("prompt",) if pairs == "prompt" else (UNPAIRED_COLUMNS if pairs == "kto" else PAIR_COLUMNS
+    wanted = (("prompt",) if d.format == "prompt" else REQUIRED_COLUMNS[d.format]) if pairs == "prompt" else (UNPAIRED_COLUMNS if pairs == "kto" else PAIR_COLUMNS
                                                                 if pairs else REQUIRED_COLUMNS)[d.format]
     for name in wanted:
         column = d.column(name)

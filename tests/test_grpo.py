@@ -308,6 +308,29 @@ def test_prompt_rows_as_the_store_keeps_them(tok):
     assert len(tok(long["prompt"], add_special_tokens=False)["input_ids"]) > 256 - 230 >= len(ids)  # the case's premise
 
 
+def test_sft_rows_are_prompts_with_their_last_assistant_turn_as_the_answer(tok):
+    # LLaMA-Factory's alpaca and sharegpt rows, as users keep them for SFT
+    alpaca = {"instruction": "add the numbers", "input": "2 and 3", "output": "5", "system": "be brief.",
+              "history": [["hi", "hello"]], "level": 1}
+    prompt, columns = to_prompt(DataSpec(path="x", format="alpaca", seq_len=512), alpaca)
+    assert prompt == [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}, {"role": "user", "content": "add the numbers\n2 and 3"}]
+    assert columns == {"level": 1, "answer": "5", "prompt": prompt}  # the mapped columns consumed, the rest kept
+    sharegpt = {"conversations": [{"from": "human", "value": "2 + 3?"}, {"from": "gpt", "value": "\\boxed{5}"}],
+                "source": "gsm"}
+    data = DataSpec(path="x", format="sharegpt", seq_len=512)
+    prompt, columns = to_prompt(data, sharegpt)
+    assert prompt == [{"role": "user", "content": "2 + 3?"}] and columns["answer"] == "\\boxed{5}"
+    assert columns["source"] == "gsm" and "conversations" not in columns
+    (ids, _), (raw, _) = encode_prompts(tok, data, [sharegpt], completion_room=128)[0]
+    assert ids == tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)["input_ids"] and columns_of(raw) == columns
+    ends_with_user = {"conversations": [{"from": "human", "value": "2 + 3?"}, {"from": "gpt", "value": "5"},
+                                        {"from": "human", "value": "and 4 + 4?"}]}
+    with pytest.raises(ValueError, match="must end with an assistant turn"):
+        to_prompt(data, ends_with_user)
+
+
 def test_a_conversational_prompt_is_rendered_by_the_chat_template(tok):
     data = DataSpec(path="x", format="prompt", seq_len=256)
     messages = [{"role": "system", "content": "answer briefly."}, {"role": "user", "content": "what color is the fox?"}]

@@ -480,6 +480,11 @@ def grpo_with_flash_attention(job, tmp, assets):
 def prompt_rows_for_sft(job, tmp, assets):
     job["data"].update(path=lines(tmp, [{"prompt": "the red fox"}] * 3), format="prompt")
 
+@case("data.format", "text: GRPO reads prompts; set data.format: prompt")
+def grpo_on_text_rows(job, tmp, assets):
+    grpo_job(job, tmp)
+    job["data"]["format"] = "text"
+
 @case("training.grpo.rewards[0].function", "no module 'my_rewards_nowhere' here")
 def grpo_reward_module_missing(job, tmp, assets):
     grpo_job(job, tmp, rewards=[{"function": "my_rewards_nowhere:brevity"}])

@@ -3,7 +3,10 @@ prompt the workers complete, and the row's other columns, which the rewards read
 
 The shape is TRL's: a `prompt` column, a string (tokenized as written, as GRPOTrainer does) or a
 list of messages (rendered by the tokenizer's chat template with the generation prompt), plus any
-other columns (`solution`, `answer`, ...); `data.columns.prompt` maps another name.
+other columns (`solution`, `answer`, ...); `data.columns.prompt` maps another name. Rows users
+already keep for SFT work too (`data.format: alpaca`, `sharegpt` or `chat` with the objective
+grpo): the conversation up to its last assistant turn is the prompt, that turn's text the column
+`answer` (the reference an `accuracy` reward reads), and the row's unmapped columns ride along.
 
 A row is stored as two sequences (the store's rows are lists of sequences, as a pair's two):
   1. the prompt's tokens, flagged as labelled so its length survives the store's padding (a
@@ -20,7 +23,7 @@ import json
 
 from ..config import DataSpec
 from .pairs import record_of
-from .records import _turns
+from .records import _turns, check_record
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
@@ -28,6 +31,8 @@ Sequence = tuple[list[int], list[int]]  # token ids, labels
 def to_prompt(data: DataSpec, row) -> tuple[str | list[dict], dict]:
     """(the prompt, the row's columns as the rewards get them) of a source row."""
     record = record_of(row)
+    if data.format != "prompt":
+        return _from_conversation(data, record)
     column = data.column("prompt")
     value = record.get(column)
     if isinstance(value, str):
@@ -42,12 +47,27 @@ def to_prompt(data: DataSpec, row) -> tuple[str | list[dict], dict]:
     else:
         raise ValueError(f"no {column!r} column (a string or a list of messages; data.columns.prompt maps another "
                          f"name), got {type(value).__name__}")
-    columns = {**{k: v for k, v in record.items() if k != column}, "prompt": prompt}
+    return prompt, _fits(data, {**{k: v for k, v in record.items() if k != column}, "prompt": prompt})
+
+
+def _from_conversation(data: DataSpec, record: dict) -> tuple[list[dict], dict]:
+    """An SFT row (alpaca / sharegpt / chat) -> (its turns before the last assistant turn, its
+    columns with that turn's text as `answer`). The columns the format maps are consumed."""
+    messages = check_record(data, record)
+    if messages[-1]["role"] != "assistant" or len(messages) < 2 or messages[-2]["role"] == "assistant":
+        raise ValueError("the conversation must end with an assistant turn (the reference answer) after a prompt")
+    prompt, answer = messages[:-1], messages[-1]["content"]
+    mapped = {data.column(n) for n in ("prompt", "query", "response", "system", "history", "messages")}
+    return prompt, _fits(data, {**{k: v for k, v in record.items() if k not in mapped},
+                                "answer": answer, "prompt": prompt})
+
+
+def _fits(data: DataSpec, columns: dict) -> dict:
     size = len(stored_columns(columns))
     if size > data.seq_len:
         raise ValueError(f"the row's columns are {size} bytes of JSON, more than data.seq_len={data.seq_len} (they "
                          "ride beside the prompt, a byte a token): drop the columns no reward reads, or raise seq_len")
-    return prompt, columns
+    return columns
 
 
 def stored_columns(columns: dict) -> list[int]:

@@ -98,9 +98,9 @@ def grpo_problems(spec) -> list[str]:
     if g is None or not g.rewards:
         return ["training.objective: grpo needs training.grpo.rewards (e.g. [{builtin: accuracy, column: solution}])"]
     problems = []
-    if formats != {"prompt"}:
-        problems.append(f"data.format: {d.format}: GRPO reads prompt rows; set data.format: prompt (a `prompt` "
-                        "column, a string or a list of messages, plus the columns the rewards read)")
+    if "text" in formats:  # alpaca / sharegpt / chat rows: the last assistant turn is the reference `answer`
+        problems.append("data.format: text: GRPO reads prompts; set data.format: prompt (a `prompt` column, a string "
+                        "or a list of messages, plus the columns the rewards read), or alpaca / sharegpt / chat rows")
     if d.seq_len <= g.max_completion_length:
         problems.append(f"data.seq_len={d.seq_len} leaves no room for a prompt beside training.grpo."
                         f"max_completion_length={g.max_completion_length}: raise seq_len (prompt + completion)")
