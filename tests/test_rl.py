@@ -1,10 +1,12 @@
 """GRPO as users run it: the shipped demo job (jobs/grpo-demo.yaml) on a real local Ray cluster.
 
-One test, five runs of the same job (they share the cluster and the model):
+One test, six runs of the same job (they share the cluster and the model):
   A  the job as shipped (STEPS of its 20 steps): its reward rises by RL alone (the mean of the last 5 steps beats the first
      5 steps' by REWARD_RISE), MLflow has TRL's metric names, and each checkpoint a table of samples
      (prompt, completion, each reward) whose rewards are the reward function's on those completions;
      its export loads with plain transformers;
+  R  A resumed from its step-5 checkpoint on 1 worker through step 7, then on 2 through step 9 (a
+     resize 2 -> 1 -> 2): each step's 8 prompts are A's (the sample log), and so are its rewards;
   B  A again with rank 1 killed mid-rollout of step 7 (after its first micro-batch's completions):
      the restart resumes from step 5's checkpoint and every step's loss, reward and completion
      lengths equal A's, bit for bit (the completions are a function of (seed, step, prompt,
@@ -20,13 +22,15 @@ One test, five runs of the same job (they share the cluster and the model):
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, deep_merge, metric_history
+from chaos import final_lineage
+from conftest import REPO, altered, deep_merge, metric_history
 from raytrain import launcher
 from raytrain.config import JobSpec
 from raytrain.errors import JobError
@@ -54,7 +58,8 @@ def first_and_last(history: dict[int, float], n: int = 5) -> tuple[float, float]
 def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inverted_reward_moves_the_other_way(
         inject_faults, tmp_path, assets):
     keys = ("loss", "reward", "rewards/lipogram/mean", "completions/mean_length", "grad_norm")
-    a_spec = demo(assets, tmp_path / "runs", "grpo-a")
+    logs = tmp_path / "samples"
+    a_spec = demo(assets, tmp_path / "runs", "grpo-a", data={"sample_log": str(logs / "a")})
     a_run = launcher.run(a_spec)
     a = {k: metric_history(a_spec, a_run.run_id, k) for k in keys}
     assert sorted(a["reward"]) == list(range(1, STEPS + 1))
@@ -85,6 +90,25 @@ def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inver
         trained = AutoModelForCausalLM.from_pretrained(f"{a_spec.run_dir}/final_model")(probe).logits
         base = AutoModelForCausalLM.from_pretrained(str(assets / "model"))(probe).logits
     assert trained.shape == base.shape and not torch.allclose(trained, base, atol=1e-3)
+
+    # R: A's run resized 2 -> 1 -> 2 from its step-5 checkpoint (a user resubmitting with other
+    # num_workers): each step's prompts are A's, the global batch constant, and the first step on
+    # 1 worker samples A's completions (the same policy, and a completion is a function of its key)
+    with altered(a_spec.run_dir) as here:
+        for gone in ("step_00000010", "step_00000012", "final_model"):
+            shutil.rmtree(here / gone, ignore_errors=True)
+        for workers, through in ((1, 7), (2, 9)):
+            r_spec = demo(assets, tmp_path / "runs", "grpo-a", scaling={"num_workers": workers},
+                          training={"max_steps": through}, data={"sample_log": str(logs / "r")})
+            r_run = launcher.run(r_spec)
+    a_rows, r_rows = final_lineage(logs / "a"), final_lineage(logs / "r")
+    assert [r_rows[s]["world"] for s in sorted(r_rows)] == [1, 1, 2, 2]
+    for s in (6, 7, 8, 9):
+        assert sorted(r_rows[s]["samples"]) == sorted(a_rows[s]["samples"]) and len(r_rows[s]["samples"]) == 8, s
+    # The rewards (of 64 completions each) are A's at every step, not only the first on 1 worker: the
+    # weights differ from A's by the reduction order's rounding (~1e-7), which moves no sampled token
+    r = metric_history(r_spec, r_run.run_id, "reward")
+    assert r == {s: a["reward"][s] for s in (6, 7, 8, 9)}, (r, a["reward"])
 
     inject_faults([{"at": "rollout", "step": 7, "rank": 1, "action": "exit"}])
     b_spec = demo(assets, tmp_path / "runs", "grpo-b")
