@@ -2,6 +2,7 @@
 
     SEQ=256 python -m benchmarks.allocator_probe MODEL_DIR lora                     # glibc's defaults
     SEQ=256 MALLOC_MMAP_THRESHOLD_=262144 MALLOC_TRIM_THRESHOLD_=262144 python -m benchmarks.allocator_probe MODEL_DIR lora
+    SEQ=256 TRIM=1 python -m benchmarks.allocator_probe MODEL_DIR lora   # glibc's malloc_trim(0) after each step
 
 Prints each rank's (resident, peak) MiB after the build and each of 8 `loop.train_step`s (the peak
 reset before each), and the median step time of steps 3-8. MODEL_DIR: e.g. benchmarks/.cache/smollm2-135m-shape
@@ -59,6 +60,9 @@ def case(rank: int, world: int, device, job_json: str) -> list[dict]:
         reset()
         loop.seed_step(0, step, rank)
         loop.train_step(strategy, objective, batch, 1e-3, StopSignals(None, check_ray_notice=False))
+        if os.environ.get("TRIM"):
+            import ctypes
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
         marks[f"step{step + 1}"] = rss()
         times.append(time.perf_counter() - start)
     marks["steady_s"] = round(sorted(times[2:])[len(times[2:]) // 2], 4)
