@@ -8,7 +8,8 @@ back-of-the-envelope one, written out term by term so a user can check it:
     full fine-tune   (weights + grads + AdamW m, v [+ fp32 master]) x N / P
     LoRA             weights x N / P + 16 B x N_lora / P    (adapters are fp32 under peft)
     + gathered layers (fsdp2: the all-gathered block and the prefetched next one; zero3: what
-      stage3_max_live_parameters lets it keep gathered between forward and backward)
+      stage3_max_live_parameters lets it keep gathered between forward and backward; GRPO under
+      fsdp2: the whole model, gathered for the step)
     + activations (Korthikanti et al. 2022: 34·b·s·d bytes per layer at 16 bit; +5·a·s²·b eager)
     + logits (b·s·V in the compute dtype, its fp32 copy and that copy's gradient; one chunk's
       under training.chunked_loss)
@@ -237,13 +238,18 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         live = min(zero["stage3_max_live_parameters"], N) if zero["stage3_max_reuse_distance"] else facts.layer_params
         out.device.append(Term("parameters kept gathered (stage3_max_live_parameters)",
                                f"{_n(live)} × {c} B", live * c))
+    elif sharded and P > 1 and spec.rl:
+        # GRPO's step keeps the whole model gathered from its rollout to its last backward
+        # (FSDP2Strategy.gathered); QLoRA's layers stay 4-bit codes, dequantized a weight at a time
+        g = 0.6 if t.finetune == "qlora" else c
+        out.device.append(Term("the whole model gathered for the step (GRPO)", f"{_n(N)} × {g} B", N * g))
     elif sharded and P > 1:
         tp = plan.tensor_parallel  # a rank gathers its tp part of each layer
         layer, per_tp = facts.layer_params / tp, f" / {tp}" if tp > 1 else ""
         # QLoRA gathers a layer's 4-bit codes and dequantizes one weight at a time for its matmul
         g = 0.6 if t.finetune == "qlora" else c
         out.device.append(Term("gathered layers", f"2 × {_n(facts.layer_params)}{per_tp} × {g} B", 2 * layer * g))
-    if t.strategy == "fsdp2" and P > 1:
+    if t.strategy == "fsdp2" and P > 1 and not spec.rl:
         # The root unit (the embedding, a separate output layer, the last norm) is gathered whole
         # at the first forward and kept through the backward: the largest tensors of the model.
         vocab, d = facts.dim("vocab_size", default=0), facts.dim("hidden_size", "n_embd", "d_model", default=0)
@@ -331,18 +337,16 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
 
 
 def rollout_terms(spec: JobSpec, facts: ModelFacts, step: list[Term], b: int, s: int, c: int) -> list[Term]:
-    """GRPO's rollout comes before the step's forwards, never beside their activations: what it holds
-    beyond them. A micro-batch's completions decoded with a KV cache, and under fsdp2 the whole model
-    gathered in the compute dtype for the rollout's length (FSDP2Strategy.generating)."""
+    """GRPO's rollout comes before the step's forwards, never beside their activations: what its
+    KV cache holds beyond them (a micro-batch's completions decoded; under fsdp2 the whole model it
+    reads is gathered for the whole step, counted with the weights)."""
     heads, d = facts.dim("num_attention_heads", "n_head", default=1), facts.dim("hidden_size", "n_embd", "d_model")
     kv_dim = facts.dim("num_key_value_heads", default=heads) * (d // heads)
     n_layers = facts.dim("num_hidden_layers", "n_layer", "num_layers")
     kv = 2 * n_layers * b * s * kv_dim * c
-    whole = facts.n_params * c if spec.training.strategy == "fsdp2" else 0
-    beyond = max(0, kv + whole - sum(t.bytes for t in step))
-    text = f"2 × {n_layers} × {b}·{s} × {kv_dim} × {c} B KV cache" + (f" + {c} B × {facts.n_params / 1e9:.2f}B params "
-                                                                      "gathered" if whole else "")
-    return [Term("rollout, beyond the step's activations", f"max(0, {text} − the terms above)", beyond)]
+    beyond = max(0, kv - sum(t.bytes for t in step))
+    return [Term("rollout, beyond the step's activations",
+                 f"max(0, 2 × {n_layers} × {b}·{s} × {kv_dim} × {c} B KV cache − the terms above)", beyond)]
 
 
 def _lora_targets(spec: JobSpec, facts: ModelFacts) -> list[str]:

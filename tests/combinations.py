@@ -50,9 +50,6 @@ def options() -> dict[str, tuple]:
             out[name] = (False, True)
         elif typing.get_origin(field.annotation) is typing.Literal:
             out[name] = tuple(v for v in typing.get_args(field.annotation) if v != "auto")
-    # GRPO samples what it trains (its rollouts take a reward config and prompt rows): its cases are
-    # tests/test_rl.py's and the shipped GRPO jobs' miniatures, not yet this all-pairs set's.
-    out["objective"] = tuple(v for v in out["objective"] if v != "grpo")
     out.update(chunked_loss=(False, True), offload=(False, True), micro_batch_size=(1, 2), dora=(False, True))
     out.update(sequence_parallel=(1, 2, 4), tensor_parallel=(1, 2), pack=(False, True),
                attention=typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation),
@@ -66,13 +63,16 @@ def field_of(option: str) -> str:
 
 def job(case: dict, models: dict, storage: str) -> dict:
     """The job YAML (a dict) of a case."""
-    preference = case["objective"] != "sft"
+    from mesh_cases import GRPO
+
+    rl = case["objective"] == "grpo"  # prompt rows; the rollouts sample what is trained
+    rows = "prompts" if rl else "pairs" if case["objective"] != "sft" else "text"
     training = {k: v for k, v in case.items() if k not in FIELDS and k != "offload"}
     training.update(global_batch_size=8, max_steps=STEPS, seed=0,
                     lora={"rank": 4, "alpha": 8, "dropout": 0.0, "use_dora": case["dora"]},
-                    offload={"optimizer": case["offload"], "params": case["offload"]})
+                    offload={"optimizer": case["offload"], "params": case["offload"]}, **({"grpo": GRPO} if rl else {}))
     return {"name": "combo", "model": {"path": models[case["model"]], "attn_implementation": case["attention"]},
-            "data": {"path": models["pairs" if preference else "text"], "seq_len": SEQ, "pack": case["pack"]},
+            "data": {"path": models[rows], "seq_len": SEQ, "pack": case["pack"], **({"format": "prompt"} if rl else {})},
             "training": training, "optimizer": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
             "scaling": {"num_workers": WORLD, "sequence_parallel": case["sequence_parallel"],
                         "tensor_parallel": case["tensor_parallel"]},
@@ -169,14 +169,15 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
     for text in cases:
         case = json.loads(text)
         spec = JobSpec.model_validate(job(case, models, storage))
-        pairs = case["objective"] != "sft"  # the store never packs pairs, whatever data.pack says
-        rows = mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ, kto=case["objective"] == "kto",
-                                      margins=case["objective"] == "reward")
+        pairs = case["objective"] != "sft"  # the store never packs pairs (or prompts), whatever data.pack says
+        rows = mesh_cases.grpo_rows(models[case["model"]], 8, seq=SEQ) if case["objective"] == "grpo" else \
+            mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ, kto=case["objective"] == "kto",
+                                   margins=case["objective"] == "reward")
         # A DoRA adapter is exported as the job's export writes it (collective), for plain peft to load.
         export = f"{storage}/exports/{hashlib.sha1(text.encode()).hexdigest()[:12]}" if case["dora"] else None
         try:
             result = mesh_cases.run_case(spec, rows, steps=STEPS, export_to=export)
         except Exception as exc:  # name the case: the spawned traceback alone does not
             raise RuntimeError(f"case {text} failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
-        out[text] = {**{k: result[k] for k in ("losses", "grad_norms", "means")}, "export": export}
+        out[text] = {**{k: result[k] for k in ("losses", "grad_norms", "means", "rewards")}, "export": export}
     return out

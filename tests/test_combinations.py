@@ -8,12 +8,16 @@ and step, and its per-step losses and grad norms must equal its plain data-paral
 packing, precision and model) on the same rows: fp32 to 1e-5, bf16 compute to bf16's rounding.
 Rows as the token store writes them: packed rows that start mid-document, padded rows whose
 padding continues their positions. flash_attention_2 is transformers' integration with
-flash-attn's kernels in plain torch (tests/varlen.py).
+flash-attn's kernels in plain torch (tests/varlen.py). GRPO's cases sample what they train (the
+demo prompts, 4 completions each, the lipogram reward): the same completions and rewards as the
+reference's, and then the same losses; under bf16 its first step (later ones sample from weights
+bf16 rounded differently).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -55,7 +59,8 @@ def mistral_with_a_window(assets: Path, out: Path) -> Path:
 def combos(assets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("combos")
     models = {"llama": str(assets / "model"), "mistral window": str(mistral_with_a_window(assets, tmp / "mistral")),
-              "text": str(assets / "text.jsonl"), "pairs": str(assets / "pairs.jsonl")}
+              "text": str(assets / "text.jsonl"), "pairs": str(assets / "pairs.jsonl"),
+              "prompts": str(assets / "prompts.jsonl")}
     configs = {name: json.loads(Path(models[name], "config.json").read_text()) for name in ("llama", "mistral window")}
     opts = C.options()
     cases, refused = C.covering(opts, lambda case: C.refusal(case, models, configs))
@@ -82,12 +87,28 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
     bad, results = [], combos["results"]
     for case in combos["cases"]:
         got, want = results[C.key(case)], results[combos["references"][C.key(case)]]
+        name = " ".join(f"{k}={v}" for k, v in case.items())
+        if case["objective"] == "grpo" and case["precision"] == "bf16":
+            # GRPO samples what it trains. The first step's completions are the reference's, so are its
+            # rewards, loss and grad norm (to bf16's rounding); after one bf16 update, where the reference
+            # keeps fp32 weights under autocast, some sampled tokens move (seen: 2 of 3 cases' second
+            # rewards), and all after them: the second step must train, not match.
+            assert got["rewards"][0] == want["rewards"][0], (name, got["rewards"], want["rewards"])
+            assert all(abs(got[k][0] - want[k][0]) <= BF16 * max(abs(want[k][0]), 1.0) for k in ("losses", "grad_norms")), \
+                (name, got, want)
+            assert all(math.isfinite(x) for x in got["losses"]) and all(g > 0 for g in got["grad_norms"]), name
+            print(f"[combinations] first step (bf16 GRPO; rewards {got['rewards']} vs {want['rewards']}) {name}")
+            continue
+        if case["objective"] == "grpo":  # the same completions: the same rewards, to the last bit
+            assert got["rewards"] == want["rewards"], (name, got["rewards"], want["rewards"])
         tol = FP32 if case["precision"] == "fp32" else BF16
         later = FP32_AFTER_AN_UPDATE if case["precision"] == "fp32" else BF16
-        errors = [(abs(x - y) / max(abs(y), 1e-12), tol if step == 0 else later)
+        # A GRPO loss is advantage-weighted terms that cancel to ~0 (step 2's ~5e-9): compared on the
+        # advantages' scale, 1, not relative to the sum's own size
+        floor = 1.0 if case["objective"] == "grpo" else 1e-12
+        errors = [(abs(x - y) / max(abs(y), floor), tol if step == 0 else later)
                   for k in ("losses", "grad_norms") for step, (x, y) in enumerate(zip(got[k], want[k]))]
         worst = max(e for e, _ in errors)
-        name = " ".join(f"{k}={v}" for k, v in case.items())
         print(f"[combinations] {worst:.1e} {name}")
         if not all(e <= allowed for e, allowed in errors):
             bad.append(f"{name}: {got['losses']} vs {want['losses']}, grad norms {got['grad_norms']} vs {want['grad_norms']}")
@@ -95,7 +116,10 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
             assert all(abs(x - y) <= max(10 * later * abs(y), 10 * later) for x, y in zip(got["means"], want["means"])), name
     for ref in set(combos["references"].values()):
         losses = results[ref]["losses"]
-        assert losses[-1] < losses[0], (ref, losses)  # the reference learns: agreement is not two flat lines
+        if json.loads(ref)["objective"] == "grpo":  # its loss is no learning curve (advantages sum to ~0)
+            assert all(g > 0 for g in results[ref]["grad_norms"]), (ref, results[ref])
+        else:
+            assert losses[-1] < losses[0], (ref, losses)  # the reference learns: agreement is not two flat lines
     assert not bad, "\n".join(bad)
 
 
@@ -118,4 +142,6 @@ def test_a_dora_adapter_loads_with_plain_peft_as_its_reference_trained_it(combos
             with torch.no_grad():
                 logits.append(adapter(input_ids=probe).logits)
         tol = 1e-4 if case["precision"] == "fp32" else 5e-2
+        if case["objective"] == "grpo" and case["precision"] == "bf16":
+            continue  # loaded; but trained on other completions after its first step (test above)
         torch.testing.assert_close(logits[0], logits[1], rtol=tol, atol=tol)

@@ -94,6 +94,7 @@ def token_logps(out, targets: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 class GRPO:
+    gathers_model = True  # the step's rollout and training forwards share one gathered model (loop.train_step)
     # Sums the loop reduces with the loss (means over the units; `finish` makes TRL's metrics of them)
     metrics = ("_sequences", "_tokens", "_kl", "_low", "_high", "_region")
     shown = (("reward", "reward"), ("reward_std", "reward_std"), ("len", "completions/mean_length"))

@@ -85,7 +85,7 @@ def _all_ended(ended: torch.Tensor) -> bool:
 def rollout(strategy, prompts: list[list[int]], keys: list[int], max_tokens: int, temperature: float, top_p: float,
             eos: set[int], pad: int) -> list[list[int]]:
     """Each prompt's completion (its tokens up to and including the first end token, at most
-    `max_tokens`), sampled by the strategy's model (gathered layer by layer as its forward does)."""
+    `max_tokens`), sampled by the strategy's model (gathered once: `strategy.gathered`)."""
     device, model = strategy.device, strategy.model
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -100,7 +100,7 @@ def rollout(strategy, prompts: list[list[int]], keys: list[int], max_tokens: int
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
-        with native_attention(strategy), strategy.generating(), strategy.autocast():
+        with native_attention(strategy), strategy.gathered(), strategy.autocast():
             step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
             last = positions[:, -1]
             steps = 0

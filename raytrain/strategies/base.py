@@ -159,9 +159,10 @@ class Strategy(ABC):
         else:
             yield self.reference_model
 
-    def generating(self):
-        """Context for GRPO's rollout (rl/sampling.py): whatever makes many small forwards cheap.
-        Here nothing (DDP holds the whole model; ZeRO-3 gathers each layer per forward)."""
+    def gathered(self):
+        """Context for GRPO's step (loop.train_step: its rollout and its forwards and backwards):
+        whatever makes many forwards of one model cheap. Here nothing (DDP holds the whole model;
+        ZeRO-3 gathers each layer per forward)."""
         return contextlib.nullcontext()
 
     @abstractmethod

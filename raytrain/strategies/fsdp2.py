@@ -21,6 +21,8 @@ from .base import TorchStrategy, needs_fp32_master, to_fp32_master
 
 
 class FSDP2Strategy(TorchStrategy):
+    _gathered = False  # inside `gathered()`
+
     def build_model(self) -> torch.nn.Module:
         self.hf_model = modeling.load_model(self.spec, on_meta=True)
         return self.hf_model
@@ -75,23 +77,33 @@ class FSDP2Strategy(TorchStrategy):
         return mesh[names], mesh["tp"]
 
     @contextlib.contextmanager
-    def generating(self):
-        """GRPO's rollout with every layer gathered once and kept until it ends, then resharded: a
-        decode step per token would otherwise all-gather the whole model every token (RL1's probe: the
-        rollout 0.88-0.91x of that on 2 gloo ranks, 135M model). The rollout holds the whole model in the compute dtype on
-        each rank meanwhile, as TRL's ds3_gather_for_generation and verl's hybrid engine do (the
-        estimate counts it, memory.py). fully_shard's default is restored after: blocks reshard
-        after forward, the root keeps its parameters for the backward."""
+    def gathered(self):
+        """The whole model gathered once and kept until the context ends, then resharded: GRPO's
+        step (loop.train_step) runs its rollout and its forwards and backwards inside, so neither a
+        decode step per token nor each micro-batch's forward and backward all-gathers the model
+        again (RL1, benchmarks/RESULTS.md: a rollout 0.88-0.91x, a step's training half ~0.8x on 2
+        gloo ranks, 135M model; the same losses bit for bit). Gradients still reduce-scatter to
+        their shards at the last backward. Each rank holds the whole model in the compute dtype
+        meanwhile, as TRL's ds3_gather_for_generation and verl's hybrid engine do (memory.py counts
+        it). Re-entrant: the rollout inside a gathered step gathers nothing more. fully_shard's
+        default is restored after: blocks reshard after forward, the root keeps its parameters."""
+        if self._gathered:
+            yield
+            return
         units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for m in units:
             m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
             m.unshard()
+        self._gathered = True
         try:
             yield
         finally:
+            self._gathered = False
             for m in units:
                 m.reshard()
                 m.set_reshard_after_forward(m is not self.model, recurse=False)
+                m.set_reshard_after_backward(True, recurse=False)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         if self.layout.tp == 1:
