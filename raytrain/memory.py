@@ -257,7 +257,27 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         out.device.append(Term("gathered embedding" + (" and output layer" if heads == 2 else ""),
                                f"{heads} × {vocab}·{d} × {c} B", heads * vocab * d * c))
     out.device.extend(activation_terms(spec, facts))
+    out.device.extend(reward_model_terms(spec))
     out.device.append(RUNTIME_GPU if spec.scaling.use_gpu else RUNTIME_CPU)
+    return out
+
+
+def reward_model_terms(spec: JobSpec) -> list[Term]:
+    """GRPO's reward models: a whole copy on each worker (rl/reward_model.py), fp32 (bf16 on GPUs under
+    precision bf16). Sized from a local folder's headers (an adapter's base's); a hub id is not counted."""
+    out = []
+    c = 2 if spec.scaling.use_gpu and spec.training.precision == "bf16" else 4
+    for reward in spec.training.grpo.rewards if spec.rl else []:
+        if not reward.model:
+            continue
+        folder = Path(reward.model)
+        adapter = folder / "adapter_config.json"
+        if adapter.is_file():
+            folder = Path(json.loads(adapter.read_text()).get("base_model_name_or_path") or "")
+        if not (folder / "config.json").is_file():
+            continue
+        n = read_facts(folder).n_params
+        out.append(Term(f"reward model {reward.label} (whole, each worker)", f"{c} B × {_n(n)}", c * n))
     return out
 
 

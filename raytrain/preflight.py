@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from struct import error as StructError
@@ -23,10 +22,9 @@ from . import memory, nf4_layout, probes, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
 from .plan import RunPlan, model_parallel_problems
 from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
-                       secret_problems)
+                       is_hub_id, secret_problems)
 
 OVERRIDE_ALIASES = {"train.": "training.", "optim.": "optimizer.", "ckpt.": "checkpoint."}
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 ROOT_RULE_INPUTS = {"training", "scaling", "model"}  # sections JobSpec's cross-field rules read
 
@@ -75,8 +73,11 @@ def absolutize(raw: dict, base: str) -> dict:
     model, data, ck = raw.get("model") or {}, raw.get("data") or {}, raw.get("checkpoint") or {}
     sources = [s for s in (data.get("sources") or []) if isinstance(s, dict)] if isinstance(data, dict) else []
     evaluation = data.get("eval") if isinstance(data, dict) and isinstance(data.get("eval"), dict) else {}
+    grpo = (raw.get("training") or {}).get("grpo") if isinstance(raw.get("training"), dict) else None
+    rewards = [r for r in (grpo.get("rewards") or []) if isinstance(r, dict)] if isinstance(grpo, dict) else []
     for section, key, always in ((model, "path", False), (model, "tokenizer", False), (data, "path", True),
                                  *((s, "path", True) for s in sources), (evaluation, "path", True),
+                                 *((r, "model", False) for r in rewards),
                                  (data, "sample_log", True),
                                  (ck, "storage_path", True)):
         value = section.get(key) if isinstance(section, dict) else None
@@ -173,7 +174,7 @@ def model_folder(spec: JobSpec) -> tuple[Path | None, bool, list[Problem]]:
     path = spec.model.path
     if Path(path).is_dir():
         return Path(path), False, []
-    if Path(path).exists() or path.startswith(("/", ".", "~")) or path.count("/") > 1 or not HUB_ID.match(path):
+    if Path(path).exists() or not is_hub_id(path):
         return None, False, [Problem("model.path", repr(path), "no such folder, and not a hub id (org/name); give a local "
                               "Hugging Face model folder or a hub id like meta-llama/Llama-3.1-8B", "model")]
     from huggingface_hub import try_to_load_from_cache  # the cache on disk only: never the network
@@ -283,7 +284,7 @@ def lora_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
 def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Problem]:
     tok = spec.model.tokenizer
     if tok is not None and not Path(tok).is_dir():
-        if Path(tok).exists() or tok.startswith(("/", ".", "~")) or not HUB_ID.match(tok):
+        if Path(tok).exists() or not is_hub_id(tok):
             return [Problem("model.tokenizer", repr(tok), "no such folder, and not a hub id", "model")]
         return []  # a hub id: loaded on the cluster
     tok_dir = Path(tok) if tok else folder

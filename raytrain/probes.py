@@ -27,7 +27,7 @@ from .data.pairs import record_of, to_margin, to_pair
 from .data.prompts import to_prompt
 from .data.unpaired import to_unpaired
 from .data.sources import list_sources, sample_rows
-from .problems import NOTE, Problem, did_you_mean
+from .problems import NOTE, Problem, did_you_mean, is_hub_id
 from .tracking import REMOTE_WITHOUT_SERVER, tracking_uri
 
 TIMEOUT_S = 3.0
@@ -203,6 +203,9 @@ def reward_problems(spec: JobSpec) -> list[Problem]:
 
     out = []
     for i, reward in enumerate(spec.training.grpo.rewards):
+        if reward.model:
+            out += reward_model_problems(f"training.grpo.rewards[{i}].model", reward.model)
+            continue
         if not reward.function:
             continue
         module = reward.function.split(":")[0]
@@ -218,6 +221,30 @@ def reward_problems(spec: JobSpec) -> list[Problem]:
                                "here: run from the folder that holds it (it ships with `ray job submit --working-dir "
                                ".`), or install it in the image", "data"))
     return out
+
+
+def reward_model_problems(field: str, path: str) -> list[Problem]:
+    """A reward model's folder: a model (config.json) or a LoRA adapter (adapter_config.json over a
+    base it names), each with safetensors weights (nothing pickled is read). A hub id is the cluster's."""
+    folder = Path(path)
+    if not folder.is_dir():
+        if is_hub_id(path):
+            return []  # a hub id: loaded on the cluster
+        return [Problem(field, repr(path), "no such folder, and not a hub id: give the final_model folder of a "
+                        "`raytrain run` with objective: reward, or a ...ForSequenceClassification model", "model")]
+    adapter = folder / "adapter_config.json"
+    kind = "adapter_model.safetensors" if adapter.is_file() else "*.safetensors"
+    if not adapter.is_file() and not (folder / "config.json").is_file():
+        return [Problem(field, repr(path), "has no config.json (a model) or adapter_config.json (a LoRA adapter)", "model")]
+    if not list(folder.glob(kind)):
+        return [Problem(field, repr(path), f"has no {kind}: only safetensors weights are read (a pickled file can "
+                        "run code); save the reward model with safetensors", "model")]
+    if adapter.is_file():
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path") or ""
+        if not Path(base).is_dir() and not is_hub_id(base):
+            return [Problem(field, repr(path), f"is a LoRA adapter over {base!r}, which is neither a folder here nor "
+                            "a hub id: export the reward model whole (finetune: full) or keep its base where it names", "model")]
+    return []
 
 
 # ---------------------------------------------------------------- checkpoint storage and MLflow

@@ -18,6 +18,12 @@ from pydantic import BaseModel, ValidationError
 
 from .config import JobSpec
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # org/name: what the Hugging Face hub would resolve
+
+
+def is_hub_id(path: str) -> bool:
+    return bool(HUB_ID.match(path)) and not path.startswith(("/", ".", "~")) and not path.count("/") > 1
+
 ERROR, NOTE = "error", "note"
 # Keys whose values are secrets: whole words of the key, so `tokenizer` or `max_tokens` is not a token.
 SECRET_KEY = re.compile(r"(^|[_\-.])(token|secrets?|password|passwd|pwd|api[_-]?key|access[_-]?key|credentials?|auth)($|[_\-.])", re.I)

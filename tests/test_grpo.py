@@ -285,6 +285,64 @@ def test_a_users_reward_function_and_its_errors(tmp_path, monkeypatch):
         assert isinstance(caught.value, JobError)
 
 
+def trl_model_rewards(model, tokenizer, prompts, completions):
+    """TRL's GRPOTrainer._calculate_rewards with a reward model (its nn.Module branch), one process."""
+    from trl import GRPOTrainer
+
+    trainer = GRPOTrainer.__new__(GRPOTrainer)  # TRL's method on a bare instance: only what it reads is set
+    trainer.__dict__.update(
+        accelerator=SimpleNamespace(device=torch.device("cpu"), is_main_process=True), reward_funcs=[model],
+        reward_processing_classes=[tokenizer], reward_func_names=["rm"], chat_template_kwargs={},
+        state=SimpleNamespace(global_step=0),
+        environments=None, _log_completion_extra=None, _log_metric=None, is_deepspeed_enabled=False,
+        args=SimpleNamespace(device=torch.device("cpu"), log_completions=False, report_to=[]))
+    import trl.trainer.grpo_trainer as g
+
+    gather = g.gather
+    g.gather = lambda t: t  # accelerate's gather across processes: one process here
+    try:
+        inputs = [{"prompt": p} for p in prompts]
+        return GRPOTrainer._calculate_rewards(trainer, inputs, prompts, completions, [[1]] * len(prompts))[:, 0]
+    finally:
+        g.gather = gather
+
+
+def test_a_reward_model_scores_as_trls_grpo_trainer(assets, tmp_path):
+    # A reward model as `raytrain run` exports one for objective: reward (a ...ForSequenceClassification
+    # with one label), whole, and as a LoRA adapter over its base: the scores TRL's trainer gives the same
+    # prompt + completion texts, plain and conversational (rendered by the reward tokenizer's template).
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(assets / "model"))
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(assets / "model"), num_labels=1,
+                                                               pad_token_id=tok.pad_token_id).eval()
+    whole = tmp_path / "rm"
+    model.save_pretrained(str(whole))
+    tok.save_pretrained(str(whole))
+    lora = get_peft_model(AutoModelForSequenceClassification.from_pretrained(
+        str(assets / "model"), num_labels=1, pad_token_id=tok.pad_token_id),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS", init_lora_weights=False))
+    adapter = tmp_path / "rm-lora"
+    lora.save_pretrained(str(adapter))
+    merged = lora.merge_and_unload().eval()
+
+    plain = (["the red fox", "a blue owl", "the red fox"], [" jumps over.", " sees", " sleeps all day long"])
+    chat = ([[{"role": "user", "content": p}] for p in plain[0]], [[{"role": "assistant", "content": c}] for c in plain[1]])
+    for folder, reference in ((whole, model), (adapter, merged)):
+        reward = Reward(RewardSpec(model=str(folder)), 16)
+        assert reward.name == folder.name
+        for prompts, completions in (plain, chat):
+            ours = reward(prompts, completions, [[1]] * 3, {}, [(0, 0, i) for i in range(3)])
+            theirs = trl_model_rewards(reference, tok, prompts, completions)
+            assert ours == pytest.approx(theirs.tolist(), abs=1e-5), (folder.name, ours, theirs)
+            assert len(set(ours)) == 3  # the completions score apart: the head reads each text's own last token
+    (whole / "model.safetensors").rename(whole / "gone.safetensors")
+    with pytest.raises(RewardError, match="does not load as a reward model"):
+        Reward(RewardSpec(model=str(whole)), 16)
+
+
 # ---------------------------------------------------------------- prompt rows
 def test_prompt_rows_as_the_store_keeps_them(tok):
     data = DataSpec(path="x", format="prompt", seq_len=256)

@@ -489,6 +489,18 @@ def grpo_on_text_rows(job, tmp, assets):
 def grpo_reward_module_missing(job, tmp, assets):
     grpo_job(job, tmp, rewards=[{"function": "my_rewards_nowhere:brevity"}])
 
+@case("training.grpo.rewards[0].model", "no such folder, and not a hub id")
+def grpo_reward_model_missing(job, tmp, assets):
+    grpo_job(job, tmp, rewards=[{"model": str(tmp / "no-rm")}])
+
+@case("training.grpo.rewards[0].model", "has no *.safetensors: only safetensors weights are read")
+def grpo_reward_model_pickled(job, tmp, assets):
+    folder = tmp / "rm"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"pickled")
+    grpo_job(job, tmp, rewards=[{"model": str(folder)}])
+
 @case("training.grpo.rewards.0", "set `column`")
 def grpo_accuracy_without_a_column(job, tmp, assets):
     grpo_job(job, tmp, rewards=[{"builtin": "accuracy"}])

@@ -114,16 +114,18 @@ class GRPO:
     def units(self, mb: dict) -> int:
         return mb["_units"]
 
-    def _setup(self) -> None:
+    def _setup(self, device: torch.device) -> None:
         if self.rewards is None:
             from ..modeling import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.spec)
-            self.rewards = [rewards_module.Reward(r, self.g.max_completion_length) for r in self.g.rewards]
+            # a reward model computes in fp32, or bf16 on GPUs under precision bf16
+            dtype = torch.bfloat16 if device.type == "cuda" and self.spec.training.precision == "bf16" else torch.float32
+            self.rewards = [rewards_module.Reward(r, self.g.max_completion_length, device, dtype) for r in self.g.rewards]
 
     def begin(self, strategy, micro_batches: list[dict]) -> None:
         """Roll out, score and normalize the whole step's completions; turn each micro-batch into them."""
-        self._setup()
+        self._setup(strategy.device)
         g, tok, started = self.g, self.tokenizer, time.perf_counter()
         eos = {tok.eos_token_id} | set(_ids(getattr(strategy.hf_model.generation_config, "eos_token_id", None)))
         rows = iter(self.rows)

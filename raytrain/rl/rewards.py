@@ -1,6 +1,7 @@
-"""GRPO's rewards: built-ins that need no code, and a user's function with TRL's signature,
+"""GRPO's rewards: built-ins that need no code, a user's function with TRL's signature,
 `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, named `module:function`
-and imported in the workers from the job's working directory. Pure Python (no torch).
+and imported in the workers from the job's working directory, and a reward model (reward_model.py,
+the one part that imports torch).
 
 Each reward scores every completion of a micro-batch; None (the function cannot judge that
 completion) is NaN, as TRL keeps it: a completion no reward judges gets advantage 0. A function
@@ -70,14 +71,26 @@ def text_of(completion) -> str:
 class Reward:
     """One configured reward: `__call__` gives a score (or None) per completion."""
 
-    def __init__(self, spec: RewardSpec, max_completion_length: int):
+    def __init__(self, spec: RewardSpec, max_completion_length: int, device=None, dtype=None):
         self.spec, self.name, self.weight = spec, spec.label, spec.weight
         self.limit = max_completion_length
         self.function = _import(spec.function) if spec.function else None
+        self.model = None
+        if spec.model:  # torch and transformers only where a reward model is asked for
+            from .reward_model import RewardModel
+
+            try:
+                self.model = RewardModel(spec.model, device or "cpu", dtype) if dtype else RewardModel(spec.model, device or "cpu")
+            except (OSError, ValueError, KeyError) as exc:
+                raise RewardError(f"training.grpo.rewards: model {spec.model!r} does not load as a reward model "
+                                  f"({type(exc).__name__}: {str(exc)[:200]}); give a folder `raytrain run` exported "
+                                  "for objective: reward, or a ...ForSequenceClassification model") from None
 
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
                  rows: list) -> list[float]:
         s = self.spec
+        if self.model is not None:
+            return self.model(prompts, completions)
         if s.builtin == "length":
             return [len(ids) / self.limit for ids in completion_ids]
         if s.builtin == "format":

@@ -20,6 +20,8 @@ class RewardSpec(_Section):
     """A reward that needs no code. `accuracy`: 1 when the completion's answer (the capture of `pattern`, else the last `\\boxed{}`, else the last number) equals the `column`'s reference (read the same way), else 0. `format`: 1 when `pattern` matches the completion (`re.search`, dotall), else 0. `length`: the completion's tokens / max_completion_length (a negative weight prefers short answers)."""
     function: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     """Or a Python function, `module:function`, with TRL's signature `f(prompts, completions, completion_ids, **columns) -> list[float | None]`: it runs in the training workers, imported from the job's working directory (ship it with `ray job submit --working-dir`)."""
+    model: str | None = None
+    """Or a reward model: a folder `raytrain run` exported for `objective: reward` (a full model, or its LoRA adapter over the base it names), or any `AutoModelForSequenceClassification` folder with one label. It scores prompt + completion as TRL's GRPOTrainer does (conversations through its tokenizer's chat template); each worker holds a whole copy, in fp32 (bf16 on GPUs under precision bf16)."""
     column: str | None = None
     """`accuracy`: the row's column holding the reference answer (e.g. `solution`)."""
     pattern: str | None = None
@@ -31,8 +33,9 @@ class RewardSpec(_Section):
 
     @model_validator(mode="after")
     def _one_kind(self):
-        if (self.builtin is None) == (self.function is None):
-            raise ValueError("a reward is either `builtin: accuracy | format | length` or `function: module:function`")
+        if sum(x is not None for x in (self.builtin, self.function, self.model)) != 1:
+            raise ValueError("a reward is one of `builtin: accuracy | format | length`, `function: module:function` or "
+                             "`model: <a reward model's folder>`")
         if self.builtin == "accuracy" and not self.column:
             raise ValueError("the accuracy reward compares with a reference column: set `column` (e.g. solution)")
         if self.builtin == "format" and not self.pattern:
@@ -46,7 +49,9 @@ class RewardSpec(_Section):
 
     @property
     def label(self) -> str:
-        return self.name or self.builtin or self.function.split(":")[1]
+        if self.name or self.builtin:
+            return self.name or self.builtin
+        return self.function.split(":")[1] if self.function else self.model.rstrip("/").rsplit("/", 1)[-1]
 
 
 class GRPOSpec(_Section):
