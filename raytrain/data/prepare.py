@@ -213,8 +213,9 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
         return {"index": item["index"], "result": json.dumps({"file_error": str(problem)})}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = token_dtype(len(tok))
-    entry = write_shard(out_fs, out_path, shard_name(item["index"]), shard_rows(docs, d.seq_len, d.pack, job.preference or job.rl), dtype)
-    sequences = [s for pair in docs for s in pair] if job.preference or job.rl else docs
+    grouped = job.stored_sequences > 1  # a row is several sequences (a pair, a KTO row, a prompt and its columns)
+    entry = write_shard(out_fs, out_path, shard_name(item["index"]), shard_rows(docs, d.seq_len, d.pack, grouped), dtype)
+    sequences = [s for group in docs for s in group] if grouped else docs
     result = {**entry, "lines": lines, "pad_id": int(pad), "token_dtype": dtype.name, "bad": bad, "examples": examples,
               "docs": len(docs), "tokens": int(sum(len(ids) for ids, _ in sequences))}
     return {"index": item["index"], "result": json.dumps(result)}
