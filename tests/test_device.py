@@ -164,6 +164,53 @@ def test_a_step_syncs_the_host_once_and_matches_the_cpu_step(group, assets, tmp_
     assert results["cpu"][2].loss < results["cpu"][0].loss
 
 
+def test_a_grpo_step_rolls_out_scores_and_trains_on_the_device_as_on_the_cpu(group, assets, tmp_path):
+    # GRPO's step on the device: the rollout's prompts, keys and sampler, the advantages, the training
+    # rows. Its host reads are the ones it names: the ranks' "all ended?" every CHECK tokens, the
+    # completions for the rewards, and the step's one read. The same completions (rewards) as on
+    # the CPU, and the same loss.
+    import collections
+
+    import mesh_cases
+
+    from raytrain import objectives
+    from raytrain.data.batches import micro_batches as product_micro_batches
+    from raytrain.loop import train_step
+    from raytrain.preemption import StopSignals
+
+    spec = make_job(assets, tmp_path, data={"path": str(assets / "prompts.jsonl"), "format": "prompt", "seq_len": 64},
+                    training={"objective": "grpo", "finetune": "full", "precision": "fp32", "micro_batch_size": 2,
+                              "global_batch_size": 4, "grpo": mesh_cases.GRPO})
+    rows = mesh_cases.grpo_rows(str(assets / "model"), 4, seq=64)
+    batch = product_micro_batches([mesh_cases._Rows(rows)], [(0, r) for r in range(4)], 2)
+    results, rewards, syncs = {}, {}, {}
+    for where in ("cpu", "device"):
+        torch.manual_seed(0)
+        with FakeAccelerator() if where == "device" else _nothing() as accel:
+            strategy = DeviceStrategy.build(spec, DEVICE if where == "device" else torch.device("cpu"))
+            objective, stops = objectives.build(spec), StopSignals(None, check_ray_notice=False)
+            before = len(accel.syncs) if accel else 0
+            results[where], rewards[where] = [], []
+            for step in range(2):
+                objective.at(step, [(0, 0, r) for r in range(4)])
+                results[where].append(train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2, stops))
+                rewards[where].append(objective.host["reward"])
+            syncs[where] = accel.syncs[before:] if accel else []
+    # raytrain's own: per rollout (2 a step) its 4 small uploads (prompts, mask, keys, end tokens) and the
+    # completions' read, per step the one read; none per decoded token (CHECK = 8 tokens: no "all ended?"
+    # before the 8th). transformers' sdpa mask reads the padding mask once per forward (fast_all in
+    # masking_utils._ignore_causal_mask_sdpa), as in its own generate: 1 prefill + 7 decode forwards a rollout.
+    ours = collections.Counter((s.kind, s.where) for s in syncs["device"] if s.origin == "raytrain")
+    assert ours == {("upload", "rl/sampling.py:rollout"): 16, ("copy", "rl/sampling.py:rollout"): 4,
+                    ("copy", "loop.py:host_values"): 2}, ours
+    theirs = collections.Counter((s.kind, s.origin) for s in syncs["device"] if s.origin != "raytrain")
+    assert theirs[("scalar", "transformers")] == 2 * 2 * 8, theirs
+    assert rewards["device"] == rewards["cpu"] and len(set(rewards["cpu"])) == 2, rewards
+    for cpu, device in zip(results["cpu"], results["device"]):
+        assert math.isclose(cpu.loss, device.loss, rel_tol=1e-5, abs_tol=1e-7)
+        assert math.isclose(cpu.grad_norm, device.grad_norm, rel_tol=1e-5) and cpu.grad_norm > 0
+
+
 def test_a_step_with_non_finite_gradients_changes_nothing(group, assets, tmp_path):
     # The first GPU benchmark applied NaN gradients (a packed row's lone zero-embedding token: its
     # gradient grows ~100x a layer through RMSNorm's 1/sqrt(eps) and overflows by layer 8 of 16)
