@@ -89,25 +89,44 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     loss there: nothing in between stalls the host while kernels run (FSDP2's prefetch keeps
     overlapping)."""
     device, mesh = strategy.device, strategy.layout
-    # GRPO's step runs many forwards of one model (a rollout's decode steps, then its micro-batches):
-    # a sharded model is gathered once for all of them (FSDP2Strategy.gathered), not per forward
-    with strategy.gathered() if getattr(objective, "gathers_model", False) else contextlib.nullcontext():
-        if hasattr(objective, "begin"):  # what the micro-batches need of the whole batch (KTO's KL, GRPO's rollouts)
-            objective.begin(strategy, micro_batches)
-        units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
-        torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's ranks
-        units = (units / mesh.row_ranks).clamp(min=1)
-        # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts add
-        # up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
-        scale = mesh.gradient_ranks / units
-        sums = torch.zeros(1 + len(objective.metrics), dtype=torch.float64, device=device)
-        for i, mb in enumerate(micro_batches):
-            loss, stats = objective(strategy, mb)
-            strategy.backward(loss * scale.to(loss.dtype), sync=i == len(micro_batches) - 1)
-            sums += torch.stack([t.detach().double() for t in (loss, *stats)])
-            objectives.unstage(mb)
-            if i + 1 < len(micro_batches):  # the next one's copies queue behind this backward
-                objectives.staged(strategy, micro_batches[i + 1])
+    results, units = [], None
+    # GRPO's num_iterations: one rollout, then that many updates on its completions (TRL's mu). Each
+    # update is one pass over the micro-batches; the last ends the step, the unit a checkpoint holds.
+    for iteration in range(getattr(objective, "iterations", 1)):
+        # GRPO's pass runs many forwards of one model (a rollout's decode steps, then its micro-batches):
+        # a sharded model is gathered once for all of them (FSDP2Strategy.gathered), not per forward;
+        # resharded before the update, which changes the shards
+        with strategy.gathered() if getattr(objective, "gathers_model", False) else contextlib.nullcontext():
+            if iteration == 0:
+                if hasattr(objective, "begin"):  # what the micro-batches need of the whole batch (KTO's KL, GRPO's rollouts)
+                    objective.begin(strategy, micro_batches)
+                units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
+                torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's ranks
+                units = (units / mesh.row_ranks).clamp(min=1)
+            # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts add
+            # up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
+            scale = mesh.gradient_ranks / units
+            sums = torch.zeros(1 + len(objective.metrics), dtype=torch.float64, device=device)
+            for i, mb in enumerate(micro_batches):
+                loss, stats = objective(strategy, mb)
+                strategy.backward(loss * scale.to(loss.dtype), sync=i == len(micro_batches) - 1)
+                sums += torch.stack([t.detach().double() for t in (loss, *stats)])
+                objectives.unstage(mb)
+                if i + 1 < len(micro_batches):  # the next one's copies queue behind this backward
+                    objectives.staged(strategy, micro_batches[i + 1])
+        results.append(_update(strategy, sums, units, lr, stops))
+    if len(results) == 1:
+        return results[0]
+    n = len(results)  # the updates' means; the last update's grad norm; a skipped update counts
+    return StepResult(loss=sum(r.loss for r in results) / n, grad_norm=results[-1].grad_norm,
+                      means=[sum(v) / n for v in zip(*(r.means for r in results))],
+                      flags=[max(v) for v in zip(*(r.flags for r in results))],
+                      applied=all(r.applied for r in results))
+
+
+def _update(strategy, sums: torch.Tensor, units: torch.Tensor, lr: float, stops: StopSignals) -> StepResult:
+    """Clip, reduce the step's sums with the stop flags (the one host read), and apply the update."""
+    device, mesh = strategy.device, strategy.layout
     grad_norm = strategy.begin_update(lr)
     reduced = torch.cat([sums, objectives.to_device(stops.local(), device)])
     torch.distributed.all_reduce(reduced)  # the stop flags ride along

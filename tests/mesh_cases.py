@@ -167,10 +167,11 @@ def grpo_rows(model: str, rows: int, seq: int = SEQ) -> np.ndarray:
 
 
 def job(model: str, storage: str, sp: int = 1, tp: int = 1, finetune: str = "full", objective: str = "sft",
-        workers: int = 4, attn: str = "sdpa", strategy: str = "fsdp2", seq: int = SEQ, batch: int = 8):
+        workers: int = 4, attn: str = "sdpa", strategy: str = "fsdp2", seq: int = SEQ, batch: int = 8,
+        grpo: dict | None = None):
     from raytrain.config import JobSpec
 
-    rl = {"grpo": GRPO} if objective == "grpo" else {}
+    rl = {"grpo": {**GRPO, **(grpo or {})}} if objective == "grpo" else {}
     return JobSpec.model_validate({
         "name": "mesh", "model": {"path": model, "attn_implementation": attn},
         "data": {"path": "unused.jsonl", "seq_len": seq, **({"format": "prompt"} if rl else {})},

@@ -446,7 +446,8 @@ def test_dpo_at_the_reference_is_ln2_with_zero_rewards(assets, tok):
 
 # ---------------------------------------------------------------- any worker count
 WORLD_CASES = [("dpo", "lora"), ("reward", "full"), ("kto", "full"),  # KTO full: its frozen reference copy
-               ("grpo", "full")]  # GRPO: the same prompts' completions sampled, scored and trained alike
+               ("grpo", "full"),  # GRPO: the same prompts' completions sampled, scored and trained alike
+               ("grpo x2", "full")]  # ... with num_iterations 2: two updates on each step's completions
 
 
 def _objective_steps(rank: int, world: int, device, model: str, storage: str) -> dict:
@@ -458,11 +459,13 @@ def _objective_steps(rank: int, world: int, device, model: str, storage: str) ->
 
     out = {}
     for objective, finetune in WORLD_CASES:
-        spec = mesh_cases.job(model, storage, finetune=finetune, objective=objective, workers=world)
+        twice, objective = objective == "grpo x2", objective.split()[0]
+        spec = mesh_cases.job(model, storage, finetune=finetune, objective=objective, workers=world,
+                              grpo={"num_iterations": 2} if twice else None)
         rows = mesh_cases.grpo_rows(model, 8) if objective == "grpo" else mesh_cases.global_rows(
             True, False, 8, seed=1, kto=objective == "kto", margins=objective == "reward")
         result = mesh_cases.run_case(spec, rows, steps=3)
-        out[objective] = {k: result[k] for k in ("losses", "grad_norms", "means", "rewards")}
+        out["grpo x2" if twice else objective] = {k: result[k] for k in ("losses", "grad_norms", "means", "rewards")}
     return out
 
 
@@ -491,6 +494,11 @@ def test_each_objective_takes_the_same_steps_at_one_two_and_three_workers(assets
             assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(got["means"], one["means"])), objective
             assert got["rewards"] == one["rewards"], (world, got["rewards"], one["rewards"])  # the same completions
     assert len(set(runs[1]["grpo"]["rewards"])) == 3 and runs[1]["grpo"]["grad_norms"][0] > 0  # they trained
+    # num_iterations 2: each step's second update weighs the same completions by the ratio to the policy
+    # that sampled them, which the first update moved: tokens clipped (0 with one update: ratio 1)
+    x2 = runs[1]["grpo x2"]
+    print("\n[num_iterations 2] losses", x2["losses"], "means", x2["means"], "rewards", x2["rewards"])
+    assert x2["means"][5] > 0 and runs[1]["grpo"]["means"][5] == 0, (x2["means"], runs[1]["grpo"]["means"])
     assert runs[1]["kto"]["losses"][0] == pytest.approx(0.5, abs=1e-6)  # the policy at its reference: each row 1 - sigmoid(0)
 
 

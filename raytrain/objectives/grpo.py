@@ -111,6 +111,11 @@ class GRPO:
         """The step about to run and this rank's rows (source, epoch, row), in micro-batch order."""
         self.step, self.rows = step, rows
 
+    @property
+    def iterations(self) -> int:
+        """Updates on a step's completions (loop.train_step)."""
+        return self.g.num_iterations
+
     def units(self, mb: dict) -> int:
         return mb["_units"]
 
@@ -224,12 +229,15 @@ class GRPO:
         out, targets = forward(strategy, strategy.model, mb)
         logps = token_logps(out, targets, g.temperature)
         mask = (targets != IGNORE).float()
-        ref = None
-        if g.beta:
+        # The sampling policy's log-probs: this pass's on the first update (ratio 1), kept on the
+        # micro-batch for the step's later updates (num_iterations), as TRL's old_per_token_logps
+        old = mb.setdefault("_old_logps", logps.detach())
+        ref = mb.get("_ref_logps")
+        if g.beta and ref is None:  # the reference does not change within a step: once
             with torch.no_grad(), strategy.reference() as reference:
-                ref = token_logps(forward(strategy, reference, mb)[0], targets, g.temperature)
+                ref = mb["_ref_logps"] = token_logps(forward(strategy, reference, mb)[0], targets, g.temperature)
         adv = attention.to_device(mb["advantages"], strategy.device)
-        loss, kl, low, high = token_terms(logps, logps.detach(), ref, adv, g.epsilon, g.high, g.beta)
+        loss, kl, low, high = token_terms(logps, old, ref, adv, g.epsilon, g.high, g.beta)
         real = (mask.sum(-1) > 0).float()
         stats = [real.sum(), mask.sum(), (kl.detach() * mask).sum() if kl is not None else mask.sum() * 0,
                  (low * mask).sum(), (high * mask).sum(), (torch.maximum(low, high) * mask).sum()]

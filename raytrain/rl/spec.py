@@ -69,8 +69,8 @@ class GRPOSpec(_Section):
     """Lower clipping bound of the probability ratio (1 - epsilon)."""
     epsilon_high: float | None = Field(None, gt=0)
     """Upper clipping bound (1 + epsilon_high); default epsilon. DAPO recommends 0.28."""
-    num_iterations: Literal[1] = 1
-    """Optimizer steps per generation batch (TRL's mu). Only 1: each step's rollouts are sampled from the current policy."""
+    num_iterations: int = Field(1, ge=1)
+    """Updates on each step's completions (TRL's mu): a step rolls out once, then takes this many optimizer updates on the same completions, the probability ratio against the policy that sampled them (clipped by epsilon). The step, its checkpoint and the learning rate schedule count rollouts; MLflow logs the updates' mean loss and clip ratios, and the last update's grad norm."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide the advantages by the group's reward std (`group`), the global batch's (`batch`), or not (`none`: Dr. GRPO)."""
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
