@@ -131,23 +131,14 @@ def test_a_step_syncs_the_host_once_and_matches_the_cpu_step(group, assets, tmp_
     # Each micro-batch used to read its loss and metrics with float(): a host sync per micro-batch
     # (and one for the batch's units, one for the grad norm). Now one per optimizer step, and the
     # values are the CPU run's.
-    from raytrain import objectives
     from raytrain.loop import train_step
-    from raytrain.preemption import StopSignals
 
     data = {"path": str(assets / "pairs.jsonl")} if objective == "dpo" else {}
     spec = make_job(assets, tmp_path, data=data, training={"finetune": "full", "objective": objective,
                                                            "precision": "fp32", "micro_batch_size": 2})
     batch = micro_batches(spec, 4)
-    results, syncs = {}, {}
-    for where in ("cpu", "device"):
-        torch.manual_seed(0)
-        with FakeAccelerator() if where == "device" else _nothing() as accel:
-            strategy = DeviceStrategy.build(spec, DEVICE if where == "device" else torch.device("cpu"))
-            objective_fn, stops = objectives.build(spec), StopSignals(None, check_ray_notice=False)
-            before = len(accel.syncs) if accel else 0
-            results[where] = [train_step(strategy, objective_fn, batch, 1e-3, stops) for _ in range(3)]
-            syncs[where] = accel.syncs[before:] if accel else []
+    results, syncs = on_cpu_and_device(spec, lambda strategy, objective, stops: [
+        train_step(strategy, objective, batch, 1e-3, stops) for _ in range(3)])
     # One a step, raytrain's, host-to-device copies counted: every micro-batch (ids, positions,
     # targets, DPO's counts) is uploaded from pinned memory without waiting (before: 4 pageable
     # uploads per micro-batch, and transformers read the device once per forward to learn whether
@@ -173,29 +164,25 @@ def test_a_grpo_step_rolls_out_scores_and_trains_on_the_device_as_on_the_cpu(gro
 
     import mesh_cases
 
-    from raytrain import objectives
     from raytrain.data.batches import micro_batches as product_micro_batches
     from raytrain.loop import train_step
-    from raytrain.preemption import StopSignals
 
     spec = make_job(assets, tmp_path, data={"path": str(assets / "prompts.jsonl"), "format": "prompt", "seq_len": 64},
                     training={"objective": "grpo", "finetune": "full", "precision": "fp32", "micro_batch_size": 2,
                               "global_batch_size": 4, "grpo": mesh_cases.GRPO})
     rows = mesh_cases.grpo_rows(str(assets / "model"), 4, seq=64)
     batch = product_micro_batches([mesh_cases._Rows(rows)], [(0, r) for r in range(4)], 2)
-    results, rewards, syncs = {}, {}, {}
-    for where in ("cpu", "device"):
-        torch.manual_seed(0)
-        with FakeAccelerator() if where == "device" else _nothing() as accel:
-            strategy = DeviceStrategy.build(spec, DEVICE if where == "device" else torch.device("cpu"))
-            objective, stops = objectives.build(spec), StopSignals(None, check_ray_notice=False)
-            before = len(accel.syncs) if accel else 0
-            results[where], rewards[where] = [], []
-            for step in range(2):
-                objective.at(step, [(0, 0, r) for r in range(4)])
-                results[where].append(train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2, stops))
-                rewards[where].append(objective.host["reward"])
-            syncs[where] = accel.syncs[before:] if accel else []
+
+    def steps(strategy, objective, stops):
+        out = []
+        for step in range(2):
+            objective.at(step, [(0, 0, r) for r in range(4)])
+            out.append((train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2, stops), objective.host["reward"]))
+        return out
+
+    both, syncs = on_cpu_and_device(spec, steps)
+    results = {where: [r for r, _ in out] for where, out in both.items()}
+    rewards = {where: [w for _, w in out] for where, out in both.items()}
     # raytrain's own: per rollout (2 a step) its 4 small uploads (prompts, mask, keys, end tokens) and the
     # completions' read, per step the one read; none per decoded token (CHECK = 8 tokens: no "all ended?"
     # before the 8th). transformers' sdpa mask reads the padding mask once per forward (fast_all in
@@ -342,6 +329,23 @@ def micro_batches(spec, count: int) -> list[dict]:
         labels[:, : n // 4] = IGNORE
         out.append({"input_ids": ids, "labels": labels, "position_ids": torch.arange(n)[None].repeat(rows, 1)})
     return out
+
+
+def on_cpu_and_device(spec, run) -> tuple[dict, dict]:
+    """`run(strategy, objective, stops)` on the CPU and on the stand-in device, each from seed 0 with
+    the product's strategy and objective: ({where: its result}, {where: the host syncs it made})."""
+    from raytrain import objectives
+    from raytrain.preemption import StopSignals
+
+    results, syncs = {}, {}
+    for where in ("cpu", "device"):
+        torch.manual_seed(0)
+        with FakeAccelerator() if where == "device" else _nothing() as accel:
+            strategy = DeviceStrategy.build(spec, DEVICE if where == "device" else torch.device("cpu"))
+            before = len(accel.syncs) if accel else 0
+            results[where] = run(strategy, objectives.build(spec), StopSignals(None, check_ray_notice=False))
+            syncs[where] = accel.syncs[before:] if accel else []
+    return results, syncs
 
 
 class _nothing:
