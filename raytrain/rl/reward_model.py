@@ -15,8 +15,10 @@ import torch
 
 
 class RewardModel:
-    def __init__(self, path: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str, device: torch.device | str, dtype: torch.dtype | None = None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        dtype = dtype or torch.float32
 
         adapter = Path(path, "adapter_config.json")
         base = json.loads(adapter.read_text())["base_model_name_or_path"] if adapter.is_file() else path

@@ -80,7 +80,7 @@ class Reward:
             from .reward_model import RewardModel
 
             try:
-                self.model = RewardModel(spec.model, device or "cpu", dtype) if dtype else RewardModel(spec.model, device or "cpu")
+                self.model = RewardModel(spec.model, device or "cpu", dtype)
             except (OSError, ValueError, KeyError) as exc:
                 raise RewardError(f"training.grpo.rewards: model {spec.model!r} does not load as a reward model "
                                   f"({type(exc).__name__}: {str(exc)[:200]}); give a folder `raytrain run` exported "

@@ -79,9 +79,9 @@ class FSDP2Strategy(TorchStrategy):
     @contextlib.contextmanager
     def gathered(self):
         """The whole model gathered once and kept until the context ends, then resharded: GRPO's
-        step (loop.train_step) runs its rollout and its forwards and backwards inside, so neither a
-        decode step per token nor each micro-batch's forward and backward all-gathers the model
-        again (RL1, benchmarks/RESULTS.md: a rollout 0.88-0.91x, a step's training half ~0.8x on 2
+        pass over a step (loop.train_step: the rollout, then each micro-batch's forward and backward;
+        regathered for each of num_iterations' updates, which change the shards) runs inside, so
+        neither a decode step per token nor each forward and backward all-gathers the model again (RL1, benchmarks/RESULTS.md: a rollout 0.88-0.91x, a step's training half ~0.8x on 2
         gloo ranks, 135M model; the same losses bit for bit). Gradients still reduce-scatter to
         their shards at the last backward. Each rank holds the whole model in the compute dtype
         meanwhile, as TRL's ds3_gather_for_generation and verl's hybrid engine do (memory.py counts
