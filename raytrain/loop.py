@@ -89,7 +89,7 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     loss there: nothing in between stalls the host while kernels run (FSDP2's prefetch keeps
     overlapping)."""
     device, mesh = strategy.device, strategy.layout
-    results, units = [], None
+    results, units, scale = [], None, None
     # GRPO's num_iterations: one rollout, then that many updates on its completions (TRL's mu). Each
     # update is one pass over the micro-batches; the last ends the step, the unit a checkpoint holds.
     for iteration in range(getattr(objective, "iterations", 1)):
@@ -103,9 +103,9 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
                 units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
                 torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's ranks
                 units = (units / mesh.row_ranks).clamp(min=1)
-            # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts add
-            # up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
-            scale = mesh.gradient_ranks / units
+                # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts
+                # add up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
+                scale = mesh.gradient_ranks / units
             sums = torch.zeros(1 + len(objective.metrics), dtype=torch.float64, device=device)
             for i, mb in enumerate(micro_batches):
                 loss, stats = objective(strategy, mb)

@@ -32,6 +32,7 @@ from pathlib import Path
 from . import masks, nf4_layout
 from .config import JobSpec
 from .plan import RunPlan
+from .rl.spec import reward_model_base, reward_model_bytes
 from .strategies import deepspeed_config
 
 GiB = 2**30
@@ -238,17 +239,15 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         live = min(zero["stage3_max_live_parameters"], N) if zero["stage3_max_reuse_distance"] else facts.layer_params
         out.device.append(Term("parameters kept gathered (stage3_max_live_parameters)",
                                f"{_n(live)} × {c} B", live * c))
-    elif sharded and P > 1 and spec.rl:
-        # GRPO's step keeps the whole model gathered from its rollout to its last backward
-        # (FSDP2Strategy.gathered); QLoRA's layers stay 4-bit codes, dequantized a weight at a time
-        g = 0.6 if t.finetune == "qlora" else c
-        out.device.append(Term("the whole model gathered for the step (GRPO)", f"{_n(N)} × {g} B", N * g))
     elif sharded and P > 1:
-        tp = plan.tensor_parallel  # a rank gathers its tp part of each layer
-        layer, per_tp = facts.layer_params / tp, f" / {tp}" if tp > 1 else ""
         # QLoRA gathers a layer's 4-bit codes and dequantizes one weight at a time for its matmul
         g = 0.6 if t.finetune == "qlora" else c
-        out.device.append(Term("gathered layers", f"2 × {_n(facts.layer_params)}{per_tp} × {g} B", 2 * layer * g))
+        if spec.rl:  # GRPO's pass keeps the whole model gathered from its rollout to its last backward
+            out.device.append(Term("the whole model gathered for the step (GRPO)", f"{_n(N)} × {g} B", N * g))
+        else:
+            tp = plan.tensor_parallel  # a rank gathers its tp part of each layer
+            layer, per_tp = facts.layer_params / tp, f" / {tp}" if tp > 1 else ""
+            out.device.append(Term("gathered layers", f"2 × {_n(facts.layer_params)}{per_tp} × {g} B", 2 * layer * g))
     if t.strategy == "fsdp2" and P > 1 and not spec.rl:
         # The root unit (the embedding, a separate output layer, the last norm) is gathered whole
         # at the first forward and kept through the backward: the largest tensors of the model.
@@ -266,14 +265,11 @@ def reward_model_terms(spec: JobSpec) -> list[Term]:
     """GRPO's reward models: a whole copy on each worker (rl/reward_model.py), fp32 (bf16 on GPUs under
     precision bf16). Sized from a local folder's headers (an adapter's base's); a hub id is not counted."""
     out = []
-    c = 2 if spec.scaling.use_gpu and spec.training.precision == "bf16" else 4
+    c = reward_model_bytes(spec)
     for reward in spec.training.grpo.rewards if spec.rl else []:
         if not reward.model:
             continue
-        folder = Path(reward.model)
-        adapter = folder / "adapter_config.json"
-        if adapter.is_file():
-            folder = Path(json.loads(adapter.read_text()).get("base_model_name_or_path") or "")
+        folder = Path(reward_model_base(reward.model))
         if not (folder / "config.json").is_file():
             continue
         n = read_facts(folder).n_params

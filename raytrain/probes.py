@@ -26,6 +26,7 @@ from .data import FILE_EXTENSIONS, to_value
 from .data.pairs import record_of, to_margin, to_pair
 from .data.prompts import to_prompt
 from .data.unpaired import to_unpaired
+from .rl.spec import reward_model_base
 from .data.sources import list_sources, sample_rows
 from .problems import NOTE, Problem, did_you_mean, is_hub_id
 from .tracking import REMOTE_WITHOUT_SERVER, tracking_uri
@@ -240,7 +241,7 @@ def reward_model_problems(field: str, path: str) -> list[Problem]:
         return [Problem(field, repr(path), f"has no {kind}: only safetensors weights are read (a pickled file can "
                         "run code); save the reward model with safetensors", "model")]
     if adapter.is_file():
-        base = json.loads(adapter.read_text()).get("base_model_name_or_path") or ""
+        base = reward_model_base(path)
         if not Path(base).is_dir() and not is_hub_id(base):
             return [Problem(field, repr(path), f"is a LoRA adapter over {base!r}, which is neither a folder here nor "
                             "a hub id: export the reward model whole (finetune: full) or keep its base where it names", "model")]

@@ -28,6 +28,7 @@ from ..data import IGNORE
 from ..data.prompts import columns_of
 from ..rl import rewards as rewards_module
 from ..rl.sampling import completion_key, rollout
+from ..rl.spec import reward_model_bytes
 from .tokens import Hidden, chunked_cross_entropy, forward
 
 TRL_STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
@@ -124,8 +125,7 @@ class GRPO:
             from ..modeling import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.spec)
-            # a reward model computes in fp32, or bf16 on GPUs under precision bf16
-            dtype = torch.bfloat16 if device.type == "cuda" and self.spec.training.precision == "bf16" else torch.float32
+            dtype = torch.bfloat16 if reward_model_bytes(self.spec) == 2 else torch.float32  # a reward model's
             self.rewards = [rewards_module.Reward(r, self.g.max_completion_length, device, dtype) for r in self.g.rewards]
 
     def begin(self, strategy, micro_batches: list[dict]) -> None:

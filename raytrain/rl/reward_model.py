@@ -8,10 +8,11 @@ Loaded from safetensors only, with trust_remote_code off: nothing read from stor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+
+from .spec import reward_model_base
 
 
 class RewardModel:
@@ -20,8 +21,8 @@ class RewardModel:
 
         dtype = dtype or torch.float32
 
-        adapter = Path(path, "adapter_config.json")
-        base = json.loads(adapter.read_text())["base_model_name_or_path"] if adapter.is_file() else path
+        adapter = Path(path, "adapter_config.json").is_file()
+        base = reward_model_base(path)
         tok_dir = path if any(Path(path, f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) else base
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
         if self.tokenizer.pad_token_id is None:  # TRL's rule: the head reads the last token that is not padding
@@ -29,7 +30,7 @@ class RewardModel:
         model = AutoModelForSequenceClassification.from_pretrained(
             base, num_labels=1, pad_token_id=self.tokenizer.pad_token_id, dtype=dtype, use_safetensors=True,
             trust_remote_code=False)
-        if adapter.is_file():
+        if adapter:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, path, use_safetensors=True).merge_and_unload()

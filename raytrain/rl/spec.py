@@ -3,7 +3,9 @@ that tie them to the rest of a job. Pure pydantic: `raytrain validate` reads it 
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -49,9 +51,20 @@ class RewardSpec(_Section):
 
     @property
     def label(self) -> str:
-        if self.name or self.builtin:
-            return self.name or self.builtin
-        return self.function.split(":")[1] if self.function else self.model.rstrip("/").rsplit("/", 1)[-1]
+        return self.name or self.builtin or (self.function.split(":")[1] if self.function
+                                             else self.model.rstrip("/").rsplit("/", 1)[-1])
+
+
+def reward_model_base(path: str) -> str:
+    """The model a reward model's folder loads from: the base its LoRA adapter names
+    (adapter_config.json), or the folder itself. ("" for an adapter naming none.)"""
+    adapter = Path(path, "adapter_config.json")
+    return (json.loads(adapter.read_text()).get("base_model_name_or_path") or "") if adapter.is_file() else path
+
+
+def reward_model_bytes(spec) -> int:
+    """A reward model's compute bytes a weight: bf16 on GPUs under precision bf16, else fp32."""
+    return 2 if spec.scaling.use_gpu and spec.training.precision == "bf16" else 4
 
 
 class GRPOSpec(_Section):
