@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, control, loop, modeling, storage
+from . import allocator, checkpoint, control, loop, modeling, storage
 from .step_metrics import StepLogger
 from .checkpoint import TrainState
 from .config import JobSpec
@@ -152,12 +152,15 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
             phase = "step_1" if steps[0] == 1 else "steps"
             timeline.mark(phase)
             every_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(every_rank, timeline.memory)  # twice an attempt
-            timeline.with_busiest(every_rank)
+            dist.all_gather_object(every_rank, (timeline.memory, allocator.in_use()))  # twice an attempt
+            timeline.with_busiest([memory for memory, _ in every_rank])
             if attempt:
-                print(f"[raytrain] {timeline.line(attempt) if phase == 'step_1' else timeline.steps_line()}",
-                      file=sys.stdout, flush=True)
+                # which host allocator the workers run, as their own mappings say (allocator.py)
+                allocators = ",".join(sorted({name for _, name in every_rank}))
+                print(f"[raytrain] {timeline.line(attempt) if phase == 'step_1' else timeline.steps_line()}"
+                      f"{f' (host allocator: {allocators})' if phase == 'step_1' else ''}", file=sys.stdout, flush=True)
                 logger.log(attempt, timeline.metrics(attempt, phase))
+                logger.set_tags({"raytrain.host_allocator": allocators})
         if then:
             then(state, batch)
 

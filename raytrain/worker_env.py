@@ -10,7 +10,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 
-from . import preemption, signing
+from . import allocator, preemption, signing
 from .config import JobSpec
 
 # Read by Ray Train's controller, which inherits them from the driver's environment.
@@ -40,15 +40,9 @@ def controller_env(spec: JobSpec) -> dict[str, str]:
 # cloud's secret store); a worker process on a node that lacks some asks the driver's secret
 # relay for them as its train function starts (`with_secrets`), so a spot node an autoscaler
 # adds mid-run is covered as well as the nodes alive at submit.
-#
-# glibc's allocator settings, passed on from the submitter's shell. A CPU worker's tensors are host
-# memory, and glibc keeps what a step frees: after a 32 MiB block is freed it raises its mmap
-# threshold to 32 MiB, so smaller tensors after it come from heaps that are never given back.
-# A fixed threshold gives them back, for page faults on fresh memory (RESULTS.md, "Host memory":
-# a SmolLM2-135M-shaped LoRA job peaks at 1.29 GiB a worker instead of 2.48, and P1's step takes
-# 1.56x as long), so raytrain leaves the choice to the user (README, "Host memory").
-ALLOCATOR_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", *ALLOCATOR_ENV)
+# The host allocator's variables are allocator.worker_env's (mimalloc on CPU workers, unless the
+# submitter chose).
+SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
 SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", signing.KEY_ENV)
 # Names and ids only, never a value: these are in the workers' runtime_env.
@@ -174,6 +168,7 @@ def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
     for key in SETTINGS_ENV:
         if key in os.environ:
             env[key] = os.environ[key]
+    env.update(allocator.worker_env(spec.scaling.use_gpu, os.environ))
     env.update(relay or {})
     # A worker-process setup hook runs in each worker's main thread at start-up, so that
     # SIGTERM means "checkpoint, then go" (`setup_worker`). Ray turns a job-level

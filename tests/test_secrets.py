@@ -94,21 +94,35 @@ def test_a_worker_whose_node_has_everything_asks_nothing(ray_address, assets, tm
     assert seen["key_id"] == signing.key_id() and printed == ""
 
 
-def test_the_submitters_allocator_choice_reaches_the_workers(assets, tmp_path, monkeypatch):
-    # A fixed glibc mmap threshold halves a CPU worker's peak (SmolLM2-135M-shaped LoRA: 2.48 ->
-    # 1.29 GiB; benchmarks/job_memory.py) at 1.56x P1's step: the user's choice, which a
-    # `ray start` cluster's workers did not get (they inherit the node's environment, not the shell's).
+def test_cpu_workers_run_mimalloc_unless_the_submitter_chose(assets, tmp_path, monkeypatch):
+    # glibc keeps what a CPU worker's step frees (SmolLM2-135M-shaped LoRA: a 2.48 GiB peak, growing
+    # every step); mimalloc reuses it (allocator.py; benchmarks/RESULTS.md). A user's own allocator
+    # setting reaches the workers as set, which a `ray start` cluster's workers would not get (they
+    # inherit the node's environment, not the shell's); a GPU job stays on glibc.
     from conftest import make_job
 
-    for key in [k for k in os.environ if k.startswith("MALLOC_")]:
-        monkeypatch.delenv(key)
-    plain = worker_env.runtime_env(make_job(assets, tmp_path))["env_vars"]
-    assert not any(k.startswith("MALLOC_") for k in plain)  # glibc's defaults unless asked
+    from raytrain import allocator
+
+    for key in [k for k in os.environ if k.startswith(("MALLOC_", "MIMALLOC_"))] + ["LD_PRELOAD", allocator.CHOICE_ENV]:
+        monkeypatch.delenv(key, raising=False)
+
+    def allocator_env(**job) -> dict:
+        env = worker_env.runtime_env(make_job(assets, tmp_path, **job))["env_vars"]
+        return {k: v for k, v in env.items() if k.startswith(("MALLOC_", "MIMALLOC_")) or k == "LD_PRELOAD"}
+
+    assert allocator_env() == {"LD_PRELOAD": allocator.mimalloc_path(), "MIMALLOC_PURGE_DELAY": "-1"}
+    assert os.path.isfile(allocator_env()["LD_PRELOAD"])
+    assert allocator_env(scaling={"use_gpu": True}) == {}
+    monkeypatch.setenv("MIMALLOC_PURGE_DELAY", "100")  # mimalloc's own settings pass as set
+    assert allocator_env()["MIMALLOC_PURGE_DELAY"] == "100"
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "262144")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "262144")
-    chosen = worker_env.runtime_env(make_job(assets, tmp_path))["env_vars"]
-    assert {k: v for k, v in chosen.items() if k.startswith("MALLOC_")} == \
-        {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}
+    assert allocator_env() == {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144",
+                               "MIMALLOC_PURGE_DELAY": "100"}
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv(allocator.CHOICE_ENV, "glibc")
+    assert allocator_env() == {"MIMALLOC_PURGE_DELAY": "100"}
 
 
 def test_another_job_on_the_cluster_cannot_reach_the_relay(ray_address, tmp_path, monkeypatch):

@@ -47,6 +47,8 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     memory = {p: metric_history(spec, result.run_id, f"startup/host_peak_mb/{p}")[1]
               for p in ("workers", "loaded", "model", "restored", "data", "step_1", "steps")}
     assert 0 < memory["workers"] < memory["model"] and list(memory.values()) == sorted(memory.values()), memory
+    # CPU workers run mimalloc (allocator.py): their own mappings say so, not just the variable asked for.
+    assert run.data.tags["raytrain.host_allocator"] == "mimalloc"
 
     # Sharded checkpoints from both ranks; keep_last prunes older ones.
     run_dir = Path(spec.run_dir)
