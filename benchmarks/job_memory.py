@@ -55,7 +55,7 @@ def run_job(name: str, model: Path, data: Path, finetune: str, env: dict, folder
             "wall_s": time.time() - started}
 
 
-def dpo(real: Path, folder: Path) -> None:
+def dpo(real: Path, folder: Path, env: dict) -> None:
     """M6: SmolLM2-135M-shaped LoRA DPO at seq_len 1024, a pair a micro-batch, 2 workers: its busiest
     worker's peak (goal <= 5 GiB, half this machine's 24 GiB for 2) against `raytrain validate`'s
     estimate (goal 0.8 to 1.2)."""
@@ -64,7 +64,7 @@ def dpo(real: Path, folder: Path) -> None:
     from raytrain import memory, preflight
     from raytrain.config import JobSpec
 
-    r = run_job("dpo-smollm2", real, h.CACHE / "base-8000" / "pairs.jsonl", "lora", {}, folder, objective="dpo",
+    r = run_job("dpo-smollm2", real, h.CACHE / "base-8000" / "pairs.jsonl", "lora", env, folder, objective="dpo",
                 seq_len=1024, steps=2)
     spec = JobSpec.model_validate(yaml.safe_load((folder / "dpo-smollm2" / "job.yaml").read_text()))
     est = memory.estimate(spec, preflight.model_facts(spec), 2)
@@ -76,11 +76,17 @@ def dpo(real: Path, folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", nargs="+", default=["lora", "full", "dpo"])
+    parser.add_argument("--settings", nargs="+", default=["product", "glibc", "fixed"])
     args = parser.parse_args()
-    # "product": glibc's defaults, what `raytrain run` gives CPU workers; "fixed": the README's
-    # opt-in (a fixed 256 KiB mmap threshold), from the submitting shell as a user sets it.
-    settings = {"product": {}, "fixed": {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}}
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    # "product": what `raytrain run` gives CPU workers (mimalloc, allocator.py); "glibc": glibc's
+    # defaults (the product before 2026-11-27, and RAYTRAIN_HOST_ALLOCATOR=glibc); "fixed": glibc with
+    # a fixed 256 KiB mmap threshold, from the submitting shell as a user sets it.
+    settings = {"product": {}, "glibc": {"RAYTRAIN_HOST_ALLOCATOR": "glibc"},
+                "fixed": {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"},
+                "purge-1s": {"MIMALLOC_PURGE_DELAY": "1000"}}  # mimalloc, freed pages handed back after 1 s
+    settings = {k: settings[k] for k in args.settings}
+    base_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("MALLOC_", "MIMALLOC_")) and k not in ("LD_PRELOAD", "RAYTRAIN_HOST_ALLOCATOR")}
     s = h.SETTINGS["quick"]
     tiny, data = h.assets(h.SETTINGS["smoke"])
     real = smollm2_shape(s)
@@ -88,7 +94,7 @@ def main() -> None:
     folder = h.scratch("job-memory")
     try:
         if "dpo" in args.arms:
-            dpo(real, folder)
+            dpo(real, folder, base_env)
         for finetune in [a for a in args.arms if a != "dpo"]:
             # what a rank must hold: its shard of the weights; a full fine-tune also its gradients and AdamW's m, v
             share = model_mib / 2 * (4 if finetune == "full" else 1)

@@ -43,7 +43,7 @@ def worker_env(use_gpu: bool, submitted: Mapping[str, str]) -> dict[str, str]:
     """The allocator variables of the train workers' runtime_env, given the submitter's environment.
     The workers of one cluster share the driver's image (k8s/Dockerfile, cluster/*.yaml), so the
     driver's path to the library is theirs; a node without it says so once and runs on glibc."""
-    chosen = {k: submitted[k] for k in (*GLIBC_ENV, "LD_PRELOAD", *SETTINGS) if k in submitted}
+    chosen = {k: v for k, v in submitted.items() if k in (*GLIBC_ENV, "LD_PRELOAD") or k.startswith("MIMALLOC_")}
     if use_gpu or submitted.get(CHOICE_ENV, "mimalloc") == "glibc" or set(chosen) & {*GLIBC_ENV, "LD_PRELOAD"}:
         return chosen
     path = mimalloc_path()

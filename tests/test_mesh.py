@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 REL_TOL = 1e-5  # another reduction order (per part, per rank): fp32 rounding, not bit equality
