@@ -2,8 +2,7 @@
 
 A CPU worker's tensors are host memory. glibc's malloc keeps most of what a step frees: after a
 32 MiB block is freed it raises its mmap threshold to 32 MiB, and every smaller tensor after it
-comes from per-thread heaps it never gives back (autograd's backward thread allocates in another
-arena than the forward), so a worker's resident memory grows step after step. A fixed threshold
+comes from per-thread heaps it never gives back, so a worker's resident memory grows step after step. A fixed threshold
 gives it back, for page faults on fresh memory every step (a full fine-tune's step 1.56x as long).
 mimalloc reuses what a step freed for the next step, across threads, without giving it back and
 faulting it in again: on the SmolLM2-135M shape (benchmarks/RESULTS.md, "Host memory") a worker's
@@ -42,7 +41,8 @@ def mimalloc_path() -> str | None:
 def worker_env(use_gpu: bool, submitted: Mapping[str, str]) -> dict[str, str]:
     """The allocator variables of the train workers' runtime_env, given the submitter's environment.
     The workers of one cluster share the driver's image (k8s/Dockerfile, cluster/*.yaml), so the
-    driver's path to the library is theirs; a node without it says so once and runs on glibc."""
+    driver's path to the library is theirs; a worker on a node without it runs on glibc (ld.so says
+    so in its log) and `raytrain.host_allocator` names both."""
     chosen = {k: v for k, v in submitted.items() if k in (*GLIBC_ENV, "LD_PRELOAD") or k.startswith("MIMALLOC_")}
     if use_gpu or submitted.get(CHOICE_ENV, "mimalloc") == "glibc" or set(chosen) & {*GLIBC_ENV, "LD_PRELOAD"}:
         return chosen
