@@ -279,9 +279,10 @@ def reward_model_terms(spec: JobSpec) -> list[Term]:
 
 # What a worker holds before any weight: CUDA's context and NCCL's buffers on a GPU; on a CPU
 # worker (whose device memory is its host memory) the process itself, measured: a 0.1M-parameter
-# job's busiest worker peaks at 0.65 GiB (Python, torch, transformers, Ray's worker, the data).
+# job's busiest worker peaks at 0.77 GiB (Python, torch, transformers, Ray's worker, the data, and
+# mimalloc's arenas: 0.65 GiB on glibc; benchmarks/RESULTS.md, "mimalloc for CPU workers").
 RUNTIME_GPU = Term("runtime (CUDA context, NCCL) ≈", "", GiB)
-RUNTIME_CPU = Term("runtime (the worker process: Python, torch, Ray) ≈", "", 0.65 * GiB)
+RUNTIME_CPU = Term("runtime (the worker process: Python, torch, Ray) ≈", "", 0.77 * GiB)
 
 
 def trainable_params(spec: JobSpec, facts: ModelFacts) -> int:
