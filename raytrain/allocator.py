@@ -38,6 +38,15 @@ def mimalloc_path() -> str | None:
     return str(path) if os.path.isfile(path) else None
 
 
+def problems(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """(field, value, fix) of an allocator choice that cannot be carried out, for validate."""
+    choice = environ.get(CHOICE_ENV)
+    if choice not in (None, "mimalloc", "glibc"):
+        return [(CHOICE_ENV, repr(choice), "the CPU workers' host allocator is mimalloc (the default) or glibc: "
+                 f"set {CHOICE_ENV} to one of them, or unset it")]
+    return []
+
+
 def worker_env(use_gpu: bool, submitted: Mapping[str, str]) -> dict[str, str]:
     """The allocator variables of the train workers' runtime_env, given the submitter's environment.
     The workers of one cluster share the driver's image (k8s/Dockerfile, cluster/*.yaml), so the

@@ -18,7 +18,7 @@ from struct import error as StructError
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import memory, nf4_layout, probes, storage
+from . import allocator, memory, nf4_layout, probes, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
 from .plan import RunPlan, model_parallel_problems
 from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
@@ -94,6 +94,7 @@ def check(path: str, overrides: list[str] = (), probes: bool = True, network_req
     if raw is None:
         return Report(None, problems)
     problems += secret_problems(raw)
+    problems += [Problem(*p, "environment") for p in allocator.problems(os.environ)]
     flagged = {p.field for p in problems if p.kind == "security"}
     raw = absolutize(raw, os.getcwd())
     try:

@@ -612,6 +612,13 @@ def test_run_refuses_an_invalid_job_before_ray(assets, tmp_path):
     assert "nothing was started" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_an_allocator_choice_that_cannot_be_carried_out_is_refused_before_ray(assets, tmp_path):
+    path = write_job(tmp_path, base_job(assets, tmp_path))
+    code, _, err = cli("validate", str(path), env={"RAYTRAIN_HOST_ALLOCATOR": "jemalloc"})
+    assert code == 2 and "RAYTRAIN_HOST_ALLOCATOR = 'jemalloc': " in err and "mimalloc (the default) or glibc" in err
+    assert cli("validate", str(path), env={"RAYTRAIN_HOST_ALLOCATOR": "glibc"})[0] == 0
+
+
 # ---------------------------------------------------------------- hub ids and what cannot be reached
 def test_hub_id_is_a_note_checked_on_the_cluster(assets, tmp_path):
     job = base_job(assets, tmp_path)
