@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from raytrain import allocator
+
 from . import harness as h
 from .memory import smollm2_shape
 
@@ -81,12 +83,12 @@ def main() -> None:
     # "product": what `raytrain run` gives CPU workers (mimalloc, allocator.py); "glibc": glibc's
     # defaults (the product before 2026-11-27, and RAYTRAIN_HOST_ALLOCATOR=glibc); "fixed": glibc with
     # a fixed 256 KiB mmap threshold, from the submitting shell as a user sets it.
-    settings = {"product": {}, "glibc": {"RAYTRAIN_HOST_ALLOCATOR": "glibc"},
+    settings = {"product": {}, "glibc": {allocator.CHOICE_ENV: "glibc"},
                 "fixed": {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"},
                 "purge-1s": {"MIMALLOC_PURGE_DELAY": "1000"}}  # mimalloc, freed pages handed back after 1 s
     settings = {k: settings[k] for k in args.settings}
     base_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("MALLOC_", "MIMALLOC_")) and k not in ("LD_PRELOAD", "RAYTRAIN_HOST_ALLOCATOR")}
+                if not k.startswith(("MALLOC_", "MIMALLOC_")) and k not in ("LD_PRELOAD", allocator.CHOICE_ENV)}
     s = h.SETTINGS["quick"]
     tiny, data = h.assets(h.SETTINGS["smoke"])
     real = smollm2_shape(s)

@@ -2,8 +2,9 @@
 
 A CPU worker's tensors are host memory. glibc's malloc keeps most of what a step frees: after a
 32 MiB block is freed it raises its mmap threshold to 32 MiB, and every smaller tensor after it
-comes from per-thread heaps it never gives back, so a worker's resident memory grows step after step. A fixed threshold
-gives it back, for page faults on fresh memory every step (a full fine-tune's step 1.56x as long).
+comes from per-thread heaps it never gives back, so a worker's resident memory grows step after
+step. A fixed threshold gives it back, for page faults on fresh memory every step (a full
+fine-tune's step 1.56x as long).
 mimalloc reuses what a step freed for the next step, across threads, without giving it back and
 faulting it in again: on the SmolLM2-135M shape (benchmarks/RESULTS.md, "Host memory") a worker's
 step peak is a third lower and flat from step 2 on, at glibc's speed or better.
@@ -25,6 +26,7 @@ from importlib import metadata
 
 GLIBC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 CHOICE_ENV = "RAYTRAIN_HOST_ALLOCATOR"  # "glibc" keeps glibc's malloc on CPU workers too
+CHOICES = ("mimalloc", "glibc")  # the first is the default
 LIBRARY = "cmeel.prefix/lib/libmimalloc.so.3"  # where the cmeel-mimalloc wheel puts it in site-packages
 SETTINGS = {"MIMALLOC_PURGE_DELAY": "-1"}
 
@@ -41,7 +43,7 @@ def mimalloc_path() -> str | None:
 def problems(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
     """(field, value, fix) of an allocator choice that cannot be carried out, for validate."""
     choice = environ.get(CHOICE_ENV)
-    if choice not in (None, "mimalloc", "glibc"):
+    if choice is not None and choice not in CHOICES:
         return [(CHOICE_ENV, repr(choice), "the CPU workers' host allocator is mimalloc (the default) or glibc: "
                  f"set {CHOICE_ENV} to one of them, or unset it")]
     return []
@@ -53,7 +55,7 @@ def worker_env(use_gpu: bool, submitted: Mapping[str, str]) -> dict[str, str]:
     driver's path to the library is theirs; a worker on a node without it runs on glibc (ld.so says
     so in its log) and `raytrain.host_allocator` names both."""
     chosen = {k: v for k, v in submitted.items() if k in (*GLIBC_ENV, "LD_PRELOAD") or k.startswith("MIMALLOC_")}
-    if use_gpu or submitted.get(CHOICE_ENV, "mimalloc") == "glibc" or set(chosen) & {*GLIBC_ENV, "LD_PRELOAD"}:
+    if use_gpu or submitted.get(CHOICE_ENV, CHOICES[0]) == "glibc" or set(chosen) & {*GLIBC_ENV, "LD_PRELOAD"}:
         return chosen
     path = mimalloc_path()
     return {**SETTINGS, **chosen, "LD_PRELOAD": path} if path else chosen

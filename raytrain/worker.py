@@ -143,8 +143,9 @@ def _data_ready(job_control, device) -> bool:
 def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
     """After this attempt's first step, rank 0 (attempt > 0) says where its start-up went: the
     phases' times, and the busiest rank's host memory at each (every rank's, gathered); after
-    its STEADY_AFTER-th step, the busiest rank's memory once the steps are steady."""
-    steps = [0]
+    its STEADY_AFTER-th step, the busiest rank's memory once the steps are steady. At step 1 it
+    also says which host allocator the workers run, as their own mappings show (allocator.py)."""
+    steps, host_allocator = [0], allocator.in_use()  # a process's allocator is fixed at its start
 
     def on_step(state, batch) -> None:
         steps[0] += 1
@@ -152,15 +153,17 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
             phase = "step_1" if steps[0] == 1 else "steps"
             timeline.mark(phase)
             every_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(every_rank, (timeline.memory, allocator.in_use()))  # twice an attempt
+            dist.all_gather_object(every_rank, (timeline.memory, host_allocator))  # twice an attempt
             timeline.with_busiest([memory for memory, _ in every_rank])
             if attempt:
-                # which host allocator the workers run, as their own mappings say (allocator.py)
-                allocators = ",".join(sorted({name for _, name in every_rank}))
-                print(f"[raytrain] {timeline.line(attempt) if phase == 'step_1' else timeline.steps_line()}"
-                      f"{f' (host allocator: {allocators})' if phase == 'step_1' else ''}", file=sys.stdout, flush=True)
+                if phase == "step_1":
+                    allocators = ",".join(sorted({name for _, name in every_rank}))
+                    line = f"{timeline.line(attempt)} (host allocator: {allocators})"
+                    logger.set_tags({"raytrain.host_allocator": allocators})
+                else:
+                    line = timeline.steps_line()
+                print(f"[raytrain] {line}", file=sys.stdout, flush=True)
                 logger.log(attempt, timeline.metrics(attempt, phase))
-                logger.set_tags({"raytrain.host_allocator": allocators})
         if then:
             then(state, batch)
 
