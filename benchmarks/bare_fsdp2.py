@@ -9,7 +9,8 @@ so that the difference between the two is framework overhead and nothing else:
   in raytrain's global order, rank r taking its slice of each global batch;
 - the same loss: sum of token cross-entropy / global label tokens x world size, with the
   same two all-reduces (token count, logged loss) and no gradient sync until the last
-  micro-batch; AdamW (betas 0.9/0.95), clipping at 1.0, the same warmup + cosine LR;
+  micro-batch; AdamW (betas 0.9/0.95; torch's default kernel, as a hand-rolled script gets, or with
+  --fused the fused one raytrain uses), clipping at 1.0, the same warmup + cosine LR;
 - the same sharding: fully_shard per decoder block, then the root; fp32 on CPU, bf16
   params with fp32 reduction on GPU.
 Rank 0 appends one line per finished step to $BENCH_STEP_LOG/rank0.jsonl (as raytrain
@@ -48,6 +49,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--window", type=int, default=256, help="data.shuffle_window of the job, in packed rows")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fused", action="store_true", help="AdamW on torch's fused kernel, as raytrain's (default: torch's)")
     p.add_argument("--fsdp1", action="store_true", help="FullyShardedDataParallel (FSDP1) instead of fully_shard")
     p.add_argument("--gpu", action="store_true", help="CUDA + NCCL, bf16 compute with fp32 reduction")
     p.add_argument("--out", required=True, help="rank 0 writes its timings here (JSON)")
@@ -102,7 +104,8 @@ def build(args, device, world: int):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                  fused=True if args.fused else None)
     return model, params, optimizer
 
 

@@ -70,7 +70,10 @@ def steady(values, warmup: int) -> float:
 # ---------------------------------------------------------------- P1
 # `raytrain-before` puts back what raytrain did before P1's two fixes, to show what they bought side by side:
 # the blocking per-step stop check (probe.py) and, on CPU, torch's thread pool sized by the core count.
-P1_ARMS = {"raytrain": [], "torchrun": None, "raytrain-before": ["--blocking-check", "--torch-threads", "2"]}
+# `torchrun-fused` is the bare script with raytrain's fused AdamW (`strategies.base.adamw`): P1 is against
+# what a hand-rolled script gets (torch's default kernel); against this arm it is the overhead alone.
+P1_ARMS = {"raytrain": [], "torchrun": [], "raytrain-before": ["--blocking-check", "--torch-threads", "2"],
+           "torchrun-fused": ["--fused"]}
 
 
 EARLY = (5, 25)  # steps whose in-loop time P1 also reports: the warm-up transient
@@ -85,12 +88,12 @@ def p1(s: h.Setting) -> dict:
     h.header("P1 steady step time: raytrain (Ray Train + FSDP2) / bare torchrun FSDP2", s)
     model, data = h.assets(s)
     # The smoke setting checks the harness, not the fixes: it runs the two arms the ratio needs.
-    arms = [a for a in P1_ARMS if not (s.name == "smoke" and a == "raytrain-before")]
+    arms = [a for a in P1_ARMS if not (s.name == "smoke" and a in ("raytrain-before", "torchrun-fused"))]
     periods, in_loop, early = {a: [] for a in arms}, {a: [] for a in arms}, {a: [] for a in arms}
-    first_loss, check = {}, {a: [] for a in arms if a != "torchrun"}
+    first_loss, check = {}, {a: [] for a in arms if not a.startswith("torchrun")}
     for arm in h.alternate(s.reps, arms):
-        if arm == "torchrun":
-            r = bare_arm(s, "p1-torchrun", model, data)
+        if arm.startswith("torchrun"):
+            r = bare_arm(s, f"p1-{arm}", model, data, *P1_ARMS[arm])
             first_loss[arm] = r["loss"][0]
             note = ""
         else:
@@ -116,13 +119,16 @@ def p1(s: h.Setting) -> dict:
     if s.steps >= EARLY[1]:
         h.ratio_line(f"P1 in-loop step time, early steps {EARLY[0]}-{EARLY[1]}", "raytrain", early["raytrain"],
                      "torchrun", early["torchrun"])
+    overhead = None if "torchrun-fused" not in arms else h.ratio_line(
+        "P1 overhead alone: step period, raytrain / bare torchrun with raytrain's fused AdamW", "raytrain",
+        periods["raytrain"], "torchrun-fused", periods["torchrun-fused"], goal="<= 1.02")
     before = None if "raytrain-before" not in arms else h.ratio_line(
         "P1 step period before P1's fixes", "raytrain-before", periods["raytrain-before"], "torchrun",
         periods["torchrun"], goal="<= 1.02")
     for arm, values in check.items():
         print(f"P1 {arm}: rank-0 stop check median {h.median(values) * 1e3:.2f} ms per step = "
               f"{h.median(values) / h.median(periods[arm]):.1%} of its step period", flush=True)
-    return {"ratio": ratio, "ratio_before": before, "periods": periods, "in_loop": in_loop,
+    return {"ratio": ratio, "ratio_overhead": overhead, "ratio_before": before, "periods": periods, "in_loop": in_loop,
             "stop_check_s": {a: h.median(v) for a, v in check.items()}}
 
 

@@ -215,8 +215,7 @@ class TorchStrategy(Strategy):
         self.on_phase("loaded")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_chunk = self.spec.loss_chunk_tokens(self.hf_model.config.to_dict())
-        o = self.spec.optimizer
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = adamw(self.params, self.spec)
         self.trainable = modeling.trainable_names(self.hf_model)
         if self.spec.reference_copy:
             self.reference_model = self.build_reference()
@@ -312,6 +311,14 @@ def gather_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:
         if dist.get_rank() == dst else None
     dist.gather(padded.contiguous(), list(out.chunk(mesh.size())) if out is not None else None, dst=dst, group=group)
     return out[:n] if out is not None else None
+
+
+def adamw(params: list, spec: JobSpec) -> torch.optim.AdamW:
+    """The job's AdamW, on torch's fused kernel (as torchtitan): one pass over each parameter's memory. The
+    default on a CPU worker is a loop of ~6 tensor ops per parameter, with two temporaries of its size: 6x the
+    optimizer's time at a SmolLM2-135M rank's share (benchmarks/RESULTS.md). The same update to an ulp."""
+    o = spec.optimizer
+    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
 
 
 def needs_fp32_master(model: torch.nn.Module) -> bool:

@@ -36,7 +36,7 @@ from .. import modeling
 from ..errors import JobError
 from . import deepspeed_config, hf_files, weights
 from ..signing import SignedCheckpoint
-from .base import Strategy, enable_activation_checkpointing, fetch_on_every_rank
+from .base import Strategy, adamw, enable_activation_checkpointing, fetch_on_every_rank
 from .hf_files import export_entries, write_full_export, write_hf_export
 
 TAG = "ds"  # the checkpoint's subfolder; fixed, so every committed step_* folder has the same layout
@@ -74,8 +74,7 @@ class Zero3Strategy(Strategy):
         params = [p for p in self.hf_model.parameters() if p.requires_grad]
         optimizer = None
         if deepspeed_config.uses_client_optimizer(self.ds_config):
-            o = s.optimizer
-            optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+            optimizer = adamw(params, s)
         try:
             self.engine, *_ = deepspeed.initialize(model=self.hf_model, model_parameters=params, optimizer=optimizer,
                                                    config=self.ds_config)
