@@ -3,8 +3,9 @@ either trained against its plain data-parallel reference or refused by `raytrain
 
 The options are read from the config's own types (`options()`): every `Literal` and `bool` field of
 `training` (less `auto`), the attention implementation, packing, the sequence- and tensor-parallel
-degrees 4 ranks can hold, and the model (a Llama, and a Mistral with a sliding window shorter than
-a row). A new Literal or bool field of `training` joins the set without a change here.
+degrees 4 ranks can hold, the model (a Llama, and a Mistral with a sliding window shorter than
+a row), and GRPO's own two that change what a worker runs (a second update on each rollout, a reward
+model beside the reward function; tried under objective: grpo). A new Literal or bool field of `training` joins the set without a change here.
 
 `covering()` picks cases greedily until every pair of option values is in a case that validates,
 or is refused on its own (the defaults plus that pair), by the same checks `raytrain validate` runs
@@ -33,10 +34,16 @@ SKIPPED = {"preference", "lora", "global_batch_size", "max_steps", "seed", "grad
            "chunked_loss", "micro_batch_size"}  # values, not options; the last three are set below
 REFERENCE = {"strategy": "ddp", "sequence_parallel": 1, "tensor_parallel": 1, "attention": "sdpa",
              "micro_batch_size": 1}  # + every bool off; what a case keeps: MATH_KEYS
-MATH_KEYS = ("objective", "finetune", "dora", "pack", "precision", "model")  # what changes the numbers themselves
+# GRPO's own options: a second update on each rollout's completions (TRL's mu), and a reward model
+# beside the lipogram function (a second model in every worker). They mean something under objective:
+# grpo only (validate refuses a training.grpo section under another objective, naming its fields), so a
+# pair holding one is tried under grpo unless the pair sets the objective itself.
+GRPO_ONLY = {"num_iterations": (1, 2), "reward_model": (False, True)}
+MATH_KEYS = ("objective", "finetune", "dora", "pack", "precision", "model", *GRPO_ONLY)  # what changes the numbers
 FIELDS = {"sequence_parallel": "scaling.sequence_parallel", "tensor_parallel": "scaling.tensor_parallel",
           "attention": "model.attn_implementation", "pack": "data.pack", "model": "model.path",
-          "dora": "training.lora.use_dora"}
+          "dora": "training.lora.use_dora", "num_iterations": "training.grpo.num_iterations",
+          "reward_model": "training.grpo.rewards"}
 
 
 def options() -> dict[str, tuple]:
@@ -53,8 +60,25 @@ def options() -> dict[str, tuple]:
     out.update(chunked_loss=(False, True), offload=(False, True), micro_batch_size=(1, 2), dora=(False, True))
     out.update(sequence_parallel=(1, 2, 4), tensor_parallel=(1, 2), pack=(False, True),
                attention=typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation),
-               model=("llama", "mistral window"))
+               model=("llama", "mistral window"), **GRPO_ONLY)
     return out
+
+
+def named(option: str) -> set[str]:
+    """What validate's refusal of a pair must name for `option`: its field; for GRPO's own options, or
+    the objective they imply (the pair was tried under grpo, and grpo is what the other option refuses)."""
+    return {field_of(option).rsplit(".", 1)[-1]} | ({"objective"} if option in GRPO_ONLY else set())
+
+
+def grpo_section(case: dict, models: dict) -> dict | None:
+    """The case's training.grpo: the demo's under grpo; under another objective only what the case
+    sets of GRPO's own options (validate refuses it)."""
+    from mesh_cases import GRPO
+
+    extra = {"num_iterations": case["num_iterations"]} if case["num_iterations"] != 1 else {}
+    if case["reward_model"]:
+        extra["rewards"] = [*GRPO["rewards"], {"model": models["reward model"]}]
+    return {**GRPO, **extra} if case["objective"] == "grpo" else extra or None
 
 
 def field_of(option: str) -> str:
@@ -63,14 +87,14 @@ def field_of(option: str) -> str:
 
 def job(case: dict, models: dict, storage: str) -> dict:
     """The job YAML (a dict) of a case."""
-    from mesh_cases import GRPO
-
     rl = case["objective"] == "grpo"  # prompt rows; the rollouts sample what is trained
     rows = "prompts" if rl else "pairs" if case["objective"] != "sft" else "text"
     training = {k: v for k, v in case.items() if k not in FIELDS and k != "offload"}
     training.update(global_batch_size=8, max_steps=STEPS, seed=0,
                     lora={"rank": 4, "alpha": 8, "dropout": 0.0, "use_dora": case["dora"]},
-                    offload={"optimizer": case["offload"], "params": case["offload"]}, **({"grpo": GRPO} if rl else {}))
+                    offload={"optimizer": case["offload"], "params": case["offload"]})
+    if grpo_section(case, models):
+        training["grpo"] = grpo_section(case, models)
     return {"name": "combo", "model": {"path": models[case["model"]], "attn_implementation": case["attention"]},
             "data": {"path": models[rows], "seq_len": SEQ, "pack": case["pack"], **({"format": "prompt"} if rl else {})},
             "training": training, "optimizer": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
@@ -105,9 +129,16 @@ def covering(opts: dict, refused, seed: int = 0) -> tuple[list[dict], dict]:
     names = list(opts)
     pairs = {((a, va), (b, vb)) for a, b in itertools.combinations(names, 2) for va in opts[a] for vb in opts[b]}
     base = defaults(opts)
+
+    def tried(*pair) -> dict:  # the defaults and the pair, under grpo where it holds GRPO's own options
+        case = {**base, **dict(pair)}
+        if "objective" not in dict(pair) and any(case[o] != values[0] for o, values in GRPO_ONLY.items()):
+            case["objective"] = "grpo"
+        return case
+
     refused_pairs = {}
     for (a, va), (b, vb) in sorted(pairs, key=repr):
-        why = refused({**base, a: va, b: vb})
+        why = refused(tried((a, va), (b, vb)))
         if why:
             refused_pairs[((a, va), (b, vb))] = why
     todo = pairs - refused_pairs.keys()
@@ -120,7 +151,7 @@ def covering(opts: dict, refused, seed: int = 0) -> tuple[list[dict], dict]:
         best, gain = None, set()
         for _ in range(30):
             (a, va), (b, vb) = rng.choice(sorted(todo, key=repr))
-            case = {**base, a: va, b: vb}
+            case = tried((a, va), (b, vb))
             for name in rng.sample(names, len(names)):  # the case stays valid at every step
                 if name in (a, b):
                     continue

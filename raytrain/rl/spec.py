@@ -110,7 +110,9 @@ def grpo_problems(spec) -> list[str]:
             return [f"data.format: prompt is GRPO's (prompts the workers complete), and training.objective is "
                     f"{t.objective}: set training.objective: grpo, or a format with responses to train on"]
         if t.grpo is not None:
-            return [f"training.grpo is used by training.objective: grpo, not {t.objective}: remove it"]
+            fields = ", ".join(f"training.grpo.{f}" for f in sorted(t.grpo.model_fields_set)) or "training.grpo: {}"
+            return [f"{fields}: GRPO's settings, used by training.objective: grpo, not {t.objective}: remove "
+                    "training.grpo"]
         return []
     g = t.grpo
     if g is None or not g.rewards:
