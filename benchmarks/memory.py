@@ -119,6 +119,12 @@ def export_peak(config: dict) -> None:
     Path(config["out"], f"rank{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(out))
 
 
+# SmolLM2-135M's published shape (a Llama with tied embeddings)
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=0,
+               pad_token_id=0, bos_token_id=None)
+
+
 def smollm2_shape(s: h.Setting) -> Path:
     """A Llama of SmolLM2-135M's published shape (tied embeddings), random weights in fp32."""
     import torch
@@ -127,9 +133,7 @@ def smollm2_shape(s: h.Setting) -> Path:
     out = h.CACHE / "smollm2-135m-shape"
     if not (out / "config.json").exists():
         base, _ = h.assets(s)
-        config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                             tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+        config = LlamaConfig(**SMOLLM2)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
         AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out))

@@ -3,9 +3,9 @@
 
     python -m benchmarks.optimizer_kernel            # SmolLM2-135M's tensors, one rank of 2; 1 thread
 
-The parameters are the shapes of one rank's FSDP2 shards of SmolLM2-135M (hidden 576, 30 layers,
-vocabulary 49152, tied embeddings: 135M parameters, half a rank), fp32, with random gradients; one
-torch thread, as raytrain's CPU workers run. Prints the median step of each kernel (after a first
+The parameters are the shapes of one rank's FSDP2 shards of SmolLM2-135M (`benchmarks.memory.SMOLLM2`:
+hidden 576, 30 layers, vocabulary 49152, tied embeddings; 135M parameters, half a rank), fp32, with
+random gradients; one torch thread, as raytrain's CPU workers run. Prints the median step of each kernel (after a first
 step that creates AdamW's state), their ratio, and how far the two kernels' weights are apart after
 10 steps of the same gradients (the same update, to rounding)."""
 from __future__ import annotations
@@ -15,16 +15,19 @@ import time
 
 import torch
 
-HIDDEN, LAYERS, VOCAB, INTER, KV = 576, 30, 49152, 1536, 192
+from .memory import SMOLLM2
+
 WORLD = 2
 
 
 def shapes() -> list[tuple[int, ...]]:
-    """One rank's shards (dim 0 split in two, as FSDP2's Shard(0)) of the model's parameters."""
-    block = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),  # q, k, v, o
-             (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER), (HIDDEN,), (HIDDEN,)]  # gate, up, down, 2 norms
-    whole = [(VOCAB, HIDDEN), (HIDDEN,)] + block * LAYERS
-    return [((s[0] + WORLD - 1) // WORLD, *s[1:]) for s in whole]
+    """One rank's shards (dim 0 split in two, as FSDP2's Shard(0)) of the model's parameters (the
+    tied embedding once), read from the model transformers builds, on the meta device."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2))
+    return [((p.shape[0] + WORLD - 1) // WORLD, *p.shape[1:]) for p in model.parameters()]
 
 
 def run(fused: bool, steps: int, seed: int = 0) -> tuple[list[float], list[torch.Tensor]]:

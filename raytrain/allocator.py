@@ -55,7 +55,7 @@ def worker_env(use_gpu: bool, submitted: Mapping[str, str]) -> dict[str, str]:
     driver's path to the library is theirs; a worker on a node without it runs on glibc (ld.so says
     so in its log) and `raytrain.host_allocator` names both."""
     chosen = {k: v for k, v in submitted.items() if k in (*GLIBC_ENV, "LD_PRELOAD") or k.startswith("MIMALLOC_")}
-    if use_gpu or submitted.get(CHOICE_ENV, CHOICES[0]) == "glibc" or set(chosen) & {*GLIBC_ENV, "LD_PRELOAD"}:
+    if use_gpu or submitted.get(CHOICE_ENV) == "glibc" or set(chosen) & {*GLIBC_ENV, "LD_PRELOAD"}:
         return chosen
     path = mimalloc_path()
     return {**SETTINGS, **chosen, "LD_PRELOAD": path} if path else chosen

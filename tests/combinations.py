@@ -5,7 +5,8 @@ The options are read from the config's own types (`options()`): every `Literal` 
 `training` (less `auto`), the attention implementation, packing, the sequence- and tensor-parallel
 degrees 4 ranks can hold, the model (a Llama, and a Mistral with a sliding window shorter than
 a row), and GRPO's own two that change what a worker runs (a second update on each rollout, a reward
-model beside the reward function; tried under objective: grpo). A new Literal or bool field of `training` joins the set without a change here.
+model beside the reward function; tried under objective: grpo). A new Literal or bool field of
+`training` joins the set without a change here.
 
 `covering()` picks cases greedily until every pair of option values is in a case that validates,
 or is refused on its own (the defaults plus that pair), by the same checks `raytrain validate` runs
@@ -93,8 +94,9 @@ def job(case: dict, models: dict, storage: str) -> dict:
     training.update(global_batch_size=8, max_steps=STEPS, seed=0,
                     lora={"rank": 4, "alpha": 8, "dropout": 0.0, "use_dora": case["dora"]},
                     offload={"optimizer": case["offload"], "params": case["offload"]})
-    if grpo_section(case, models):
-        training["grpo"] = grpo_section(case, models)
+    grpo = grpo_section(case, models)
+    if grpo:
+        training["grpo"] = grpo
     return {"name": "combo", "model": {"path": models[case["model"]], "attn_implementation": case["attention"]},
             "data": {"path": models[rows], "seq_len": SEQ, "pack": case["pack"], **({"format": "prompt"} if rl else {})},
             "training": training, "optimizer": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},

@@ -316,7 +316,7 @@ def gather_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:
 def adamw(params: list, spec: JobSpec) -> torch.optim.AdamW:
     """The job's AdamW, on torch's fused kernel (as torchtitan's): one pass over each parameter's memory.
     The default on a CPU worker is a loop of ~6 tensor ops a parameter, with two temporaries of its size:
-    3.8x the fused kernel's time at a SmolLM2-135M rank's share (benchmarks.optimizer_kernel). The same
+    3.4-3.8x the fused kernel's time at a SmolLM2-135M rank's share (benchmarks.optimizer_kernel). The same
     update to rounding."""
     o = spec.optimizer
     return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
