@@ -208,6 +208,23 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def sparse_tied_lookup(model: nn.Module) -> bool:
+    """Where the input embedding is the output layer's weight and trains (a full fine-tune of a tied
+    model: SmolLM2, Qwen2.5 up to 3B, Llama 3.2 1B/3B, Gemma), look tokens up with a sparse gradient.
+    A dense lookup's backward makes a zeroed table for its few rows, and autograd a third table for
+    its sum with the output layer's gradient (that one is a transposed view, which autograd does not
+    add into); a sparse one is added into a single new table: one table-sized tensor less at the
+    backward's peak (benchmarks/RESULTS.md, "A tied table's gradient"). The weight's gradient stays
+    dense, since the output layer adds one in every objective's loss, so the strategies and AdamW see
+    what they saw. Call it after DDP is built: DDP reads `sparse` once, to expect a sparse gradient."""
+    lookup, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(lookup, nn.Embedding) or head is None or lookup.weight is not head.weight \
+            or not lookup.weight.requires_grad:
+        return False
+    lookup.sparse = True
+    return True
+
+
 def trainable_names(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad}
 

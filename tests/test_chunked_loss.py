@@ -100,3 +100,42 @@ def test_auto_chunks_a_128k_vocabulary_at_long_sequences_only(assets, tmp_path):
     assert short.loss_chunk_tokens(llama3) == 0  # 512 x 128k x 4 B = 250 MiB
     zero3 = JobSpec.model_validate({**job, "training": {"micro_batch_size": 1, "strategy": "zero3"}})
     assert zero3.loss_chunk_tokens(llama3) == 0
+
+
+def test_a_tied_table_trains_with_one_table_sized_tensor_less():
+    """A full fine-tune of a model whose input embedding is its output layer (modeling.sparse_tied_lookup,
+    set by every torch strategy): the same gradients as the dense lookup, and one table-sized tensor less
+    alive at the backward's peak (torch's own allocations, from the profiler)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raytrain import modeling
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(32000, (1, 16))
+
+    def backward() -> tuple[int, dict]:
+        model.zero_grad(set_to_none=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            model(input_ids=ids, labels=ids).loss.backward()
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
+        live = peak = 0
+        for _, n in events:
+            live += n
+            peak = max(peak, live)
+        return peak, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    dense_peak, dense = backward()
+    assert modeling.sparse_tied_lookup(model)
+    sparse_peak, sparse = backward()
+    table = 32000 * 64 * 4
+    print(f"\n[tied table] backward's peak above the weights: dense lookup {dense_peak / 2**20:.1f} MiB, "
+          f"sparse {sparse_peak / 2**20:.1f} MiB (a table {table / 2**20:.1f})")
+    assert not sparse["model.embed_tokens.weight"].is_sparse  # what FSDP2, DDP and AdamW take
+    torch.testing.assert_close(sparse, dense, rtol=1e-6, atol=1e-9)
+    assert dense_peak - sparse_peak >= 0.9 * table
+    untied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False}))
+    assert not modeling.sparse_tied_lookup(untied)  # its embedding's own gradient must stay dense
