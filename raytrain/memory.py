@@ -10,6 +10,8 @@ back-of-the-envelope one, written out term by term so a user can check it:
     + gathered layers (fsdp2: the all-gathered block and the prefetched next one; zero3: what
       stage3_max_live_parameters lets it keep gathered between forward and backward; GRPO under
       fsdp2: the whole model, gathered for the step)
+    + the vocabulary layers (fsdp2: the root unit gathered whole; a full fine-tune also holds their
+      whole gradients, twice, at the backward's end)
     + activations (Korthikanti et al. 2022: 34·b·s·d bytes per layer at 16 bit; +5·a·s²·b eager)
     + logits (b·s·V in the compute dtype, its fp32 copy and that copy's gradient; one chunk's
       under training.chunked_loss)
@@ -255,6 +257,10 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         heads = 1 if facts.config.get("tie_word_embeddings", True) else 2
         out.device.append(Term("gathered embedding" + (" and output layer" if heads == 2 else ""),
                                f"{heads} × {vocab}·{d} × {c} B", heads * vocab * d * c))
+        if t.finetune == "full":  # their whole gradients at the backward's end: a tied table's two parts
+            # and their sum (benchmarks/RESULTS.md, "A tied table's gradient"), or each table's own
+            out.device.append(Term("whole gradients of the embedding" + (" and output layer" if heads == 2 else ""),
+                                   f"2 × {vocab}·{d} × {c} B", 2 * vocab * d * c))
     out.device.extend(activation_terms(spec, facts))
     out.device.extend(reward_model_terms(spec))
     out.device.append(RUNTIME_GPU if spec.scaling.use_gpu else RUNTIME_CPU)

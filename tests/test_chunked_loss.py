@@ -1,7 +1,8 @@
 """`training.chunked_loss`: the cross-entropy a chunk of tokens at a time, each chunk's logits
 recomputed in backward. The same per-token losses and gradients as the whole-logits loss (fp32
 tolerance: the sums run in another order), with a fraction of its peak memory. Its use inside a
-real fsdp2 run is tests/test_strategies.py's (the eager run's losses)."""
+real fsdp2 run is tests/test_strategies.py's (the eager run's losses). Last, the output layer's other
+memory: a tied table's gradient (modeling.sparse_tied_lookup)."""
 
 from __future__ import annotations
 
