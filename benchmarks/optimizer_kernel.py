@@ -30,9 +30,10 @@ def shapes() -> list[tuple[int, ...]]:
     return [((p.shape[0] + WORLD - 1) // WORLD, *p.shape[1:]) for p in model.parameters()]
 
 
-def run(fused: bool, steps: int, seed: int = 0) -> tuple[list[float], list[torch.Tensor]]:
+def run(shards: list[tuple[int, ...]], fused: bool, steps: int,
+        seed: int = 0) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes()]
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shards]
     optimizer = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                   fused=True if fused else None)
     g = torch.Generator().manual_seed(1)
@@ -48,10 +49,11 @@ def run(fused: bool, steps: int, seed: int = 0) -> tuple[list[float], list[torch
 
 def main() -> None:
     torch.set_num_threads(1)
-    n = sum(torch.Size(s).numel() for s in shapes())
+    shards = shapes()
+    n = sum(torch.Size(s).numel() for s in shards)
     print(f"AdamW step, one rank's share of SmolLM2-135M: {n / 1e6:.1f}M fp32 parameters, 1 torch thread", flush=True)
-    default_t, default_w = run(False, 11)
-    fused_t, fused_w = run(True, 11)
+    default_t, default_w = run(shards, False, 11)
+    fused_t, fused_w = run(shards, True, 11)
     d, f = statistics.median(default_t), statistics.median(fused_t)
     apart = max((a - b).abs().max().item() for a, b in zip(default_w, fused_w))
     print(f"default kernel: median {d:.4f} s ({min(default_t):.4f}..{max(default_t):.4f}, n={len(default_t)})")

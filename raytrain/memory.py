@@ -255,12 +255,12 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         # at the first forward and kept through the backward: the largest tensors of the model.
         vocab, d = facts.dim("vocab_size", default=0), facts.dim("hidden_size", "n_embd", "d_model", default=0)
         heads = 1 if facts.config.get("tie_word_embeddings", True) else 2
-        out.device.append(Term("gathered embedding" + (" and output layer" if heads == 2 else ""),
-                               f"{heads} × {vocab}·{d} × {c} B", heads * vocab * d * c))
+        tables = "embedding" + (" and output layer" if heads == 2 else "")
+        out.device.append(Term(f"gathered {tables}", f"{heads} × {vocab}·{d} × {c} B", heads * vocab * d * c))
         if t.finetune == "full":  # their whole gradients at the backward's end: a tied table's two parts
             # and their sum (benchmarks/RESULTS.md, "A tied table's gradient"), or each table's own
-            out.device.append(Term("whole gradients of the embedding" + (" and output layer" if heads == 2 else ""),
-                                   f"2 × {vocab}·{d} × {c} B", 2 * vocab * d * c))
+            out.device.append(Term(f"whole gradients of the {tables}", f"2 × {vocab}·{d} × {c} B",
+                                   2 * vocab * d * c))
     out.device.extend(activation_terms(spec, facts))
     out.device.extend(reward_model_terms(spec))
     out.device.append(RUNTIME_GPU if spec.scaling.use_gpu else RUNTIME_CPU)
