@@ -166,33 +166,38 @@ def logged_steps(mlflow, run_id: str, keys) -> dict[str, set[int]]:
 
 
 # Committed step metrics go to MLflow in increasing step order, whole steps a request, each request
-# carrying this tag (its last step) in the same log_batch, which MLflow applies in one transaction.
-# So a step is in the run iff it is <= the tag: after a failed write (which may have landed) one
-# read of the run answers, where reading the metric's history grew with the run (100k steps: ~10 MB).
+# carrying this metric (value: its last step, at that step). MLflow's log_batch commits a request's
+# metrics in one transaction and its tags in another (a server that dies between them kept the
+# steps without a tag watermark: CI saw 12 steps written twice), so the watermark is a metric of
+# the same transaction. A step is in the run iff it is <= the run's latest value of it: after a
+# failed write (which may have landed) one read of the run answers, where reading the metric's
+# history grew with the run (100k steps: ~10 MB).
 LOGGED_THROUGH = "raytrain.logged_through_step"
 BATCH = 1000  # MLflow's log_batch limit on metrics and tags together
 
 
 def logged_through(mlflow, run_id: str) -> int:
     """The last committed step the run has (-1: none)."""
-    run = mlflow.get_run(run_id)
-    if LOGGED_THROUGH in run.data.tags:
-        return int(run.data.tags[LOGGED_THROUGH])
-    if "loss" not in run.data.metrics:
+    data = mlflow.get_run(run_id).data
+    if LOGGED_THROUGH in data.metrics:
+        return int(data.metrics[LOGGED_THROUGH])
+    if LOGGED_THROUGH in data.tags:  # a run written before the watermark was a metric
+        return int(data.tags[LOGGED_THROUGH])
+    if "loss" not in data.metrics:
         return -1
-    return max(m.step for m in mlflow.get_metric_history(run_id, "loss"))  # a run written before the tag
+    return max(m.step for m in mlflow.get_metric_history(run_id, "loss"))  # a run written before either
 
 
 def log_steps(mlflow, run_id: str, steps: list[tuple[int, dict]]) -> None:
     """Committed steps (in increasing order) in requests of whole steps, each with LOGGED_THROUGH."""
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import Metric
 
     now, batch = int(time.time() * 1000), []
     for i, (step, metrics) in enumerate(steps):
         batch += [Metric(k, float(v), now, step) for k, v in metrics.items()]  # host: Python numbers
         following = len(steps[i + 1][1]) if i + 1 < len(steps) else BATCH
         if len(batch) + following + 1 > BATCH:
-            mlflow.log_batch(run_id, metrics=batch, tags=[RunTag(LOGGED_THROUGH, str(step))])
+            mlflow.log_batch(run_id, metrics=batch + [Metric(LOGGED_THROUGH, float(step), now, step)])
             batch = []
 
 
