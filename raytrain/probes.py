@@ -21,10 +21,11 @@ import urllib.request
 from pathlib import Path
 
 from . import storage
-from .config import DEFAULT_COLUMNS, DEFAULT_TAGS, JobSpec
+from .config import JobSpec
 from .data import FILE_EXTENSIONS, to_value
 from .data.pairs import record_of, to_margin, to_pair
 from .data.prompts import to_prompt
+from .data.spec import DEFAULT_COLUMNS, DEFAULT_TAGS
 from .data.unpaired import to_unpaired
 from .rl.spec import reward_model_base
 from .data.sources import list_sources, sample_rows

@@ -1,5 +1,6 @@
 """Data: prepare once into a token store, then every rank reads only its rows.
 
+spec     the `data` section of the job YAML (formats, columns, sources, eval)
 records  one source row -> token ids and labels (the format rules), packing
 sources  the source files, their fingerprints, and read units that depend on the files alone
 prepare  the Ray Data job that tokenizes and packs every unit into a store (driver + cluster CPUs)

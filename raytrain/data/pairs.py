@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 
-from ..config import DataSpec
+from .spec import DataSpec
 from .records import IGNORE, _alpaca, _turns, chat_steps, check_messages, decode_line, run_batch, run_one
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels

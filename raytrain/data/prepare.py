@@ -24,11 +24,12 @@ from itertools import islice
 from pathlib import Path
 
 from .. import storage
-from ..config import DataSpec, JobSpec
+from ..config import JobSpec
 from ..errors import BadRowError, JobError
 from .pairs import encode_pairs
 from .records import encode_rows
 from .prompts import encode_prompts
+from .spec import DataSpec
 from .unpaired import encode_unpaired
 from .sources import Source, Unit, list_sources, plan_units, read_unit
 from .store import TokenStore, shard_name, shard_rows, token_dtype, write_manifest, write_shard

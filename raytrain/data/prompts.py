@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 
-from ..config import DataSpec
+from .spec import DataSpec
 from .pairs import record_of
 from .records import _turns, check_record
 

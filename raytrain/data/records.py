@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from ..config import DataSpec
+from .spec import DataSpec
 
 IGNORE = -100
 CHAT_ROLES = {"system", "user", "assistant", "tool"}

@@ -22,7 +22,7 @@ Pure functions, like records.py and pairs.py.
 
 from __future__ import annotations
 
-from ..config import DataSpec
+from .spec import DataSpec
 from .pairs import _prompt_messages, _response, _text, record_of, text_prompt
 from .records import IGNORE, _turns, chat_steps, check_messages, run_batch
 

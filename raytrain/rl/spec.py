@@ -8,16 +8,14 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from ..section import Section
 
 BUILTINS = ("accuracy", "format", "length")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
-
-
-class RewardSpec(_Section):
+class RewardSpec(Section):
     builtin: Literal["accuracy", "format", "length"] | None = None
     """A reward that needs no code. `accuracy`: 1 when the completion's answer (the capture of `pattern`, else the last `\\boxed{}`, else the last number) equals the `column`'s reference (read the same way), else 0. `format`: 1 when `pattern` matches the completion (`re.search`, dotall), else 0. `length`: the completion's tokens / max_completion_length (a negative weight prefers short answers)."""
     function: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -67,7 +65,7 @@ def reward_model_bytes(spec) -> int:
     return 2 if spec.scaling.use_gpu and spec.training.precision == "bf16" else 4
 
 
-class GRPOSpec(_Section):
+class GRPOSpec(Section):
     num_generations: int = Field(8, ge=2)
     """Completions sampled for each prompt (a group); their rewards are normalized within the group."""
     max_completion_length: int = Field(256, gt=0)
