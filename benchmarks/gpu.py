@@ -148,7 +148,7 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
     import torch
 
     import local_run as lr
-    from raytrain import memory, telemetry
+    from raytrain import memory, model_facts, telemetry
     from raytrain.config import JobSpec
     from raytrain.strategies import build_strategy
 
@@ -174,7 +174,7 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
     seconds = ends[-1] - ends[warmup - 1]
     tokens_per_s = steps * spec.training.global_batch_size * spec.sequences_per_row * spec.data.seq_len / seconds
     peak = flops.peak
-    estimate = memory.estimate(spec, memory.read_facts(Path(model)), world)
+    estimate = memory.estimate(spec, model_facts.read_facts(Path(model)), world)
     out = {
         "case": f"{spec.training.strategy}-{spec.training.finetune}", "world": world,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",

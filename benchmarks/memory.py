@@ -371,7 +371,8 @@ def m(s: h.Setting) -> dict:
                   f"{worst['step_rise_4'] / gib:.2f} vs {worst['step_rise_1'] / gib:.2f} GiB)")
 
         from raytrain.config import JobSpec
-        from raytrain.memory import RUNTIME_CPU, estimate, read_facts
+        from raytrain.memory import RUNTIME_CPU, estimate
+        from raytrain.model_facts import read_facts
 
         for strategy, finetune in (("fsdp2", "lora"), ("fsdp2", "full"), ("zero3", "lora"), ("zero3", "full")):
             job = h.job(s, f"m3-{strategy}-{finetune}", folder / "runs", model, data,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from . import memory, pod_sizing, preflight, storage
+from . import model_facts, pod_sizing, preflight, storage
 
 TEMPLATE_NAME = "rayjob.template.yaml"
 JOB_MOUNT = "/etc/raytrain"  # where the head mounts the ConfigMap; the entrypoint reads job.yaml there
@@ -90,7 +90,7 @@ def _pod_templates(rayjob: dict) -> list[dict]:
 
 
 def render(spec, job_text: str, image: str, namespace: str, template: Path | None = None,
-           facts: memory.ModelFacts | None = None) -> list[dict]:
+           facts: model_facts.ModelFacts | None = None) -> list[dict]:
     """ConfigMap, PodDisruptionBudget, NetworkPolicy and RayJob for `spec`, whose file text is
     `job_text`; `facts` (the model's dimensions) size the worker pods."""
     docs = load_template(template)
@@ -165,7 +165,7 @@ def _size_workers(group: dict, size: pod_sizing.PodSize, gpu: bool) -> None:
         pod["tolerations"] = [t for t in pod.get("tolerations", []) if t.get("key") != "nvidia.com/gpu"]
 
 
-def cluster_warnings(spec, namespace: str, facts: memory.ModelFacts | None) -> list[str]:
+def cluster_warnings(spec, namespace: str, facts: model_facts.ModelFacts | None) -> list[str]:
     """Things that validate but would not work, or not survive, on a Kubernetes cluster."""
     out = []
     local = lambda p: not storage.is_remote(p) and not (p == SHARED_MOUNT or p.startswith(SHARED_MOUNT + "/"))

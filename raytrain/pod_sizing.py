@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from . import memory
+from . import memory, model_facts
 from .config import JobSpec
 
 GiB = memory.GiB
@@ -46,7 +46,7 @@ class PodSize:
     basis: list[str] = field(default_factory=list)  # the terms, for a comment in the manifest
 
 
-def size_pods(spec: JobSpec, facts: memory.ModelFacts | None) -> PodSize:
+def size_pods(spec: JobSpec, facts: model_facts.ModelFacts | None) -> PodSize:
     s = spec.scaling
     per = s.workers_per_node
     lo, hi = s.worker_range
@@ -56,7 +56,7 @@ def size_pods(spec: JobSpec, facts: memory.ModelFacts | None) -> PodSize:
     if facts is None:
         return size
     est = memory.estimate(spec, facts, lo)  # the fewest workers: the largest share per rank
-    model = facts.n_params * memory.DTYPE_BYTES[spec.model.dtype]
+    model = facts.n_params * model_facts.DTYPE_BYTES[spec.model.dtype]
     whole_ckpt = memory.checkpoint_bytes(spec, facts)
     ckpt_rank = whole_ckpt / lo  # sharded; under ddp DCP writes each replicated tensor once, spread over ranks
     host_offload = sum(t.bytes for t in est.host)

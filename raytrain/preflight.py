@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import allocator, memory, nf4_layout, probes, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
+from .model_facts import ModelFacts, read_facts
 from .plan import RunPlan, model_parallel_problems
 from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
                        is_hub_id, secret_problems)
@@ -189,14 +190,14 @@ def model_folder(spec: JobSpec) -> tuple[Path | None, bool, list[Problem]]:
                           "model", NOTE)]
 
 
-def model_facts(spec: JobSpec) -> memory.ModelFacts | None:
+def model_facts(spec: JobSpec) -> ModelFacts | None:
     """The model's dimensions where they can be read here (a local folder or the local hub
     cache), else None; never the network."""
     folder = model_folder(spec)[0]
     if folder is None or not (folder / "config.json").is_file():
         return None
     try:
-        return memory.read_facts(folder)
+        return read_facts(folder)
     except (OSError, ValueError, KeyError, StructError):
         return None
 
@@ -209,7 +210,7 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
     if not (folder / "config.json").is_file():
         return [Problem("model.path", path, "folder has no config.json; point at a Hugging Face model folder", "model")]
     try:
-        facts = memory.read_facts(folder)
+        facts = read_facts(folder)
     except (OSError, ValueError, KeyError, StructError) as exc:
         return [Problem("model.path", path, f"cannot read the model's config or weight headers ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0]})", "model")]
@@ -252,7 +253,7 @@ def remote_code_problems(spec: JobSpec, folder: Path, config: dict) -> list[Prob
     return []
 
 
-def qlora_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
+def qlora_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
     """Every worker count the job may run with must split each NF4 weight into whole rows of
     blocks (nf4_layout.py): a resize to one that does not would fail at load."""
     shapes, plan = memory.quantized_shapes(spec, facts), RunPlan.of(spec)
@@ -269,7 +270,7 @@ def qlora_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
                     "training.finetune: lora", "model")]
 
 
-def lora_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
+def lora_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
     leaves = sorted({m.rsplit(".", 1)[-1] for m in facts.modules})
     targets = spec.training.lora.target_modules
     if targets is None:
@@ -305,7 +306,7 @@ def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Pr
                     "use an instruct/chat model's tokenizer (model.tokenizer) or add chat_template.jinja", "data")]
 
 
-def memory_problems(spec: JobSpec, facts: memory.ModelFacts) -> list[Problem]:
+def memory_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
     if not facts.shapes:
         return [Problem("scaling.accelerator_memory_gb", "", "not estimated: no safetensors weights, and config.json lacks "
                         "hidden_size/num_hidden_layers/vocab_size/num_attention_heads", "memory", NOTE)]

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from conftest import KNOWN_CONFIGS, REPO, hub_cache
-from raytrain import cli, k8s, memory, pod_sizing, preflight
+from raytrain import cli, k8s, memory, model_facts, pod_sizing, preflight
 from raytrain.config import JobSpec
 
 SCHEMAS = REPO.parent / "shared" / "schemas" / "kuberay"
@@ -283,13 +283,13 @@ def test_worker_pods_are_whole_nodes_sized_from_the_job(job, assets):
     shm, tmp = gib(volumes["dshm"]["emptyDir"]["sizeLimit"]), gib(volumes["tmp"]["emptyDir"]["sizeLimit"])
     assert tmp == gib(res["ephemeral-storage"])  # the kubelet evicts at the volume's limit: they agree
     facts = preflight.model_facts(spec) if not hub else \
-        memory.ModelFacts(KNOWN_CONFIGS[spec.model.path], memory.layout_from_config(KNOWN_CONFIGS[spec.model.path]),
+        model_facts.ModelFacts(KNOWN_CONFIGS[spec.model.path], model_facts.layout_from_config(KNOWN_CONFIGS[spec.model.path]),
                           "config", False)
     # What must fit, counted here independently of pod_sizing: the full copies a load holds
     # (one per rank under ddp; fsdp2 and zero3 read shards / one module at a time), a process per
     # rank, /dev/shm (memory-backed);
     # on disk the model's download and one whole checkpoint (a restart downloads it).
-    model = facts.n_params * memory.DTYPE_BYTES[spec.model.dtype] / memory.GiB
+    model = facts.n_params * model_facts.DTYPE_BYTES[spec.model.dtype] / memory.GiB
     copies = per if spec.training.strategy == "ddp" else 0
     assert gib(res["memory"]) >= copies * model + per * 3 + shm
     assert gib(res["ephemeral-storage"]) >= model + memory.checkpoint_bytes(spec, facts) / memory.GiB
@@ -314,7 +314,7 @@ def test_a_model_not_readable_here_keeps_the_template_sizes_and_says_how_to_size
 
 
 def test_sizing_counts_each_workers_share_per_node():
-    facts = memory.ModelFacts(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"], memory.layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]),
+    facts = model_facts.ModelFacts(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"], model_facts.layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]),
                               "config", False)
     base = spec_of(JOBS[-1])  # qwen full zero3, 8 workers
     one = pod_sizing.size_pods(base.model_copy(update={"scaling": base.scaling.model_copy(update={"workers_per_node": 1})}), facts)

@@ -753,7 +753,7 @@ def test_a_live_mlflow_server_passes(assets, tmp_path):
 def test_parameter_count_and_names_match_torch(assets):
     from transformers import AutoModelForCausalLM
 
-    from raytrain.memory import layout_from_config, read_facts
+    from raytrain.model_facts import layout_from_config, read_facts
 
     facts = read_facts(assets / "model")
     model = AutoModelForCausalLM.from_pretrained(str(assets / "model"))
@@ -766,7 +766,7 @@ def test_lora_parameter_count_matches_peft(assets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from raytrain.memory import read_facts
+    from raytrain.model_facts import read_facts
 
     targets = ["q_proj", "v_proj", "down_proj"]
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(assets / "model")),
@@ -776,7 +776,7 @@ def test_lora_parameter_count_matches_peft(assets):
 
 
 def test_llama_8b_from_config_is_8_03b_parameters():
-    from raytrain.memory import ModelFacts, layout_from_config
+    from raytrain.model_facts import ModelFacts, layout_from_config
 
     facts = ModelFacts(LLAMA_31_8B, layout_from_config(LLAMA_31_8B), "config", False)
     assert facts.n_params == 8_030_261_248  # the published count
@@ -785,7 +785,8 @@ def test_llama_8b_from_config_is_8_03b_parameters():
 
 def test_the_suggested_change_fits_and_the_job_did_not(assets, tmp_path):
     from conftest import make_job
-    from raytrain.memory import GiB, ModelFacts, estimate, layout_from_config, smallest_fix
+    from raytrain.memory import GiB, estimate, smallest_fix
+    from raytrain.model_facts import ModelFacts, layout_from_config
 
     facts = ModelFacts(LLAMA_31_8B, layout_from_config(LLAMA_31_8B), "config", False)
     for budget_gb, over in ((80, {"finetune": "full", "micro_batch_size": 8}), (24, {"finetune": "full"}),
