@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import masks
+from . import masks, private_apis
 
 PREFIX = "raytrain-"
 
@@ -104,7 +104,7 @@ def install(model: torch.nn.Module, inner: str, split=None) -> None:
         return attend(module, query, key, value, inner=inner, split=split, **kwargs)
 
     AttentionInterface.register(registered, attention)
-    model.config._attn_implementation = registered
+    private_apis.set_attn_implementation(model.config, registered)
 
 
 def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict | None = None, **kwargs):
@@ -134,17 +134,14 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     function, config = _inner_function(module, inner), module.config
     # transformers' flash integration loads its kernels by the name in the layer's config: the inner
     # one's for the call (the config is the model's, shared by its layers; forwards run one at a time)
-    saved = module.num_key_value_groups, config._attn_implementation
+    saved = module.num_key_value_groups
     module.num_key_value_groups = groups
-    if flash:
-        config._attn_implementation = inner
     try:
-        with _masked_kernels(mask, query.device):
+        with _masked_kernels(mask, query.device), (
+                private_apis.attn_implementation_as(config, inner) if flash else contextlib.nullcontext()):
             out, _ = function(module, query, key, value, mask, **kwargs)
     finally:
-        module.num_key_value_groups = saved[0]
-        if flash:
-            config._attn_implementation = saved[1]
+        module.num_key_value_groups = saved
     if split is not None:
         out = split.scatter_positions(out)
     return out, None

@@ -114,11 +114,11 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
         # Ray's upload thread signs (below) while the training thread runs its collectives: its
         # gather needs a group of its own. One upload thread per worker, in report order, so the
         # ranks' gathers pair up checkpoint by checkpoint.
-        if getattr(strategy, "_sign_group", None) is None:
+        if strategy.upload_group is None:
             import torch.distributed as dist
 
-            strategy._sign_group = dist.new_group(backend="gloo")
-        group = strategy._sign_group
+            strategy.upload_group = dist.new_group(backend="gloo")
+        group = strategy.upload_group
     common = dict(checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
                   delete_local_checkpoint_after_upload=True)
     if wait:

@@ -52,9 +52,10 @@ def forward_worker_stdout_only() -> None:
 
     if os.environ.get("RAYTRAIN_WORKER_STDERR") == "1":
         return
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:  # another Ray layout: its default forwarding stays
+    from .private_apis import stdstream_dispatcher
+
+    dispatcher = stdstream_dispatcher()
+    if dispatcher is None:  # another Ray layout: its default forwarding stays
         return
     for name, handler in list(dispatcher.handlers):
         if name == "ray_print_logs":

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import attention
+from . import attention, private_apis
 from .config import DEFAULT_LORA_TARGETS, JobSpec  # targets live torch-free: pre-flight checks them too
 from .errors import JobError
 
@@ -190,7 +190,7 @@ def init_buffers(model: nn.Module) -> None:
             for _, buf in own:
                 if buf.is_floating_point():
                     buf.fill_(float("nan"))
-            base._init_weights(module)
+            private_apis.init_weights(base, module)
             left = [n for n, b in own if b.is_floating_point() and bool(b.isnan().any())]
             if left:
                 raise JobError(f"cannot compute the buffer(s) {left} of {type(module).__name__} when loading "

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import threading
 
+from . import private_apis
+
 SIGTERM, RAY_NOTICE, DRIVER_STOP, FENCED = 1, 2, 4, 8  # bit flags, summed across ranks on the loss all-reduce
 GRACE_ENV = "RAYTRAIN_PREEMPTION_GRACE_S"
 _sigterm = threading.Event()
@@ -35,22 +37,17 @@ def install_sigterm_handler() -> None:
     `ray._private.utils.set_sigterm_handler`; we wrap that call so the handler Ray installs
     first lets the current step and its checkpoint finish, and exits only at the deadline.
     """
-    import ray._private.utils as ray_utils
-
-    original = ray_utils.set_sigterm_handler
     grace = float(os.environ.get(GRACE_ENV, "120"))  # host: an environment value
 
-    def set_graceful(ray_handler):
-        def on_sigterm(signum, frame):
-            if not _sigterm.is_set():
-                _sigterm.set()
-                timer = threading.Timer(grace, os._exit, args=(1,))  # hard deadline, like kubelet's SIGKILL
-                timer.daemon = True
-                timer.start()
+    def on_sigterm(signum, frame):
+        if not _sigterm.is_set():
+            _sigterm.set()
+            timer = threading.Timer(grace, os._exit, args=(1,))  # hard deadline, like kubelet's SIGKILL
+            timer.daemon = True
+            timer.start()
 
-        original(on_sigterm)
-
-    ray_utils.set_sigterm_handler = set_graceful
+    # Ray calls its setter with its own handler: ours goes in its place
+    private_apis.wrap_sigterm_setter(lambda ray_setter: lambda ray_handler: ray_setter(on_sigterm))
 
 
 def _local_preemption_info():
@@ -63,14 +60,12 @@ def _local_preemption_info():
     back to the public call (the same on every rank, so still a valid barrier) if a later
     Ray moves the internal context.
     """
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return get_train_context().preemption_context.preemption_info
-    except (ImportError, AttributeError):
+    info = private_apis.local_preemption_info()
+    if info is private_apis.MOVED:
         import ray.train
 
         return ray.train.get_preemption_info()
+    return info
 
 
 class StopSignals:

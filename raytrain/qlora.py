@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import private_apis
 from .errors import JobError
 from .nf4_layout import BLOCK, group_size
 
@@ -150,9 +151,7 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 def _local(p: torch.Tensor):
-    # The DTensor's own local tensor, not `to_local()`: that returns a view, a new NF4Tensor whose
-    # attributes FSDP2 would never read.
-    return p._local_tensor if hasattr(p, "_local_tensor") else p
+    return private_apis.local_tensor(p)  # not `to_local()`: a view, which FSDP2 would never read
 
 
 def _first_row(p: torch.Tensor, rows: int) -> int:

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import allocator, checkpoint, control, loop, modeling, storage
+from . import allocator, checkpoint, control, loop, modeling, private_apis, storage
 from .step_metrics import StepLogger
 from .checkpoint import TrainState
 from .config import JobSpec
@@ -49,6 +49,9 @@ def train_func(config: dict) -> None:
         if rank == 0:
             print(f"[raytrain] not restarting: {verdict[0]}", file=sys.stdout, flush=True)
         return
+    if rank == 0:
+        for line in private_apis.untested():  # another stack than the tested one: said at each attempt's start
+            print(f"[raytrain] {line}", file=sys.stdout, flush=True)
     try:
         _train(spec, plan, config, rank, world, device, job_control, timeline)
     except Preempted:

@@ -10,7 +10,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 
-from . import allocator, preemption, signing
+from . import allocator, preemption, private_apis, signing
 from .config import JobSpec
 
 # Read by Ray Train's controller, which inherits them from the driver's environment.
@@ -174,7 +174,5 @@ def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
     # SIGTERM means "checkpoint, then go" (`setup_worker`). Ray turns a job-level
     # `worker_process_setup_hook` into this variable only in ray.init; for the train workers'
     # own env we set it directly.
-    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-
-    env[WORKER_PROCESS_SETUP_HOOK_ENV_VAR] = "raytrain.worker_env.setup_worker"
+    env[private_apis.worker_setup_hook_variable()] = "raytrain.worker_env.setup_worker"
     return {"env_vars": env}

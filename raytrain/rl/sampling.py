@@ -19,6 +19,8 @@ import hashlib
 
 import torch
 
+from .. import private_apis
+
 
 CHECK = 8  # tokens between the ranks' "all ended?" agreement: at most CHECK - 1 idle forwards
 M32 = 0xFFFFFFFF
@@ -66,13 +68,8 @@ def sample(logits: torch.Tensor, keys: torch.Tensor, t: int, temperature: float,
 def native_attention(strategy):
     """transformers' own attention for the rollout (its masks handle left padding and the cache);
     raytrain's (attention.py) is for whole training rows."""
-    config = strategy.hf_model.config
-    saved = config._attn_implementation
-    config._attn_implementation = strategy.spec.model.attn_implementation
-    try:
+    with private_apis.attn_implementation_as(strategy.hf_model.config, strategy.spec.model.attn_implementation):
         yield
-    finally:
-        config._attn_implementation = saved
 
 
 def _all_ended(ended: torch.Tensor) -> bool:

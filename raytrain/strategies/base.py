@@ -23,13 +23,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import masks, modeling
+from .. import masks, modeling, private_apis
 from ..config import JobSpec
 from ..plan import RunPlan
 from ..errors import JobError
@@ -93,7 +92,7 @@ class SplitWriter(FileSystemWriter):
             kind = "" if item.type == WriteItemType.SHARD else "shared"
             groups.setdefault(prefix + kind + ("optim" if item.index.fqn.startswith("optim.") else ""), []).append(item)
         for name, items in groups.items():
-            part = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(name))
+            part = dataclasses.replace(plan, items=items, storage_data=private_apis.storage_prefix(name))
             results += super().write_data(part, planner).wait()
         done = torch.futures.Future()
         done.set_result(results)
@@ -132,6 +131,7 @@ class Strategy(ABC):
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives/tokens.py); 0: the whole logits
         self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
+        self.upload_group = None  # checkpoint.py's gloo group for signing in Ray's upload thread, made once
 
     @abstractmethod
     def setup(self) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import modeling
+from .. import modeling, private_apis
 from ..errors import JobError
 from . import deepspeed_config, hf_files, weights
 from ..signing import SignedCheckpoint
@@ -142,11 +142,8 @@ class Zero3Strategy(Strategy):
                       f"converting to a universal checkpoint", file=sys.stdout, flush=True)
             to_universal(str(Path(directory, TAG)), str(Path(root, TAG)))
         dist.barrier()
-        self.engine._config.load_universal_checkpoint = True  # read only inside load_checkpoint
-        try:
+        with private_apis.universal_checkpoint_load(self.engine):
             self.engine.load_checkpoint(root, tag=TAG, load_module_strict=not self.lora, load_lr_scheduler_states=False)
-        finally:
-            self.engine._config.load_universal_checkpoint = False
         dist.barrier()
         if converter:
             shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,132 @@
+"""Every private API of Ray, torch, DeepSpeed and transformers that raytrain touches, in this one
+module, each with why the public one does not do. A later release may move any of them without
+notice, so the versions they were tested with are here too: a job's first worker says in one line
+when it runs on others (`untested`), and tests/test_private_apis.py fails when the pinned stack
+(k8s/constraints.txt) moves without this file, or when a private API is used anywhere else.
+
+Imports are inside the functions: validate, which imports none of these packages, imports this
+module's callers."""
+
+from __future__ import annotations
+
+import contextlib
+from importlib import metadata
+
+TESTED = {"ray": "2.60", "torch": "2.13", "deepspeed": "0.19", "transformers": "5.23"}  # major.minor
+USES = {
+    "ray": "worker setup-hook variable, log dispatcher, SIGTERM setter and Ray Train's worker context",
+    "torch": "DCP storage prefix and DTensor's local tensor",
+    "deepspeed": "engine config's universal-checkpoint switch",
+    "transformers": "config._attn_implementation and _init_weights",
+}
+
+
+def untested(versions: dict[str, str] | None = None) -> list[str]:
+    """One line for each installed package (or each of `versions`) whose version is not the one tested here."""
+    lines = []
+    for package, tested in TESTED.items():
+        try:
+            have = versions[package] if versions is not None else metadata.version(package)
+        except (KeyError, metadata.PackageNotFoundError):
+            continue
+        if ".".join(have.split("+")[0].split(".")[:2]) != tested:
+            lines.append(f"{package} {have} is not the tested {tested}.*; raytrain relies on its {USES[package]} "
+                         "(raytrain/private_apis.py): install through k8s/constraints.txt")
+    return lines
+
+
+# --- Ray ----------------------------------------------------------------------------------
+def worker_setup_hook_variable() -> str:
+    """The variable a worker process reads its setup hook from. Ray sets it from a job-level
+    `worker_process_setup_hook` in ray.init only; the train workers' runtime env needs it itself."""
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+    return WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+
+def stdstream_dispatcher():
+    """The driver's dispatcher of the workers' stdout/stderr lines (no public switch forwards one
+    stream without the other), or None where a Ray release moved it."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher
+    except ImportError:
+        return None
+    return global_worker_stdstream_dispatcher
+
+
+def wrap_sigterm_setter(wrap) -> None:
+    """Ray installs a worker's SIGTERM handler (exit at once) through `set_sigterm_handler` just after
+    the setup hook, and offers no public way to change it: replace that setter with `wrap(setter)`."""
+    import ray._private.utils as ray_utils
+
+    ray_utils.set_sigterm_handler = wrap(ray_utils.set_sigterm_handler)
+
+
+MOVED = object()
+
+
+def local_preemption_info():
+    """This worker's copy of Ray's preemption notice (None: no notice), without the public call's
+    barrier through Ray Train's synchronization actor (1.7 ms of a 39 ms CPU step); MOVED where a
+    Ray release moved it."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info
+    except (ImportError, AttributeError):
+        return MOVED
+
+
+# --- torch --------------------------------------------------------------------------------
+def storage_prefix(name: str):
+    """DCP's per-file name prefix, which a FileSystemWriter subclass needs to write one plan's
+    items into several files (strategies/base.py's SplitWriter)."""
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    return _StoragePrefix(name)
+
+
+def local_tensor(p):
+    """A DTensor's own local tensor (anything else as it is). Not `to_local()`: that returns a view,
+    for an NF4 weight a new NF4Tensor whose attributes FSDP2 never reads (qlora.py)."""
+    return p._local_tensor if hasattr(p, "_local_tensor") else p
+
+
+# --- DeepSpeed ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def universal_checkpoint_load(engine):
+    """DeepSpeed loads a universal checkpoint (any world size) only when its config says so at
+    `load_checkpoint`; the switch is read there alone, so it is on for that call only."""
+    engine._config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = False
+
+
+# --- transformers -------------------------------------------------------------------------
+def attn_implementation(config) -> str:
+    """The attention a model's layers call (`model.set_attn_implementation` checks and reloads
+    kernels: too slow for a switch made around every flash call)."""
+    return config._attn_implementation
+
+
+def set_attn_implementation(config, name: str) -> None:
+    config._attn_implementation = name
+
+
+@contextlib.contextmanager
+def attn_implementation_as(config, name: str):
+    """The layers call `name`'s attention inside the block; what they called before after it."""
+    saved = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
+def init_weights(model, module) -> None:
+    """transformers' initialization of one module, as `from_pretrained` runs it for what no weight
+    file holds (rotary frequencies): no public call initializes a single module."""
+    model._init_weights(module)
