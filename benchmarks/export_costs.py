@@ -31,7 +31,7 @@ def _checkpoint(root: Path, hidden: int, layers: int, vocab: int, split: bool) -
     from raytrain.checkpoint import RAY_SNAPSHOT, STATE_FILE
     from raytrain.config import JobSpec
     from raytrain.export import write_job_file
-    from raytrain.strategies.base import SplitWriter
+    from raytrain.strategies.dcp_files import SplitWriter
 
     model_dir = root / "model"
     demo_assets.make_tokenizer(model_dir)
@@ -62,7 +62,7 @@ def _export_before(spec, checkpoint, directory: str) -> None:
     """e098762^'s write_full_from_checkpoint: a DCP load (and a metadata parse) per tensor."""
     from raytrain import modeling
     from raytrain.strategies import hf_files
-    from raytrain.strategies.base import read_checkpoint
+    from raytrain.strategies.dcp_files import read_checkpoint
     from raytrain.strategies.hf_files import export_entries, write_full_export
 
     model = modeling.load_model(spec, on_meta=True)

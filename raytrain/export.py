@@ -16,7 +16,7 @@ from . import modeling, signing, storage
 from .checkpoint import latest_checkpoint
 from .config import JobSpec
 from .strategies import hf_files, zero3
-from .strategies.base import SignedReader, read_checkpoint
+from .strategies.dcp_files import SignedReader, read_checkpoint
 from .strategies.hf_files import export_entries, write_full_export, write_hf_export
 
 JOB_FILE = "job.json"

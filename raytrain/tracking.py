@@ -197,7 +197,7 @@ def log_steps(mlflow, run_id: str, steps: list[tuple[int, dict]]) -> None:
         batch += [Metric(k, float(v), now, step) for k, v in metrics.items()]  # host: Python numbers
         following = len(steps[i + 1][1]) if i + 1 < len(steps) else BATCH
         if len(batch) + following + 1 > BATCH:
-            mlflow.log_batch(run_id, metrics=batch + [Metric(LOGGED_THROUGH, float(step), now, step)])
+            mlflow.log_batch(run_id, metrics=batch + [Metric(LOGGED_THROUGH, float(step), now, step)])  # host: a Python int
             batch = []
 
 

@@ -83,7 +83,7 @@ def test_rank0_fallback_and_restore_fill_device_models(group, assets, split_mode
 
     from raytrain import signing
     from raytrain.strategies import weights
-    from raytrain.strategies.base import read_checkpoint
+    from raytrain.strategies.dcp_files import read_checkpoint
 
     spec = make_job(assets, tmp_path, model={"path": str(split_model), "dtype": "bfloat16"}, training={"finetune": "full"})
     reference = modeling.load_model(spec).state_dict()

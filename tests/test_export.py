@@ -58,7 +58,7 @@ def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4, opt
     from raytrain import signing, storage
     from raytrain.checkpoint import RAY_SNAPSHOT, STATE_FILE  # Ray Train's controller registers it there
     from raytrain.export import write_job_file
-    from raytrain.strategies.base import SplitWriter
+    from raytrain.strategies.dcp_files import SplitWriter
 
     write_job_file(spec)
     step = tmp_path / "runs" / spec.name / f"step_{step_number:08d}"

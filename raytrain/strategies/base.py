@@ -1,5 +1,5 @@
 """The one interface the training loop talks to, and the torch-native parts that FSDP2
-and DDP share (AdamW over trainable parameters, clipping, DCP checkpoints, HF export).
+and DDP share (AdamW over trainable parameters, clipping, DCP checkpoints through dcp_files.py, HF export).
 
 A strategy owns everything that differs between parallelisms: how the model is built
 and wrapped, how backward and accumulation sync, how state is saved, loaded and exported.
@@ -9,11 +9,9 @@ The loop owns the rest and has no `if strategy == ...` anywhere.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
-import re
 import shutil
 from abc import ABC, abstractmethod
 from typing import Callable
@@ -21,96 +19,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import masks, modeling, private_apis
+from .. import masks, modeling
 from ..config import JobSpec
 from ..plan import RunPlan
 from ..errors import JobError
 from ..signing import SignedCheckpoint
 from . import hf_files, ulysses
+from .dcp_files import SplitWriter, read_checkpoint
 from .hf_files import export_entries, write_full_export, write_hf_export
-
-
-def read_checkpoint(state: dict, checkpoint: SignedCheckpoint, reader: "SignedReader | None" = None) -> None:
-    """dcp.load into `state` (resharding to this world size), each rank fetching only the files
-    its slices are in; a weight the checkpoint lacks or a refused file is one clear JobError on
-    every rank, not DCP's traceback. Pass one `reader` to many loads of one checkpoint."""
-    try:
-        dcp.load(state, storage_reader=reader or SignedReader(checkpoint))
-    except CheckpointException as exc:  # each rank's error, wrapped (a BaseException, not an Exception)
-        refused = [e for e, _ in exc.failures.values() if isinstance(e, JobError)]
-        if refused:
-            raise JobError(str(refused[0])) from None
-        missing = re.search(r"Missing key in checkpoint state_dict: ([\w.-]+?)\.(?:\s|$)", str(exc))
-        if missing is None:
-            raise
-        raise JobError(f"the checkpoint {checkpoint.where} has no value for {missing.group(1)}: it was written for "
-                       f"another model or its keys were renamed. Point model.path at the model it was trained from") from None
-
-
-class SignedReader(FileSystemReader):
-    """DCP's file reader over a signed checkpoint: the metadata, then the files this rank's load
-    plan reads, are fetched and verified first (`SignedCheckpoint.fetch`); nothing else is read.
-    The metadata (every tensor's chunks on every rank) is unpickled once per reader, however many
-    loads it serves: an export reads a checkpoint in many small loads."""
-
-    def __init__(self, checkpoint: SignedCheckpoint):
-        super().__init__(checkpoint.fetch(".metadata"))  # a pickle: verified before DCP unpickles it
-        self.checkpoint = checkpoint
-        self._metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
-
-    def read_data(self, plan, planner):
-        self.checkpoint.fetch(*sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}))
-        return super().read_data(plan, planner)
-
-
-class SplitWriter(FileSystemWriter):
-    """DCP's file writer with a rank's own shards apart from its share of what DCP writes once for
-    all ranks (replicated tensors: DDP's weights, AdamW's step counters; pickled values such as
-    the param groups), and the model's apart from the optimizer's: `__<rank>_0.distcp` (model
-    shards), `__<rank>_optim0.distcp`, `__<rank>_shared0.distcp`, `__<rank>_sharedoptim0.distcp`.
-    Files are fetched and verified whole, so what a reader needs apart is written apart: every
-    rank needs the replicated items (beside the shards, a rank would fetch every other rank's
-    shards for a few scalars), and an export needs the model only (beside the optimizer, it
-    would fetch the model's bytes twice again)."""
-
-    def write_data(self, plan, planner):
-        prefix, results = plan.storage_data.prefix, []
-        groups: dict[str, list] = {}
-        for item in plan.items:
-            kind = "" if item.type == WriteItemType.SHARD else "shared"
-            groups.setdefault(prefix + kind + ("optim" if item.index.fqn.startswith("optim.") else ""), []).append(item)
-        for name, items in groups.items():
-            part = dataclasses.replace(plan, items=items, storage_data=private_apis.storage_prefix(name))
-            results += super().write_data(part, planner).wait()
-        done = torch.futures.Future()
-        done.set_result(results)
-        return done
-
-
-def fetch_on_every_rank(checkpoint: SignedCheckpoint, files: list[str]) -> str:
-    """Collective: fetch this rank's `files`; a file refused on any rank is refused on all (no rank
-    waits in a collective for one that stopped). Returns the local folder."""
-    try:
-        error, folder = None, checkpoint.fetch(*files)
-    except JobError as exc:
-        error, folder = str(exc), ""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        raise JobError(next(e for e in errors if e))
-    return folder
 
 
 class Strategy(ABC):

@@ -36,7 +36,8 @@ from .. import modeling, private_apis
 from ..errors import JobError
 from . import deepspeed_config, hf_files, weights
 from ..signing import SignedCheckpoint
-from .base import Strategy, adamw, enable_activation_checkpointing, fetch_on_every_rank
+from .base import Strategy, adamw, enable_activation_checkpointing
+from .dcp_files import fetch_on_every_rank
 from .hf_files import export_entries, write_full_export, write_hf_export
 
 TAG = "ds"  # the checkpoint's subfolder; fixed, so every committed step_* folder has the same layout
