@@ -53,7 +53,8 @@ def _synthetic_store(folder: Path, shards: int, rows_per_shard: int = 4) -> str:
     import numpy as np
     import pyarrow.fs as pafs
 
-    from raytrain.data.store import shard_rows, token_dtype, write_manifest, write_shard
+    from raytrain.data.store import token_dtype
+    from raytrain.data.store_writer import shard_rows, write_manifest, write_shard
 
     fs, dtype, key, rng = pafs.LocalFileSystem(), token_dtype(300), "o" * 20, np.random.default_rng(0)
     store_dir = folder / key

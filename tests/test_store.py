@@ -129,7 +129,8 @@ def test_the_compact_store_reads_back_exactly_the_padded_rows_packing_lays_out(t
     """2-4 bytes a token on disk, labels and positions from two flag bits and the index: what
     `read` returns is, plane for plane, what the padded three-plane layout held."""
     from raytrain.data.records import IGNORE, pack, pad_rows
-    from raytrain.data.store import shard_rows, token_dtype, write_manifest, write_shard
+    from raytrain.data.store import token_dtype
+    from raytrain.data.store_writer import shard_rows, write_manifest, write_shard
 
     rng, seq_len, pad = np.random.default_rng(1), 16, 7
     docs = []
@@ -183,7 +184,8 @@ def test_the_compact_store_reads_back_exactly_the_padded_rows_packing_lays_out(t
 def _write_store(folder: Path, shards: int, empty: set[int] = frozenset(), rows_per_shard: int = 2):
     """A tiny store of `shards` shards (`empty`: of no rows) of short padded rows, written as a
     prepare writes it; (its uri, the shards' entries, each row's token ids)."""
-    from raytrain.data.store import shard_rows, token_dtype, write_manifest, write_shard
+    from raytrain.data.store import token_dtype
+    from raytrain.data.store_writer import shard_rows, write_manifest, write_shard
 
     fs, dtype, key, rng = pafs.LocalFileSystem(), token_dtype(300), "t" * 20, np.random.default_rng(len(empty))
     store_dir = folder / key
@@ -208,7 +210,7 @@ def _process_reads() -> int:
 
 
 def test_a_rank_reads_as_much_at_open_for_ten_times_the_shards_and_one_table_block_for_a_row(tmp_path, monkeypatch):
-    from raytrain.data import store as store_module
+    from raytrain.data import store as store_module, store_writer
 
     read, opened = {}, {}
     for shards in (8, 80):
@@ -220,7 +222,7 @@ def test_a_rank_reads_as_much_at_open_for_ten_times_the_shards_and_one_table_blo
     for shards, store in opened.items():
         assert store.shards == shards and store.read_counters.open_bytes == Path(store.path, MANIFEST).stat().st_size
 
-    monkeypatch.setattr(store_module, "TABLE_BLOCK", 16)  # 80 shards: 5 blocks of the table
+    monkeypatch.setattr(store_writer, "TABLE_BLOCK", 16)  # 80 shards: 5 blocks of the table
     # Shards of no rows on both sides of two block boundaries: a row is in the last shard starting at or before it.
     uri, entries, ids = _write_store(tmp_path / "blocks", 80, empty={15, 16, 47, 48})
     store = TokenStore.open(uri)
@@ -243,9 +245,9 @@ def test_a_rank_reads_as_much_at_open_for_ten_times_the_shards_and_one_table_blo
 
 
 def test_a_changed_or_missing_shard_table_and_an_older_store_are_refused_with_the_file_named(tmp_path, monkeypatch):
-    from raytrain.data import store as store_module
+    from raytrain.data import store as store_module, store_writer
 
-    monkeypatch.setattr(store_module, "TABLE_BLOCK", 16)
+    monkeypatch.setattr(store_writer, "TABLE_BLOCK", 16)
     uri, entries, ids = _write_store(tmp_path, 40)  # 3 blocks: 16, 16 and 8 shards
     table = Path(uri, store_module.TABLE)
     signed, record = table.read_bytes(), store_module.RECORD.itemsize

@@ -4,7 +4,7 @@ spec     the `data` section of the job YAML (formats, columns, sources, eval)
 records  one source row -> token ids and labels (the format rules), packing
 sources  the source files, their fingerprints, and read units that depend on the files alone
 prepare  the Ray Data job that tokenizes and packs every unit into a store (driver + cluster CPUs)
-store    a prepared store: manifest written last, random reads of whole rows
+store    a prepared store's format, and random reads of whole rows (store_writer: its writing, manifest last)
 order    the global order, a pure function of (seed, epoch, rows); each rank's slice
 batches  this rank's micro-batches of each global batch, prefetched (training workers)
 

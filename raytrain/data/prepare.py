@@ -32,7 +32,8 @@ from .prompts import encode_prompts
 from .spec import DataSpec
 from .unpaired import encode_unpaired
 from .sources import Source, Unit, list_sources, plan_units, read_unit
-from .store import TokenStore, shard_name, shard_rows, token_dtype, write_manifest, write_shard
+from .store import TokenStore, shard_name, token_dtype
+from .store_writer import shard_rows, write_manifest, write_shard
 
 PACKER_VERSION = 4  # 2: units sized from the file; 3: positions per document, chat labels from one rendering; 4: store format 4
 UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
