@@ -105,13 +105,9 @@ def universal_checkpoint_load(engine):
 
 
 # --- transformers -------------------------------------------------------------------------
-def attn_implementation(config) -> str:
-    """The attention a model's layers call (`model.set_attn_implementation` checks and reloads
-    kernels: too slow for a switch made around every flash call)."""
-    return config._attn_implementation
-
-
 def set_attn_implementation(config, name: str) -> None:
+    """The attention a model's layers call. Not `model.set_attn_implementation`: it checks and
+    reloads kernels, too slow for a switch made around every flash call (`attn_implementation_as`)."""
     config._attn_implementation = name
 
 

@@ -14,7 +14,6 @@ ranks agree every `CHECK` tokens whether all their completions have ended."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 
 import torch
@@ -64,12 +63,10 @@ def sample(logits: torch.Tensor, keys: torch.Tensor, t: int, temperature: float,
     return torch.searchsorted(cdf, u[:, None], right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
-@contextlib.contextmanager
 def native_attention(strategy):
     """transformers' own attention for the rollout (its masks handle left padding and the cache);
     raytrain's (attention.py) is for whole training rows."""
-    with private_apis.attn_implementation_as(strategy.hf_model.config, strategy.spec.model.attn_implementation):
-        yield
+    return private_apis.attn_implementation_as(strategy.hf_model.config, strategy.spec.model.attn_implementation)
 
 
 def _all_ended(ended: torch.Tensor) -> bool:
