@@ -93,15 +93,10 @@ def local_tensor(p):
 
 
 # --- DeepSpeed ----------------------------------------------------------------------------
-@contextlib.contextmanager
 def universal_checkpoint_load(engine):
     """DeepSpeed loads a universal checkpoint (any world size) only when its config says so at
     `load_checkpoint`; the switch is read there alone, so it is on for that call only."""
-    engine._config.load_universal_checkpoint = True
-    try:
-        yield
-    finally:
-        engine._config.load_universal_checkpoint = False
+    return _attribute_as(engine._config, "load_universal_checkpoint", True)
 
 
 # --- transformers -------------------------------------------------------------------------
@@ -111,18 +106,23 @@ def set_attn_implementation(config, name: str) -> None:
     config._attn_implementation = name
 
 
-@contextlib.contextmanager
 def attn_implementation_as(config, name: str):
     """The layers call `name`'s attention inside the block; what they called before after it."""
-    saved = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = saved
+    return _attribute_as(config, "_attn_implementation", name)
 
 
 def init_weights(model, module) -> None:
     """transformers' initialization of one module, as `from_pretrained` runs it for what no weight
     file holds (rotary frequencies): no public call initializes a single module."""
     model._init_weights(module)
+
+
+@contextlib.contextmanager
+def _attribute_as(owner, name: str, value):
+    """`owner.name` is `value` inside the block, and what it was before after it."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)

@@ -283,8 +283,8 @@ def test_worker_pods_are_whole_nodes_sized_from_the_job(job, assets):
     shm, tmp = gib(volumes["dshm"]["emptyDir"]["sizeLimit"]), gib(volumes["tmp"]["emptyDir"]["sizeLimit"])
     assert tmp == gib(res["ephemeral-storage"])  # the kubelet evicts at the volume's limit: they agree
     facts = preflight.model_facts(spec) if not hub else \
-        model_facts.ModelFacts(KNOWN_CONFIGS[spec.model.path], model_facts.layout_from_config(KNOWN_CONFIGS[spec.model.path]),
-                          "config", False)
+        model_facts.ModelFacts(KNOWN_CONFIGS[spec.model.path],
+                               model_facts.layout_from_config(KNOWN_CONFIGS[spec.model.path]), "config", False)
     # What must fit, counted here independently of pod_sizing: the full copies a load holds
     # (one per rank under ddp; fsdp2 and zero3 read shards / one module at a time), a process per
     # rank, /dev/shm (memory-backed);
@@ -314,8 +314,8 @@ def test_a_model_not_readable_here_keeps_the_template_sizes_and_says_how_to_size
 
 
 def test_sizing_counts_each_workers_share_per_node():
-    facts = model_facts.ModelFacts(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"], model_facts.layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]),
-                              "config", False)
+    facts = model_facts.ModelFacts(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"],
+                                   model_facts.layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]), "config", False)
     base = spec_of(JOBS[-1])  # qwen full zero3, 8 workers
     one = pod_sizing.size_pods(base.model_copy(update={"scaling": base.scaling.model_copy(update={"workers_per_node": 1})}), facts)
     eight = pod_sizing.size_pods(base, facts)
