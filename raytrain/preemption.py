@@ -46,8 +46,7 @@ def install_sigterm_handler() -> None:
             timer.daemon = True
             timer.start()
 
-    # Ray calls its setter with its own handler: ours goes in its place
-    private_apis.wrap_sigterm_setter(lambda ray_setter: lambda ray_handler: ray_setter(on_sigterm))
+    private_apis.sigterm_handler_for_rays(on_sigterm)
 
 
 def _local_preemption_info():

@@ -54,12 +54,13 @@ def stdstream_dispatcher():
     return global_worker_stdstream_dispatcher
 
 
-def wrap_sigterm_setter(wrap) -> None:
+def sigterm_handler_for_rays(handler) -> None:
     """Ray installs a worker's SIGTERM handler (exit at once) through `set_sigterm_handler` just after
-    the setup hook, and offers no public way to change it: replace that setter with `wrap(setter)`."""
+    the setup hook, and offers no public way to change it: that setter now installs `handler`."""
     import ray._private.utils as ray_utils
 
-    ray_utils.set_sigterm_handler = wrap(ray_utils.set_sigterm_handler)
+    set_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda rays: set_handler(handler)
 
 
 MOVED = object()
