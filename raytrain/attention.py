@@ -115,7 +115,8 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     if not given and split is not None:
         raise RuntimeError("sequence-parallel attention was called without the micro-batch's document "
                            "boundaries: call the model with `attention.model_kwargs(...)` (objectives.forward does)")
-    groups = module.num_key_value_groups
+    # Multi-head attention without grouped keys (GPT-NeoX, Phi-2) has no num_key_value_groups: one group
+    groups = getattr(module, "num_key_value_groups", 1)
     if split is not None:
         query, key, value, groups = split.gather_positions(query, key, value, groups)
     mask = None
@@ -134,17 +135,31 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     function, config = _inner_function(module, inner), module.config
     # transformers' flash integration loads its kernels by the name in the layer's config: the inner
     # one's for the call (the config is the model's, shared by its layers; forwards run one at a time)
-    saved = module.num_key_value_groups
-    module.num_key_value_groups = groups
-    try:
-        with _masked_kernels(mask, query.device), (
-                private_apis.attn_implementation_as(config, inner) if flash else contextlib.nullcontext()):
-            out, _ = function(module, query, key, value, mask, **kwargs)
-    finally:
-        module.num_key_value_groups = saved
+    with _key_value_groups(module, groups), _masked_kernels(mask, query.device), (
+            private_apis.attn_implementation_as(config, inner) if flash else contextlib.nullcontext()):
+        out, _ = function(module, query, key, value, mask, **kwargs)
     if split is not None:
         out = split.scatter_positions(out)
     return out, None
+
+
+@contextlib.contextmanager
+def _key_value_groups(module, groups: int):
+    """The layer's key/value groups as this call sees them (Ulysses' exchange can change how many
+    heads a rank holds), put back after; a layer without the attribute keeps none when it is 1."""
+    had = hasattr(module, "num_key_value_groups")
+    saved = getattr(module, "num_key_value_groups", 1)
+    if not had and groups == 1:
+        yield
+        return
+    module.num_key_value_groups = groups
+    try:
+        yield
+    finally:
+        if had:
+            module.num_key_value_groups = saved
+        else:
+            del module.num_key_value_groups
 
 
 def _masked_kernels(mask, device: torch.device):

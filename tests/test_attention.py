@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import families
 import varlen
 from raytrain import attention, masks
 
@@ -27,8 +28,10 @@ SEGMENTS = [(0, 0, 10), (0, 10, 25), (0, 25, 40), (1, 0, 25), (1, 25, 40)]  # (r
 
 
 def models(assets) -> dict:
-    """name -> (config, state dict): the demo Llama, a Mistral with a sliding window of 6 on every
-    layer, a Qwen2 whose first layer is windowed and second is not."""
+    """name -> config: the demo Llama, a Mistral with a sliding window of 6 on every layer, a Qwen2
+    whose first layer is windowed and second is not, and the families whose attention modules are
+    not Llama's (tests/families.py): Phi-3's fused projections, Gemma's head_dim, GPT-NeoX's
+    multi-head attention without KV groups and partial rotary."""
     from transformers import AutoConfig, MistralConfig, Qwen2Config
 
     small = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -37,7 +40,7 @@ def models(assets) -> dict:
                "mistral window 6": MistralConfig(sliding_window=6, **small),
                "qwen2 window 6 on layer 1": Qwen2Config(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                                                         **small)}
-    return configs
+    return configs | {family: families.config(family, small) for family in ("phi3", "gemma", "gpt-neox")}
 
 
 def build(config, implementation: str, seed: int = 0):
@@ -65,14 +68,15 @@ def cases(assets):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("model", ["llama", "mistral window 6", "qwen2 window 6 on layer 1"])
+@pytest.mark.parametrize("model", ["llama", "mistral window 6", "qwen2 window 6 on layer 1", "phi3", "gemma",
+                                   "gpt-neox"])
 def test_packed_rows_attend_as_their_documents_alone(cases, model, implementation):
     config, ids, expected = cases[model]
     net = build(config, implementation)
     attention.install(net, implementation)
     boundaries = attention.Boundaries.of(POSITIONS)
     windows = masks.windows(config.to_dict(), S)
-    assert boundaries.packed and len(windows) == {"llama": 1, "mistral window 6": 1}.get(model, 2)
+    assert boundaries.packed and len(windows) == (2 if model == "qwen2 window 6 on layer 1" else 1)
     with torch.no_grad():
         got = net(input_ids=ids, position_ids=POSITIONS, **attention.model_kwargs(
             boundaries, implementation, windows, torch.device("cpu"), torch.float32)).logits
