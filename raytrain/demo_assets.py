@@ -122,12 +122,14 @@ def make_tokenizer(out: Path, vocab_size: int = 384):
 
 
 def make_model(out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0) -> None:
+    """A tiny Llama whose output layer is its input embedding, as in the small models most users
+    start from (SmolLM2, Qwen2.5 0.5B-3B, Llama 3.2 1B/3B, Gemma): the quickstart meets what they do."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=False, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+                         tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
 

@@ -234,9 +234,17 @@ def require_complete(model: nn.Module, missing: list[str], unexpected: list[str]
     expected absence (it comes from model.path); any other weight left at its initial value,
     or a saved weight this model does not have (a renamed key), is refused: a silent
     mismatch would train on, or export, weights nobody trained."""
-    frozen = set() if finetune == "full" else {n for n, p in model.named_parameters() if not p.requires_grad}
-    frozen |= {n for n, _ in model.named_buffers()}
-    absent = sorted(k for k in missing if k not in frozen)
+    # Every name of each tensor: a tied output layer's weight is the input embedding's, which
+    # named_parameters() lists once (under the embedding's name); set_state_dict names both.
+    names: dict[int, set[str]] = {}
+    frozen = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(n)
+        if finetune != "full" and not p.requires_grad:
+            frozen.add(n)
+    missing_set = set(missing)
+    given = {n for group in names.values() if group - missing_set for n in group}  # saved under another name
+    absent = sorted(k for k in missing if k not in frozen and k not in given)
     if absent or unexpected:
         parts = ([f"no saved value for {len(absent)} weight(s) of the model, e.g. {absent[:3]}"] if absent else []) + \
                 ([f"{len(unexpected)} saved weight(s) the model does not have, e.g. {sorted(unexpected)[:3]}"] if unexpected else [])

@@ -109,3 +109,30 @@ def check_export(folder: Path, state: dict, spec, workers: int) -> None:
     got = exported.state_dict()
     differ = [k for k, v in state.items() if not torch.equal(got[k], v.to(dtype))]
     assert not differ, f"{folder.name}: {differ[:3]}"
+
+
+def test_a_checkpoint_is_complete_when_it_holds_what_its_kind_of_job_trains(assets):
+    """What `modeling.require_complete` asks of a checkpoint: what the job trains (a LoRA job: the
+    adapter; a full one: every weight), each tensor under any of its names. The demo model's output
+    layer is its input embedding: its LoRA checkpoint holds neither (both frozen, from model.path), its
+    full checkpoint the embedding alone (named once). A missing trained weight, or one the model does
+    not have, is refused by name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.errors import JobError
+
+    full = AutoModelForCausalLM.from_pretrained(str(assets / "model"))
+    assert full.get_input_embeddings().weight is full.get_output_embeddings().weight  # tied
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(str(assets / "model")),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for model, finetune in ((full, "full"), (lora, "lora")):
+        names = dict(model.named_parameters(remove_duplicate=False))
+        saved = {n for n, p in model.named_parameters() if finetune == "full" or p.requires_grad}
+        missing = sorted(set(names) - saved)
+        modeling.require_complete(model, missing, [], finetune, "step_2")  # tied: the output layer needs no entry
+        trained = sorted(saved)[1]
+        with pytest.raises(JobError, match=rf"step_2 does not match model.path \(no saved value for 1 weight.*{trained}"):
+            modeling.require_complete(model, missing + [trained], [], finetune, "step_2")
+        with pytest.raises(JobError, match=r"1 saved weight\(s\) the model does not have, e.g. \['renamed.weight'\]"):
+            modeling.require_complete(model, missing, ["renamed.weight"], finetune, "step_2")
