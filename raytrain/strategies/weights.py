@@ -2,15 +2,17 @@
 
 Each rank reads only the slices of its own shards from the model's safetensors files: DCP's
 `HuggingFaceStorageReader` plans the reads from the files' headers, and safetensors reads a
-slice's bytes and no others (torchtitan's way of loading HF weights). A model without
-safetensors files, or whose parameter names are not its files' keys (a remote-code model that
-renames them), falls back to rank 0 loading it whole and broadcasting, as before.
+slice's bytes and no others (torchtitan's way of loading HF weights); a file key transformers renames
+on load is read under the model's name (`file_keys`). A model without safetensors files, or whose
+parameter names are not its files' keys (a remote-code model that renames them, a conversion that
+merges tensors), falls back to rank 0 loading it whole and broadcasting, as before.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -106,16 +108,16 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
                   if not isinstance(b, torch.nn.Parameter) and n not in adapters}
     folder = safetensors_folder(spec)
     files = WeightFiles(folder) if folder else None
-    keys = files.entries.keys() if files else set()
-    how = "sharded" if keys and (by_key.keys() | quantized.keys()) <= keys else "rank0"
+    key_in_file = file_keys(model, files.entries.keys() if files else ())  # the model's name -> the file's
+    how = "sharded" if key_in_file and (by_key.keys() | quantized.keys()) <= key_in_file.keys() else "rank0"
     if quantized and how != "sharded":
         raise JobError(f"training.finetune: qlora quantizes each rank's rows as it reads them from the model's "
                        f"safetensors files, and {spec.model.path!r} has none whose weight names match the model's: "
                        "save the model with save_pretrained (safetensors), or use training.finetune: lora")
     if how == "sharded":
-        read_slices(folder, {**{k: b for k, b in persistent.items() if k in keys}, **by_key},
+        read_slices(folder, {key_in_file[k]: t for k, t in {**persistent, **by_key}.items() if k in key_in_file},
                     modeling.DTYPES[spec.model.dtype])
-        qlora.fill(quantized, lambda key, first, into: files.read_rows(key, first, into.shape[0], into))
+        qlora.fill(quantized, lambda key, first, into: files.read_rows(key_in_file[key], first, into.shape[0], into))
     else:
         broadcast_from_rank0(spec, model)
     for name, p in model.named_parameters():
@@ -190,9 +192,11 @@ def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
     files = WeightFiles(folder) if folder else None
     named = dict(model.named_parameters())  # tied weights once
     new = modeling.new_weights(spec, model)  # in no file: a reward model's score head
+    key_in_file = file_keys(model, files.entries.keys() if files else ())
     base = {n: modeling.base_name(n) for n, p in named.items() if "lora_" not in n and n not in new}
-    if files is None or not set(base.values()) <= files.entries.keys():
+    if files is None or not set(base.values()) <= key_in_file.keys():
         return ""
+    base = {n: key_in_file[k] for n, k in base.items()}
     rank, seen = dist.get_rank(), set()
     with torch.no_grad():
         for prefix, module in model.named_modules():
@@ -205,8 +209,8 @@ def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
                         for n, p in own.items():
                             files.read_rows(base[n], 0, p.shape[0], p.data)
         for n, buf in model.state_dict(keep_vars=True).items():  # persistent buffers, every rank
-            if not isinstance(buf, torch.nn.Parameter) and modeling.base_name(n) in files.entries:
-                files.read_rows(modeling.base_name(n), 0, buf.shape[0], buf)
+            if not isinstance(buf, torch.nn.Parameter) and modeling.base_name(n) in key_in_file:
+                files.read_rows(key_in_file[modeling.base_name(n)], 0, buf.shape[0], buf)
         for n, value in new.items():
             with deepspeed.zero.GatheredParameters([named[n]], modifier_rank=0):
                 if rank == 0 or not hasattr(named[n], "ds_id"):  # (a whole parameter: every rank sets it)
@@ -217,6 +221,27 @@ def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
                     for layer in magnitudes:
                         layer.weight.data.copy_(_row_norms(base.data))
     return "sharded"
+
+
+def file_keys(model: torch.nn.Module, keys) -> dict[str, str]:
+    """{the model's name of a weight: its key in the files} for the files' `keys`. transformers 5
+    renames some architectures' weights on load (GPT-NeoX's `embed_out` is its model's `lm_head`;
+    `from_pretrained` applies the same list, `transformers.conversion_mapping`): a key is read under the
+    name the plain renames give it. A conversion that merges or splits tensors is no rename: its
+    weights keep their file keys, are missing from the model's names, and the model loads on rank 0."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    renames = [(re.compile(src), dst) for t in get_model_conversion_mapping(base) if type(t) is WeightRenaming
+               for src, dst in zip(t.source_patterns, t.target_patterns)]
+    out = {}
+    for key in keys:
+        name = key
+        for pattern, replacement in renames:
+            name = pattern.sub(replacement, name)
+        out[name] = key
+    return out
 
 
 def read_slices(folder: Path, targets: dict[str, torch.Tensor], load_dtype: torch.dtype) -> None:
