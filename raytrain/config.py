@@ -52,6 +52,7 @@ DEFAULT_LORA_TARGETS = (
     "c_attn", "c_proj", "c_fc",  # gpt2
     "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",  # gpt-neox, falcon
     "Wqkv", "out_proj", "fc1", "fc2",  # mpt, phi, opt
+    "qkv_proj", "gate_up_proj",  # phi-3 (its o_proj and down_proj are above)
 )
 
 
