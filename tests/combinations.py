@@ -171,6 +171,29 @@ def covering(opts: dict, refused, seed: int = 0) -> tuple[list[dict], dict]:
     return cases, {"pairs": refused_pairs, "unheld": sorted(todo, key=repr)}
 
 
+# The families users start from beyond the pair axis's two models (tests/families.py): each takes the
+# place of the demo Llama in one case, where every pair that case holds is held by another case too.
+EXTRA_FAMILIES = ("qwen2 tied", "phi3", "gemma", "gpt-neox")
+
+
+def with_families(cases: list[dict], refused) -> list[dict]:
+    """`cases` with each of EXTRA_FAMILIES as the model of two cases that held the Llama, one that
+    fine-tunes the whole model and one that does not, where another Llama case holds every other
+    option's value of it (the covering set keeps all its pairs) and validate takes the family there
+    (the tensor-parallel plan knows Llama-style blocks only)."""
+    cases = [dict(c) for c in cases]
+    for family in EXTRA_FAMILIES:
+        for full in (True, False):
+            for case in cases:
+                others = [c for c in cases if c is not case and c["model"] == "llama"]
+                if case["model"] == "llama" and (case["finetune"] == "full") == full and \
+                        refused({**case, "model": family}) is None and \
+                        all(any(o[name] == value for o in others) for name, value in case.items() if name != "model"):
+                    case["model"] = family
+                    break
+    return cases
+
+
 def reference_of(case: dict, opts: dict) -> dict:
     """The plain data-parallel job with the numbers of `case`: DDP, no sp/tp, every other option off."""
     ref = {name: False if opts[name] == (False, True) else REFERENCE.get(name, values[0])
@@ -187,8 +210,10 @@ def key(case: dict) -> str:
     return json.dumps(case, sort_keys=True)
 
 
-def run_cases(rank: int, world: int, device, cases: list[str], models: dict, storage: str) -> dict:
-    """On every rank (spawned): each case's per-step losses, grad norms and metric means."""
+def run_cases(rank: int, world: int, device, cases: list[str], models: dict, storage: str, resumed: list[str]) -> dict:
+    """On every rank (spawned): each case's per-step losses, grad norms and metric means; for those
+    in `resumed`, its checkpoint after the last step restored by a fresh strategy and the next step
+    taken both ways (mesh_cases.run_case)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -209,8 +234,9 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
         # A DoRA adapter is exported as the job's export writes it (collective), for plain peft to load.
         export = f"{storage}/exports/{hashlib.sha1(text.encode()).hexdigest()[:12]}" if case["dora"] else None
         try:
-            result = mesh_cases.run_case(spec, rows, steps=STEPS, export_to=export)
+            result = mesh_cases.run_case(spec, rows, steps=STEPS, export_to=export, resume=text in resumed)
         except Exception as exc:  # name the case: the spawned traceback alone does not
             raise RuntimeError(f"case {text} failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
-        out[text] = {**{k: result[k] for k in ("losses", "grad_norms", "means", "rewards")}, "export": export}
+        out[text] = {**{k: result.get(k) for k in ("losses", "grad_norms", "means", "rewards", "continued", "resumed")},
+                     "export": export}
     return out

@@ -64,10 +64,14 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
     return np.stack(out).astype(np.int32)
 
 
-def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | None = None) -> dict:
+def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | None = None,
+             resume: bool = False) -> dict:
     """Per-step losses and grad norms of `spec` (its scaling names the mesh) on `rows`, every step on
     the same global batch; and this rank's peak resident memory above where the steps started
-    (activations, gradients, AdamW's state: the model is loaded before)."""
+    (activations, gradients, AdamW's state: the model is loaded before). With `resume`, the job's
+    checkpoint is committed after the last step, one more step is taken (`continued`), and a fresh
+    strategy and objective restored from that checkpoint take the same step (`resumed`): each its
+    (loss, grad norm)."""
     from raytrain import loop, objectives
     from raytrain.data.batches import micro_batches
     from raytrain.data.order import rank_slice
@@ -87,13 +91,17 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set starts again from here
     before = _status_mb("VmRSS")
-    for step in range(steps):
+
+    def take(strategy, objective, step: int):
         loop.seed_step(0, step, rank // mesh.tp)
         if hasattr(objective, "at"):  # GRPO: its completions are keyed by the step and the rows
             objective.at(step, [(0, 0, r) for r in range(start, stop)])
         # A fresh dict a step, as the store gives one: GRPO turns its prompts into completions in place
-        result = loop.train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2,
-                                 StopSignals(None, check_ray_notice=False))
+        return loop.train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2,
+                               StopSignals(None, check_ray_notice=False))
+
+    for step in range(steps):
+        result = take(strategy, objective, step)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         rewards.append(getattr(objective, "host", {}).get("reward"))  # GRPO's: what its completions scored
@@ -104,8 +112,22 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     if export_to:  # the HF model (or peft adapter) as the job's export writes it (collective)
         strategy.export(export_to, None)
         gathered = _gathered_to_writer_only(strategy)
-    return {"losses": losses, "grad_norms": norms, "rewards": rewards, "means": result.means, "loaded_by": getattr(strategy, "loaded_by", "whole"),
-            "step_peak_mb": peak, "gathered_to_writer_only": gathered}
+    out = {"losses": losses, "grad_norms": norms, "rewards": rewards, "means": result.means,
+           "loaded_by": getattr(strategy, "loaded_by", "whole"), "step_peak_mb": peak, "gathered_to_writer_only": gathered}
+    if resume:  # the job's own commit and restore (tests/gpu/local_run.py), as a restarted worker group does
+        from raytrain.checkpoint import TrainState
+
+        local_run.commit_here(strategy, TrainState(step=steps, model_commit=spec.model.revision), {})
+        continued = take(strategy, objective, steps)
+        local_run.release(strategy)
+        del strategy
+        local_run.torch_linear()
+        again = build_strategy(spec, torch.device("cpu"), plan)
+        local_run.restore(again, step=steps)
+        resumed = take(again, objectives.build(spec), steps)
+        local_run.release(again)
+        out.update(continued=[continued.loss, continued.grad_norm], resumed=[resumed.loss, resumed.grad_norm])
+    return out
 
 
 def _gathered_to_writer_only(strategy) -> bool | None:

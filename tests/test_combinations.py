@@ -13,13 +13,17 @@ demo prompts, 4 completions each, the lipogram reward, and in some a reward mode
 second update on each rollout): the same completions and rewards as the reference's, and then the
 same losses; under bf16 its first step (later ones sample from weights
 bf16 rounded differently).
+
+Resume is an axis of every case: its checkpoint after step 2 (the job's own commit, signed), restored
+by a fresh strategy and objective, takes step 3 exactly as the strategy that went on. The models are
+the families users start from (tests/families.py): the pair axis's untied Llama and tied, windowed
+Mistral, and a tied Qwen2, Phi-3, Gemma and GPT-NeoX each in a LoRA case and a full one.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 from pathlib import Path
 
@@ -27,6 +31,7 @@ import pytest
 import torch
 
 import combinations as C
+import families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import local_run  # noqa: E402
@@ -37,25 +42,11 @@ FP32, BF16 = 1e-5, 3e-2  # bf16 compute: two reduction orders round the same sum
 # into a step of lr's size (seen: a tp=2 case's third grad norm 1.5e-5 off, a compiled DPO's 5e-5);
 # a wrong mask or exchange is off by 1e-2 from the first step on (RESULTS.md, "Options together").
 FP32_AFTER_AN_UPDATE = 1e-4
-
-
-def mistral_with_a_window(assets: Path, out: Path) -> Path:
-    """The demo model's sizes as a Mistral whose every layer attends 16 tokens back (rows are 64), its
-    output layer tied to its input embedding as in most small models users fine-tune (SmolLM2, Qwen2.5,
-    Llama 3.2): a full fine-tune of it looks tokens up with a sparse gradient (modeling.sparse_tied_lookup)."""
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    llama = json.loads((assets / "model" / "config.json").read_text())
-    config = MistralConfig(**{k: llama[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                     "num_hidden_layers", "num_attention_heads",
-                                                     "num_key_value_heads", "max_position_embeddings")},
-                           sliding_window=16, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
-    for f in (assets / "model").iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy2(f, out / f.name)
-    return out
+# GRPO's gradient is a sum of advantage-weighted terms of both signs that mostly cancel, so bf16's
+# rounding of each term shows in the norm of what is left: seen 8.4% between zero3's bf16 compute and
+# the autocast reference (a full fine-tune on a CPU with AMX's bf16 kernels), within 3% elsewhere. The
+# rewards (the same completions) stay exact and the loss within BF16; fp32 GRPO cases hold FP32.
+GRPO_BF16_NORM = 0.12
 
 
 def reward_model(assets: Path, out: Path) -> Path:
@@ -73,16 +64,22 @@ def reward_model(assets: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def combos(assets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("combos")
-    models = {"llama": str(assets / "model"), "mistral window": str(mistral_with_a_window(assets, tmp / "mistral")),
-              "text": str(assets / "text.jsonl"), "pairs": str(assets / "pairs.jsonl"),
-              "prompts": str(assets / "prompts.jsonl"), "reward model": str(reward_model(assets, tmp / "reward-model"))}
-    configs = {name: json.loads(Path(models[name], "config.json").read_text()) for name in ("llama", "mistral window")}
+    models = {family: str(families.build(family, assets, tmp / family.replace(" ", "-"))) for family in families.FAMILIES}
+    models.update({"text": str(assets / "text.jsonl"), "pairs": str(assets / "pairs.jsonl"),
+                   "prompts": str(assets / "prompts.jsonl"), "reward model": str(reward_model(assets, tmp / "reward-model"))})
+    configs = {name: json.loads(Path(models[name], "config.json").read_text()) for name in families.FAMILIES}
     opts = C.options()
-    cases, refused = C.covering(opts, lambda case: C.refusal(case, models, configs))
+
+    def refused(case):
+        return C.refusal(case, models, configs)
+
+    cases, refused_pairs = C.covering(opts, refused)
+    cases = C.with_families(cases, refused)
     references = {C.key(c): C.key(C.reference_of(c, opts)) for c in cases}
     runs = sorted({C.key(c) for c in cases} | set(references.values()))
-    results = local_run.spawn(C.run_cases, C.WORLD, torch.device("cpu"), runs, models, str(tmp / "runs"))
-    return {"opts": opts, "cases": cases, "refused": refused, "references": references, "results": results,
+    results = local_run.spawn(C.run_cases, C.WORLD, torch.device("cpu"), runs, models, str(tmp / "runs"),
+                              sorted(C.key(c) for c in cases))
+    return {"opts": opts, "cases": cases, "refused": refused_pairs, "references": references, "results": results,
             "models": models}
 
 
@@ -117,7 +114,8 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
             # keeps fp32 weights under autocast, some sampled tokens move (seen: 2 of 3 cases' second
             # rewards), and all after them: the second step must train, not match.
             assert same_rewards(case, got["rewards"][:1], want["rewards"][:1]), (name, got["rewards"], want["rewards"])
-            assert all(abs(got[k][0] - want[k][0]) <= BF16 * max(abs(want[k][0]), 1.0) for k in ("losses", "grad_norms")), \
+            assert abs(got["losses"][0] - want["losses"][0]) <= BF16 * max(abs(want["losses"][0]), 1.0), (name, got, want)
+            assert abs(got["grad_norms"][0] - want["grad_norms"][0]) <= GRPO_BF16_NORM * want["grad_norms"][0], \
                 (name, got, want)
             assert all(math.isfinite(x) for x in got["losses"]) and all(g > 0 for g in got["grad_norms"]), name
             print(f"[combinations] first step (bf16 GRPO; rewards {got['rewards']} vs {want['rewards']}) {name}")
@@ -143,6 +141,24 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
             assert all(g > 0 for g in results[ref]["grad_norms"]), (ref, results[ref])
         else:
             assert losses[-1] < losses[0], (ref, losses)  # the reference learns: agreement is not two flat lines
+    assert not bad, "\n".join(bad)
+
+
+def test_each_combination_resumes_from_its_checkpoint_and_takes_the_same_next_step(combos):
+    # The job's checkpoint after step 2, restored by a fresh strategy and objective (a restarted worker
+    # group): step 3's loss and grad norm equal those of the strategy that went on, bit for bit. The
+    # check that refuses a checkpoint of another model (modeling.require_complete) compares what this
+    # case's checkpoint holds: a LoRA adapter of a tied model has no saved output layer, and needs none.
+    held = {case["model"] for case in combos["cases"]}
+    assert held == set(families.FAMILIES), held  # every family users start from is in a case
+    assert {case["model"] for case in combos["cases"] if case["finetune"] != "full"} & families.TIED
+    bad = []
+    for case in combos["cases"]:
+        got = combos["results"][C.key(case)]
+        name = " ".join(f"{k}={v}" for k, v in case.items())
+        print(f"[resume] {got['continued']} -> {got['resumed']} {name}")
+        if got["resumed"] != got["continued"] or not all(map(math.isfinite, got["resumed"])):
+            bad.append(f"{name}: went on {got['continued']}, restored {got['resumed']}")
     assert not bad, "\n".join(bad)
 
 
