@@ -239,8 +239,10 @@ def test_a_rank_reads_as_much_at_open_for_ten_times_the_shards_and_one_table_blo
     assert counters.table_bytes == directory + 32 * record
     assert counters.bytes >= counters.table_bytes  # the table is part of what the store read
 
+    monkeypatch.setattr(store_module, "OPEN_FILES", 4)  # 80 shards read through 4 open files at most
     order = np.random.default_rng(0).permutation(store.rows)  # every row, across the empty shards and blocks
     assert np.array_equal(store.read(order)[:, 0, :5], ids[order])
+    assert len(store._files) <= 4  # a long run over many shards does not keep a descriptor for each
     assert [store.shard(i) for i in range(80)] == entries  # what the manifest listed before
 
 

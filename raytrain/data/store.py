@@ -47,6 +47,8 @@ from .. import signing, storage
 from ..errors import JobError
 from .records import IGNORE
 
+OPEN_FILES = 32  # shard files a reader keeps open at once (TokenStore._file)
+
 MANIFEST = "manifest.json"
 TABLE = "shards.tbl"
 # 3: 12 bytes a token in three int32 planes, padded; 4: 2-4 bytes, unpadded, hash per row;
@@ -107,7 +109,7 @@ class TokenStore:
         self._directory: tuple[np.ndarray, np.ndarray] | None = None  # blocks' first rows and sha256s, once read
         self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # records, first rows (int64)
         self._blocks_bytes = 0
-        self._files: dict[str, object] = {}
+        self._files: OrderedDict[str, object] = OrderedDict()  # open shard files, the least recently read first
         self._index: OrderedDict[int, tuple] = OrderedDict()
         self._index_bytes = 0
         self._lock = threading.Lock()
@@ -294,13 +296,21 @@ class TokenStore:
                         "Delete the folder to prepare it again")
 
     def _file(self, name: str):
+        """`name`'s open file. At most OPEN_FILES stay open: a long run over a store of many shards
+        reads each once an epoch, and one handle per shard ever read would exhaust the descriptors.
+        The least recently read is let go, not closed: a read in the prefetch thread may still hold it,
+        and the file closes when that read drops it."""
         with self._lock:
-            if name not in self._files:
+            if name in self._files:
+                self._files.move_to_end(name)
+            else:
                 try:
                     self._files[name] = self.fs.open_input_file(f"{self.path}/{name}")
                 except FileNotFoundError:
                     raise JobError(f"refusing the token store {self.uri}: {name} is missing (deleted after it was "
                                    "prepared). Delete the folder to prepare it again") from None
+                while len(self._files) > OPEN_FILES:
+                    self._files.popitem(last=False)
             return self._files[name]
 
     def close(self) -> None:
