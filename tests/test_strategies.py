@@ -144,6 +144,25 @@ def test_zero3_checkpoint_resumes_at_another_world_size(trained, tmp_path, asset
     assert abs(loss - reference) / reference <= LOSS_REL_TOL
 
 
+def test_a_tied_lora_checkpoint_resumes_at_one_worker_and_back_at_two(trained, assets):
+    """The demo model's output layer is its input embedding (as SmolLM2's, Qwen2.5's, Llama 3.2's): a
+    LoRA checkpoint holds the adapter and no output layer. The 2-worker fsdp2 run's step-6 checkpoint
+    continued by 1 worker to step 9, and that one's by 2 workers to the end: every step within the
+    parity bound of the uninterrupted run (1 worker accumulates 4 micro-batches where 2 reduce 2 + 2)."""
+    run = trained["fsdp2", "lora"]
+    losses = {}
+    with without_checkpoint(run.run_dir, STEPS) as storage:  # resumes at step EVERY
+        for workers, steps in ((1, EVERY + 3), (2, STEPS)):
+            spec = job(assets, storage, "fsdp2", "lora", run.spec.name, steps=steps, scaling={"num_workers": workers})
+            result = launcher.run(spec)
+            assert result.metrics["world_size"] == workers and result.metrics["step"] == steps
+            losses.update({k: v for k, v in metric_history(spec, result.run_id).items() if k > EVERY})
+    assert sorted(losses) == list(range(EVERY + 1, STEPS + 1))
+    worst = max(abs(losses[k] - run.losses[k]) / run.losses[k] for k in losses)
+    print(f"\n[tied lora 2->1->2] steps {EVERY + 1}-{STEPS}: max relative loss difference {worst:.1e}")
+    assert worst <= LOSS_REL_TOL
+
+
 def load_export(folder: Path, spec):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
