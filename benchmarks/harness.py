@@ -25,7 +25,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-CACHE = REPO / "benchmarks" / ".cache"  # built models and data, reused between runs (git-ignored)
+# Built models and data, reused between runs (git-ignored); BENCH_CACHE puts them elsewhere (the
+# smoke test: its own, since a store signed under another session's key is refused, as it must be).
+CACHE = Path(os.environ.get("BENCH_CACHE") or REPO / "benchmarks" / ".cache")
 STEP_LOG_ENV = "BENCH_STEP_LOG"  # each arm's step-log folder (raytrain: passed on as data.sample_log)
 
 

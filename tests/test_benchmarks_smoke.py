@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slow
 def test_p1_smoke_prints_sane_ratio_lines(tmp_path):
     out = tmp_path / "figures.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "p1", "--smoke", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+                          cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "BENCH_CACHE": str(tmp_path / "cache")})  # nothing from an earlier run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
 
