@@ -125,8 +125,19 @@ class Zero3Strategy(Strategy):
                                                   load_lr_scheduler_states=False)
             if path is None:
                 raise JobError(f"could not load the DeepSpeed checkpoint in {checkpoint.where}")
-            return
-        self._load_universal(checkpoint, saved)
+        else:
+            self._load_universal(checkpoint, saved)
+        self._repartition_persistent()
+
+    def _repartition_persistent(self) -> None:
+        """Put the small parameters ZeRO-3 keeps whole back as a fresh engine has them (partitioned
+        until the first forward fetches them). load_checkpoint gathers them itself, outside the forward's
+        bookkeeping, and a recomputed forward (activation checkpointing) then found DoRA's lora_A
+        partitioned (it reads the weight outside lora_A's own forward): an IndexError in the first
+        backward after every restore of a zero3 DoRA job with activation checkpointing."""
+        persistent = [p for p in self.hf_model.parameters() if getattr(p, "ds_persist", False)]
+        if persistent:
+            persistent[0].partition(param_list=persistent)
 
     def _load_universal(self, checkpoint: SignedCheckpoint, saved: int) -> None:
         """Another world size: convert to DeepSpeed's universal checkpoint, once per node (which
