@@ -9,7 +9,9 @@ demo rows in the job's format (GRPO: the demo prompts, 4 completions of at most 
 batches shorter, and 2 steps with a checkpoint. flash_attention_2 is transformers' integration with
 flash-attn's kernels in plain torch (tests/varlen.py). The miniature validates as `raytrain
 validate` checks it, trains on 4 gloo ranks through the worker's path without Ray
-(tests/gpu/local_run.py: prepare, strategy, `loop.fit`, commit), and its checkpoint restores.
+(tests/gpu/local_run.py: prepare, strategy, `loop.fit`, commit), and its checkpoint restores. One
+spawned group of 4 ranks trains every miniature in turn, as test_combinations' group runs its cases:
+torch and the product are imported once, not once a job.
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ def miniature(job: Path, assets: Path, tmp: Path) -> dict:
     return raw
 
 
-def train_and_restore(rank: int, world: int, device, spec_json: str, prepared: dict) -> dict:
-    """On every rank (spawned): 2 steps and a checkpoint, then a fresh strategy restores it."""
+def train_and_restore(rank: int, world: int, device, jobs: dict[str, tuple[str, dict]]) -> dict:
+    """On every rank (spawned once for all the jobs: torch and the product imported once): each job
+    in turn trains 2 steps with a checkpoint, then a fresh strategy restores it."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import varlen
 
@@ -125,30 +128,49 @@ def train_and_restore(rank: int, world: int, device, spec_json: str, prepared: d
     from raytrain.strategies import build_strategy
 
     varlen.install()
-    spec = JobSpec.model_validate_json(spec_json)
-    strategy = build_strategy(spec, device)
-    trained = local_run.train(spec, strategy, prepared)
-    local_run.release(strategy)
-    again = build_strategy(spec, device)
-    state = local_run.restore(again)
-    local_run.release(again)
-    return {"losses": trained.losses, "metrics": {k: v for k, v in trained.steps.get(2, {}).items()
-                                                  if isinstance(v, float)}, "restored_step": state.step}
+    out = {}
+    for name, (spec_json, prepared) in jobs.items():
+        spec = JobSpec.model_validate_json(spec_json)
+        try:
+            local_run.torch_linear()  # zero3's F.linear is not the next job's
+            strategy = build_strategy(spec, device)
+            trained = local_run.train(spec, strategy, prepared)
+            local_run.release(strategy)
+            again = build_strategy(spec, device)
+            state = local_run.restore(again)
+            local_run.release(again)
+        except Exception as exc:  # name the job: the spawned traceback alone does not
+            raise RuntimeError(f"{name} failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        out[name] = {"losses": trained.losses, "restored_step": state.step,
+                     "metrics": {k: v for k, v in trained.steps.get(2, {}).items() if isinstance(v, float)}}
+    return out
 
 
-@pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
-def test_a_shipped_job_trains_in_miniature_with_its_own_options(job, assets, tmp_path):
+@pytest.fixture(scope="module")
+def miniatures(assets, tmp_path_factory) -> dict:
+    """Each shipped job in miniature, validated as `raytrain validate` checks it, its stores prepared;
+    then all trained and restored by one spawned group of WORLD ranks."""
     from raytrain import preflight
     from raytrain.config import JobSpec
 
-    raw = miniature(job, assets, tmp_path)
-    small = tmp_path / job.name
-    small.write_text(yaml.safe_dump(raw))
-    report = preflight.check(str(small), probes=True)
-    assert not report.errors, [str(p) for p in report.errors]
-    spec = JobSpec.model_validate(raw)
-    prepared = local_run.prepare_data(spec)
-    out = local_run.spawn(train_and_restore, WORLD, torch.device("cpu"), spec.model_dump_json(), prepared)
+    specs, jobs = {}, {}
+    for job in JOBS:
+        tmp = tmp_path_factory.mktemp(job.stem)
+        raw = miniature(job, assets, tmp)
+        small = tmp / job.name
+        small.write_text(yaml.safe_dump(raw))
+        report = preflight.check(str(small), probes=True)
+        specs[job.name] = (JobSpec.model_validate(raw), [str(p) for p in report.errors])
+        if not report.errors:
+            jobs[job.name] = (specs[job.name][0].model_dump_json(), local_run.prepare_data(specs[job.name][0]))
+    return {"specs": specs, "results": local_run.spawn(train_and_restore, WORLD, torch.device("cpu"), jobs)}
+
+
+@pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
+def test_a_shipped_job_trains_in_miniature_with_its_own_options(job, miniatures):
+    spec, errors = miniatures["specs"][job.name]
+    assert not errors, errors
+    out = miniatures["results"][job.name]
     losses = out["losses"]
     print(f"\n[miniature] {job.name}: losses {losses}, restored at step {out['restored_step']}")
     assert sorted(map(int, losses)) == [1, 2]
