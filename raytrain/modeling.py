@@ -208,7 +208,7 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def sparse_tied_lookup(model: nn.Module) -> bool:
+def sparse_tied_lookup(model: nn.Module, device: torch.device) -> bool:
     """Where the input embedding is the output layer's weight and trains (a full fine-tune of a tied
     model: SmolLM2, Qwen2.5 up to 3B, Llama 3.2 1B/3B, Gemma), look tokens up with a sparse gradient.
     A dense lookup's backward makes a zeroed table for its few rows, and autograd a third table for
@@ -216,10 +216,13 @@ def sparse_tied_lookup(model: nn.Module) -> bool:
     add into); a sparse one is added into a single new table: one table-sized tensor less at the
     backward's peak (benchmarks/RESULTS.md, "A tied table's gradient"). The weight's gradient stays
     dense, since the output layer adds one in every objective's loss, so the strategies and AdamW see
-    what they saw. Call it after DDP is built: DDP reads `sparse` once, to expect a sparse gradient."""
+    what they saw. Call it after DDP is built: DDP reads `sparse` once, to expect a sparse gradient.
+    CPU workers only, where it was measured and tested: an accelerator keeps the dense lookup (a
+    backend without sparse kernels aborts in the backward, as the stand-in device of
+    tests/test_device.py did; CUDA's sparse path under FSDP2 has not run on a GPU here)."""
     lookup, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(lookup, nn.Embedding) or head is None or lookup.weight is not head.weight \
-            or not lookup.weight.requires_grad:
+    if device.type != "cpu" or not isinstance(lookup, nn.Embedding) or head is None \
+            or lookup.weight is not head.weight or not lookup.weight.requires_grad:
         return False
     lookup.sparse = True
     return True

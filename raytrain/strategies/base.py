@@ -132,7 +132,7 @@ class TorchStrategy(Strategy):
     def setup(self) -> None:
         self.model = self.wrap(compile_blocks(self.spec, enable_activation_checkpointing(self.spec, self.build_model()),
                                               self.device))
-        modeling.sparse_tied_lookup(self.hf_model)
+        modeling.sparse_tied_lookup(self.hf_model, self.device)
         self.on_phase("loaded")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_chunk = self.spec.loss_chunk_tokens(self.hf_model.config.to_dict())
