@@ -530,7 +530,7 @@ def test_valid_job_exits_0_and_shows_the_memory_arithmetic(assets, tmp_path):
     assert code == 0, err
     assert "valid (fsdp2, lora, workers 2..2, accumulation 2..2; survives 3 worker failures, preemptions not counted)" in out
     memory_note = next(ln for ln in err.splitlines() if ln.startswith("  note: scaling.accelerator_memory_gb"))
-    assert "frozen weights 4 B × 148K params / 2" in memory_note and "safetensors headers" in memory_note
+    assert "frozen weights 4 B × 123K params / 2" in memory_note and "safetensors headers" in memory_note  # tied: one table
     assert "Traceback" not in out + err
 
 
