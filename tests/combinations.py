@@ -172,7 +172,8 @@ def covering(opts: dict, refused, seed: int = 0) -> tuple[list[dict], dict]:
 
 
 # The families users start from beyond the pair axis's two models (tests/families.py): each takes the
-# place of the demo Llama in one case, where every pair that case holds is held by another case too.
+# place of the demo Llama in a full case and in another one (`with_families`), where every pair that case
+# holds is held by another case too.
 EXTRA_FAMILIES = ("qwen2 tied", "phi3", "gemma", "gpt-neox")
 
 
