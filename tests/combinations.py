@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import json
 import random
+import time
 import typing
 from pathlib import Path
 
@@ -234,10 +235,11 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
                                    margins=case["objective"] == "reward")
         # A DoRA adapter is exported as the job's export writes it (collective), for plain peft to load.
         export = f"{storage}/exports/{hashlib.sha1(text.encode()).hexdigest()[:12]}" if case["dora"] else None
+        began = time.perf_counter()
         try:
             result = mesh_cases.run_case(spec, rows, steps=STEPS, export_to=export, resume=text in resumed)
         except Exception as exc:  # name the case: the spawned traceback alone does not
             raise RuntimeError(f"case {text} failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
         out[text] = {**{k: result.get(k) for k in ("losses", "grad_norms", "means", "rewards", "continued", "resumed")},
-                     "export": export}
+                     "export": export, "seconds": round(time.perf_counter() - began, 1)}
     return out

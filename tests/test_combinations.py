@@ -118,7 +118,7 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
             assert abs(got["grad_norms"][0] - want["grad_norms"][0]) <= GRPO_BF16_NORM * want["grad_norms"][0], \
                 (name, got, want)
             assert all(math.isfinite(x) for x in got["losses"]) and all(g > 0 for g in got["grad_norms"]), name
-            print(f"[combinations] first step (bf16 GRPO; rewards {got['rewards']} vs {want['rewards']}) {name}")
+            print(f"[combinations] {got['seconds']:5.1f}s first step (bf16 GRPO; rewards {got['rewards']} vs {want['rewards']}) {name}")
             continue
         if case["objective"] == "grpo":  # the same completions: the same rewards
             assert same_rewards(case, got["rewards"], want["rewards"]), (name, got["rewards"], want["rewards"])
@@ -130,7 +130,7 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
         errors = [(abs(x - y) / max(abs(y), floor), tol if step == 0 else later)
                   for k in ("losses", "grad_norms") for step, (x, y) in enumerate(zip(got[k], want[k]))]
         worst = max(e for e, _ in errors)
-        print(f"[combinations] {worst:.1e} {name}")
+        print(f"[combinations] {worst:.1e} {got['seconds']:5.1f}s {name}")
         if not all(e <= allowed for e, allowed in errors):
             bad.append(f"{name}: {got['losses']} vs {want['losses']}, grad norms {got['grad_norms']} vs {want['grad_norms']}")
         if got["means"]:  # DPO's and SimPO's rewards, accuracies, margins, log-probs

@@ -1,6 +1,6 @@
 """Preference training (DPO, SimPO, reward models, KTO): the rows, the losses against TRL's own
 code, and the runs a user relies on (learning, the same steps at any worker count, parity across
-strategies, exact resume, the export).
+strategies, the export; exact resume of every objective is test_combinations.py's resume axis).
 
 TRL is a test-only dependency: its DPOTrainer, RewardTrainer and KTOTrainer compute the loss and
 the metrics on the same model and the same rows, and we compare."""
@@ -614,24 +614,6 @@ def test_simpo_trains_without_a_reference(runs):
     assert run.loss[PARITY_STEPS] < run.loss[1]
     assert run.rewards_margins[PARITY_STEPS] > run.rewards_margins[1]
     assert run.rewards_chosen[1] != 0.0  # beta x the average log-prob, not a log-ratio
-
-
-@pytest.mark.slow
-def test_full_dpo_continued_from_its_checkpoint_takes_the_same_steps(runs, assets, tmp_path):
-    # The fsdp2 full run's directory without its last checkpoint (deleted, as a user deletes a
-    # folder), continued: the policy, its AdamW state and the frozen reference copy come back,
-    # and steps 5-8 and their evals are the uninterrupted run's, bit for bit.
-    from conftest import metric_history, without_checkpoint
-
-    from raytrain import launcher
-
-    reference = runs["dpo", "fsdp2", "full"]
-    with without_checkpoint(reference.spec.run_dir, PARITY_STEPS) as storage:
-        spec = dpo_job(assets, storage, reference.spec.name, "fsdp2", "full")
-        result = launcher.run(spec)
-    assert result.goodput["failures"] == []
-    for key in ("loss", "rewards/margins", "eval_rewards/accuracies"):
-        assert metric_history(spec, result.run_id, key) == getattr(reference, key.replace("/", "_")), key
 
 
 @pytest.mark.slow
