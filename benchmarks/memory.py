@@ -255,7 +255,7 @@ def restore_reads(config: dict) -> None:
     if config["save"]:
         mine = tempfile.mkdtemp()
         strategy.save(mine)
-        sign(mine, spec.run_dir, name)  # collective: rank 0 signs every rank's files
+        sign(mine, spec.run_dir, name, "")  # collective: rank 0 signs every rank's files
         shutil.copytree(mine, folder, dirs_exist_ok=True)
         return
     with signing.SignedCheckpoint(folder, spec.run_dir, name) as checkpoint:

@@ -13,8 +13,9 @@ step peak is a third lower and flat from step 2 on, at glibc's speed or better.
 between a step's phases and costs 30% on a LoRA step; a worker's resident memory is then its
 high-water mark, which is what a node must hold anyway.
 
-GPU workers keep glibc (their steps allocate little host memory, and nothing here was measured on
-one). The submitter's own choice wins: any of the glibc variables below, an `LD_PRELOAD`, or
+GPU workers keep glibc and get none of these variables, the submitter's included (their steps
+allocate little host memory, and nothing here was measured on one). On CPU workers the submitter's
+own choice wins: any of the glibc variables below, an `LD_PRELOAD`, or
 `RAYTRAIN_HOST_ALLOCATOR=glibc` leaves the workers on what they set.
 """
 
@@ -54,8 +55,10 @@ def worker_env(use_gpu: bool, submitted: Mapping[str, str]) -> dict[str, str]:
     The workers of one cluster share the driver's image (k8s/Dockerfile, cluster/*.yaml), so the
     driver's path to the library is theirs; a worker on a node without it runs on glibc (ld.so says
     so in its log) and `raytrain.host_allocator` names both."""
+    if use_gpu:  # nothing of the submitter's allocator choice either: it is for CPU workers (README)
+        return {}
     chosen = {k: v for k, v in submitted.items() if k in (*GLIBC_ENV, "LD_PRELOAD") or k.startswith("MIMALLOC_")}
-    if use_gpu or submitted.get(CHOICE_ENV) == "glibc" or set(chosen) & {*GLIBC_ENV, "LD_PRELOAD"}:
+    if submitted.get(CHOICE_ENV) == "glibc" or set(chosen) & {*GLIBC_ENV, "LD_PRELOAD"}:
         return chosen
     path = mimalloc_path()
     return {**SETTINGS, **chosen, "LD_PRELOAD": path} if path else chosen

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import signing, storage
+from . import lease, signing, storage
 from .data import DataPosition
 from .errors import JobError
 
@@ -86,7 +86,7 @@ class TrainState:
         return cls(**raw)
 
 
-def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = True, before_commit=None) -> str | None:
+def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = True) -> str | None:
     """Collective: every rank saves its part and reports it; Ray commits the merged folder.
 
     wait=True blocks until the checkpoint is committed and returns its path. wait=False
@@ -94,9 +94,9 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     writes the files in the background and Ray's upload thread waits for them before it
     copies anything (so a crash mid-write uploads nothing: the previous checkpoint stays the
     latest; Ray registers it once every rank's part is there), and `confirm()` at the next
-    save (which finds it long registered) hands its steps' metrics to MLflow. `before_commit`
-    (rank 0: the lease fence) runs on the upload thread before a background upload, and a
-    JobError from it leaves the checkpoint uncommitted.
+    save (which finds it long registered) hands its steps' metrics to MLflow. Signing commits the
+    checkpoint under the run directory's lease first (`sign`): a fenced group's raises a JobError
+    on every rank, and nothing of it is signed or registered.
     """
     import ray.train
     from ray.train import CheckpointUploadMode
@@ -106,9 +106,10 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     if strategy.rank == 0:
         state.write(tmp)
 
+    token = strategy.plan.lease  # the run directory's lease this group's driver holds ("" without a launcher)
     if wait:
         strategy.save(tmp)
-        sign(tmp, strategy.spec.run_dir, name)
+        sign(tmp, strategy.spec.run_dir, name, token)
     else:
         files_complete = strategy.save_async(tmp)
         # Ray's upload thread signs (below) while the training thread runs its collectives: its
@@ -126,26 +127,44 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
         return confirm(strategy)
     storage = ray.train.get_context().get_storage()
 
+    signed = []
+
     def upload(checkpoint, dir_name: str):
-        files_complete()
-        sign(tmp, strategy.spec.run_dir, name, group)  # collective on every rank's upload thread
-        if before_commit is not None:
-            before_commit()
+        # Ray runs this again, on this rank alone, when S3 answers SlowDown or 503: the collective
+        # signing must then not run a second time (its gather would pair with the next checkpoint's),
+        # only the upload.
+        if not signed:
+            files_complete()
+            sign(tmp, strategy.spec.run_dir, name, token, group)  # collective on every rank's upload thread
+            signed.append(name)
         return storage.persist_current_checkpoint(checkpoint, dir_name)
 
     ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=upload, **common)
     return None
 
 
-def sign(directory: str, run_dir: str, name: str, group=None) -> None:
+def sign(directory: str, run_dir: str, name: str, token: str, group=None) -> None:
     """Collective, once every rank's files in its own `directory` are complete: rank 0 gathers
-    their sha256s and writes the checkpoint's one signed manifest into its own (signing.py), so
+    their sha256s, commits the checkpoint under the run directory's lease (`token`, when a driver
+    holds one: a conditional write that fails once another driver took the lease, lease.commit)
+    and only then writes the checkpoint's one signed manifest into its own folder (signing.py), so
     each rank of a restore reads one manifest, not every rank's. Ray commits the checkpoint only
-    once every rank's part is uploaded: a committed one always has its manifest."""
+    once every rank's part is uploaded: a committed one always has its manifest, and a fenced
+    group's has none (every rank raises the fence's JobError)."""
     import torch.distributed as dist
 
     parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     dist.gather_object(signing.checkpoint_part(directory), parts, dst=0, group=group)
+    said = [""]
+    if parts is not None and token:
+        try:
+            lease.commit(run_dir, token, name)
+        except JobError as exc:
+            said = [str(exc)]
+    if token:
+        dist.broadcast_object_list(said, src=0, group=group)
+    if said[0]:
+        raise JobError(said[0])
     if parts is not None:
         signing.sign_checkpoint(directory, run_dir, name, parts)
 

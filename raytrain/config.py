@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from . import job_rules
+from . import job_rules, versioned
 from .data.spec import DataSpec
 from .rl.spec import GRPOSpec
 from .section import Section
@@ -241,6 +241,17 @@ class CheckpointSpec(Section):
     """Committed checkpoints to keep; older ones are pruned after a newer one commits."""
     export_final: bool = True
     """At the end, write a plain Hugging Face model (or LoRA adapter) to `<run>/final_model`."""
+
+    @model_validator(mode="after")
+    def _storage_holds_a_lease(self):
+        # One driver per run directory is a compare-and-swap record there (lease.py, versioned.py)
+        if not versioned.supported(self.storage_path):
+            scheme = self.storage_path.split("://", 1)[0]
+            raise ValueError(f"storage_path={self.storage_path!r}: a run directory on {scheme}:// cannot hold the "
+                             "run's lease (one driver per run directory needs conditional writes, which raytrain "
+                             "has for s3:// and for local or shared file systems); use an s3:// bucket (GCS "
+                             "through its S3 interoperability endpoint) or a mounted file system path")
+        return self
 
 
 class FailureSpec(Section):

@@ -241,7 +241,7 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False) ->
             pass
         else:
             try:
-                token = lease.acquire(run_dir, me, ray.get_runtime_context().gcs_address, asked)
+                token = lease.acquire(run_dir, me, cluster_identity(), asked)
             except BaseException:  # held elsewhere, or the run directory cannot be written: give the lock back
                 ray.kill(actor)
                 raise
@@ -266,6 +266,15 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False) ->
             ray.kill(holder_actor)
         takeover = False  # once
     raise JobError(f"could not take the run directory {run_dir}'s lease (its control actor {name} keeps coming back)")
+
+
+def cluster_identity() -> str:
+    """This Ray cluster instance: its GCS address (which two clusters on pod or bridge networks can
+    share) and its session, which names one start of one cluster."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return f"{context.gcs_address}/{context.get_session_name()}"
 
 
 def release(run_dir: str, held: Held) -> None:

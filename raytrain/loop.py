@@ -239,10 +239,9 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             # Rank 0's steps MLflow does not have yet ride in the checkpoint too: a restart, the
             # driver at the end or `raytrain sync-metrics` writes them if this process never can.
             state.metrics = ((logger.unwritten() if logger else []) + done) if rank == 0 else []
-            if token:  # read the lease once more: a takeover since the last check commits nothing
+            if token:  # an early stop, on every rank at once (the commit itself is fenced: checkpoint.sign)
                 _require_lease(fence)
-            committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent,
-                                                   before_commit=fence.require if fence else None)
+            committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)
             checkpoint_s = time.perf_counter() - save_start
             if logger and getattr(objective, "samples", None):  # GRPO: what the step sampled and scored
                 logger.log_table(f"samples/step_{state.step:08d}.json", objective.samples)

@@ -246,6 +246,30 @@ def reward_model_problems(field: str, path: str) -> list[Problem]:
         if not Path(base).is_dir() and not is_hub_id(base):
             return [Problem(field, repr(path), f"is a LoRA adapter over {base!r}, which is neither a folder here nor "
                             "a hub id: export the reward model whole (finetune: full) or keep its base where it names", "model")]
+    return reward_head_problems(field, path, folder.glob(kind))
+
+
+# What a ...ForSequenceClassification's head is called (Llama, Qwen, Mistral, Gemma, GPT-NeoX: score)
+HEADS = ("score", "classifier")
+
+
+def reward_head_problems(field: str, path: str, files) -> list[Problem]:
+    """The scoring head must be in the weights, with one label: transformers otherwise makes up a
+    random head (a different one on each rank), and GRPO trains on noise."""
+    from .model_facts import read_safetensors_header
+
+    shapes = {}
+    for f in files:
+        shapes.update(read_safetensors_header(f))
+    heads = {k: v for k, v in shapes.items() if k.endswith(".weight") and set(k.split(".")) & set(HEADS)}
+    if not heads:
+        return [Problem(field, repr(path), "holds no scoring head (no score.weight in its safetensors): it is a causal "
+                        "LM, not a reward model, and transformers would give it a random head. Train one with "
+                        "training.objective: reward and give its final_model folder", "model")]
+    labels = {v[0] for v in heads.values()}
+    if labels != {1}:
+        return [Problem(field, repr(path), f"its scoring head has {max(labels)} labels ({', '.join(sorted(heads))}): "
+                        "a GRPO reward is one number a completion; give a reward model with num_labels 1", "model")]
     return []
 
 

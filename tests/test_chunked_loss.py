@@ -51,6 +51,24 @@ def test_chunked_loss_equals_the_whole_logits_loss_and_its_gradients(chunk):
     assert loss_whole.item() > 0
 
 
+def test_grpos_log_probs_at_a_temperature_are_the_whole_logits_ones_with_a_biased_output_layer():
+    # GRPO scales the logits by 1/temperature (TRL's). The chunked path scaled the hidden states
+    # instead, which is the same only for an output layer without a bias (seen: off by the bias's
+    # share for a head with one, e.g. Phi-2's or GPT-J's).
+    from raytrain.objectives.grpo import token_logps
+
+    states, head, labels = problem()
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.normal_(std=1.0, generator=torch.Generator().manual_seed(1))
+    targets = targets_of(labels)
+    for layer in (head, biased):
+        whole = token_logps(layer(states), targets, temperature=0.7)
+        chunked = token_logps(Hidden(states, layer, 128, contextlib.nullcontext), targets, temperature=0.7)
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
 PEAK = """
 import json, sys, contextlib, torch
 from raytrain.objectives import Hidden, targets_of, token_loss

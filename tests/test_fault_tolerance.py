@@ -67,12 +67,17 @@ def test_async_checkpoints_torn_by_a_kill_stay_invisible_and_committed_ones_are_
     # Then, in the restarted attempt, at step 10: step 8's checkpoint was uploaded in the background
     # and committed by Ray while training went on, but the loop never confirmed it (that happens at
     # the next save). The restart resumes from 8, and MLflow still gets steps 5-8 (from the checkpoint).
+    # And step 4's upload is answered SlowDown once on rank 1 (S3 over its request rate): Ray uploads
+    # that part again, on rank 1 alone, and its signing, a collective, is not run twice (its gather
+    # would have paired with step 8's): step 4 commits and verifies, so do the checkpoints after it.
     spec = job(assets, tmp_path / "runs", "async", checkpoint={"async_save": True})
-    inject_faults([{"at": "save", "step": 8, "rank": 1, "action": "exit"},
+    inject_faults([{"at": "upload", "step": 4, "rank": 1, "action": "slow_down"},
+                   {"at": "save", "step": 8, "rank": 1, "action": "exit"},
                    {"at": "step", "step": 10, "rank": 1, "action": "exit",
                     "after_commit": {"run_dir": spec.run_dir, "step": 8}}])
     result = launcher.run(spec)
     assert [(f["resumed_from"], f["steps_lost"]) for f in result.goodput["failures"]] == [(4, 4), (8, 2)]
+    assert (tmp_path / "fault-markers" / "fault-0").exists()  # the SlowDown was answered
     assert metric_history(spec, result.run_id) == reference
     assert latest_checkpoint(spec.run_dir).endswith(f"step_{STEPS:08d}")
 

@@ -318,9 +318,13 @@ def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_wor
 def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults, assets, tmp_path):
     # Before: a driver with no cluster to join starts a local Ray instance, where the first
     # driver's control actor is invisible; it read driver.json as a dead holder's, took over and
-    # trained into the first's run beside it. Now the lease in storage refuses it, naming the first;
-    # with --takeover the first's workers are fenced: they stop before their next step, commit
-    # nothing more, and the new driver resumes from the last checkpoint they committed.
+    # trained into the first's run beside it. Now the lease in storage refuses it, naming the first.
+    # With --takeover while the first job hangs (its driver and workers stopped, as a frozen VM or
+    # a long GC pause leaves them), the lease's generation moves on; resumed, the first's workers
+    # commit nothing more (each commit is a conditional write on the lease: lease.commit), and the
+    # new driver resumes from the last checkpoint they committed.
+    import re
+
     from mlflow.tracking import MlflowClient
 
     from raytrain.checkpoint import TrainState
@@ -337,11 +341,20 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     assert "on another Ray cluster" in second.text and "--takeover" in second.text and "Traceback" not in second.text
     assert first.proc.poll() is None
 
+    hung = [first.proc.pid, *{int(p) for p in re.findall(r"\(RayTrainWorker pid=(\d+)\)", first.text)}]
+    assert len(hung) == 3, first.text[-3000:]
+    for pid in hung:
+        os.kill(pid, signal.SIGSTOP)
     third = Driver(job_file, logs / "third.log", ray_address, "--takeover")
     third.wait_for("[raytrain] step ", timeout=400)
+    resumed = int(third.text.split("(step ")[1].split(")")[0]) if "resuming from" in third.text else 0
+    after = next(s for s in range(resumed + 1, steps) if s % 3 == 0)
+    wait_until(lambda: f"step_{after:08d}" in registered(spec.run_dir) or third.proc.poll() is not None,
+               what=f"the new driver's first checkpoint (step {after})")
+    for pid in hung:
+        os.kill(pid, signal.SIGCONT)
     assert first.wait(timeout=300) != 0
     assert "was taken over by" in first.text and f"pid {third.proc.pid} " in first.text, first.text[-3000:]
-    resumed = int(third.text.split("(step ")[1].split(")")[0]) if "resuming from" in third.text else 0
     assert third.wait() == 0, third.text[-3000:]
 
     # Every committed checkpoint is the first driver's up to where the third resumed, the third's after:

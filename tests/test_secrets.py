@@ -119,6 +119,9 @@ def test_cpu_workers_run_mimalloc_unless_the_submitter_chose(assets, tmp_path, m
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "262144")
     assert allocator_env() == {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144",
                                "MIMALLOC_PURGE_DELAY": "100"}
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so")  # the submitter's, for CPU workers: never a GPU job's
+    assert allocator_env(scaling={"use_gpu": True}) == {}
+    monkeypatch.delenv("LD_PRELOAD")
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv(allocator.CHOICE_ENV, "glibc")

@@ -501,6 +501,17 @@ def grpo_reward_model_pickled(job, tmp, assets):
     (folder / "pytorch_model.bin").write_bytes(b"pickled")
     grpo_job(job, tmp, rewards=[{"model": str(folder)}])
 
+@case("training.grpo.rewards[0].model", "holds no scoring head (no score.weight in its safetensors): it is a causal LM")
+def grpo_reward_model_without_a_head(job, tmp, assets):  # transformers would make up a random head on each rank
+    grpo_job(job, tmp, rewards=[{"model": str(assets / "model")}])
+
+@case("training.grpo.rewards[0].model", "its scoring head has 3 labels (score.weight)")
+def grpo_reward_model_of_three_labels(job, tmp, assets):
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(str(assets / "model"), num_labels=3).save_pretrained(str(tmp / "rm3"))
+    grpo_job(job, tmp, rewards=[{"model": str(tmp / "rm3")}])
+
 @case("training.grpo.rewards.0", "set `column`")
 def grpo_accuracy_without_a_column(job, tmp, assets):
     grpo_job(job, tmp, rewards=[{"builtin": "accuracy"}])

@@ -88,8 +88,8 @@ def units_of(loss_type: str, sequences: int, tokens: int, max_completion_length:
 
 def token_logps(out, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """Each target token's log-probability under logits / temperature (TRL's), 0 where unlabelled."""
-    if isinstance(out, Hidden):  # the output layer has no bias in the models chunked (a scale of its input)
-        return -chunked_cross_entropy(Hidden(out.states / temperature, out.head, out.chunk, out.autocast), targets)
+    if isinstance(out, Hidden):
+        return -chunked_cross_entropy(out, targets, temperature)
     return -F.cross_entropy(out.flatten(0, 1).float() / temperature, targets.flatten(), ignore_index=IGNORE,
                             reduction="none").view(targets.shape)
 

@@ -51,20 +51,24 @@ def targets_of(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
 
 
-def chunked_cross_entropy(out: Hidden, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy (0 where unlabelled), `out.chunk` tokens at a time. Each chunk's
-    logits are recomputed in backward (a checkpoint), so at most one chunk's exist at once: at a
-    128k vocabulary a 4k-token sequence's fp32 logits and their gradient are 4 GiB, a chunk 256 MiB."""
+def chunked_cross_entropy(out: Hidden, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token cross-entropy of logits / temperature (0 where unlabelled), `out.chunk` tokens at a
+    time. Each chunk's logits are recomputed in backward (a checkpoint), so at most one chunk's exist
+    at once: at a 128k vocabulary a 4k-token sequence's fp32 logits and their gradient are 4 GiB, a
+    chunk 256 MiB. The temperature divides the fp32 logits, as TRL's does (not the hidden states:
+    an output layer with a bias is no scale of its input)."""
     states, labels = out.states.flatten(0, 1), targets.flatten()
     weight, bias = out.head.weight, out.head.bias
     with out.autocast():  # recorded by each checkpoint and restored when backward recomputes it
         parts = [checkpoint(_chunk_cross_entropy, states[i:i + out.chunk], weight, bias, labels[i:i + out.chunk],
-                            use_reentrant=False) for i in range(0, len(labels), out.chunk)]
+                            temperature, use_reentrant=False) for i in range(0, len(labels), out.chunk)]
     return torch.cat(parts).view(targets.shape)
 
 
-def _chunk_cross_entropy(states, weight, bias, labels) -> torch.Tensor:
-    return F.cross_entropy(F.linear(states, weight, bias).float(), labels, ignore_index=IGNORE, reduction="none")
+def _chunk_cross_entropy(states, weight, bias, labels, temperature: float = 1.0) -> torch.Tensor:
+    logits = F.linear(states, weight, bias).float()
+    return F.cross_entropy(logits / temperature if temperature != 1.0 else logits, labels, ignore_index=IGNORE,
+                           reduction="none")
 
 
 class SFT:

@@ -173,7 +173,7 @@ def register(run_dir: str, name: str) -> None:
     Path(run_dir, RAY_SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
 
 
-def commit_here(strategy, state, metrics: dict, wait: bool = True, before_commit=None) -> str | None:
+def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None:
     """`checkpoint.save_and_report` without Ray Train: each rank saves its part in its own folder
     and rank 0 signs them all (as Ray Train workers do), the parts are merged into `<run_dir>/step_N/`
     (Ray's upload), then rank 0 registers it as Ray Train's controller does (`register`) and records it
@@ -190,7 +190,7 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True, before_commit
             state.write(own)
         # As the loop saves: in the background where the job says so (its files complete before signing).
         (strategy.save_async(own) if spec.checkpoint.async_save else strategy.save(own) or (lambda: None))()
-        checkpoint.sign(own, spec.run_dir, name)  # collective: rank 0 signs every rank's files
+        checkpoint.sign(own, spec.run_dir, name, strategy.plan.lease)  # collective: rank 0 signs every rank's files
         if rank == 0 and final.exists():
             shutil.rmtree(final)  # an earlier run's folder of the same step (a rerun in the same run_dir)
         dist.barrier()
@@ -209,7 +209,7 @@ def _confirm_here(strategy) -> str | None:
     return None  # commit_here commits before it returns: nothing is ever pending
 
 
-def _no_checkpoint(strategy, state, metrics: dict, wait: bool = True, before_commit=None) -> None:
+def _no_checkpoint(strategy, state, metrics: dict, wait: bool = True) -> None:
     return None
 
 

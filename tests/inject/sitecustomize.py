@@ -6,12 +6,15 @@ module at start-up (Python's `sitecustomize`). It wraps two raytrain functions a
 imported, the way a site's own instrumentation would, and reads the plan (when the file
 exists) at each step:
 
-    {"dir": marker folder, "faults": [{"at": "step"|"save"|"rollout", "step": k|"*", "rank": r,
-                                       "action": "exit"|"sigterm"|"pause", "seconds": s}]}
+    {"dir": marker folder, "faults": [{"at": "step"|"save"|"rollout"|"upload", "step": k|"*", "rank": r,
+                                       "action": "exit"|"sigterm"|"pause"|"slow_down", "seconds": s}]}
 
 "step" fires after rank r finished step k; "save" after rank r wrote its part of step k's
 checkpoint and before the checkpoint is reported (so it is never committed); "rollout" after rank
-r sampled the first micro-batch's completions of GRPO's step k (mid-rollout). A fault with
+r sampled the first micro-batch's completions of GRPO's step k (mid-rollout); "upload" as Ray Train
+starts copying rank r's part of step k's checkpoint to storage, where "slow_down" raises the error
+S3 answers a client over its request rate (503 SlowDown), as pyarrow words it: Ray retries the
+upload on that rank alone. A fault with
 "after_commit": {"run_dir": d, "step": j} first waits until Ray Train has registered the
 checkpoint of step j in d (its checkpoint_manager_snapshot.json names it): a kill that must
 come after a background upload committed. Each fault fires
@@ -58,6 +61,9 @@ def fire(at: str, step: int, rank: int) -> None:
             os._exit(1)
         if fault["action"] == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        if fault["action"] == "slow_down":
+            raise OSError("When uploading part for key 'step': AWS Error SLOW_DOWN during UploadPart operation: "
+                          "Please reduce your request rate. (HTTP 503, injected by the test)")
 
 
 def _wait_for_commit(run_dir: str, step: int, timeout_s: float = 120) -> None:
@@ -125,7 +131,19 @@ def _in_rollout(module) -> None:  # raytrain.objectives.grpo: after the first mi
     module.GRPO.at, module.rollout = at, rollout
 
 
-PATCHES = {"raytrain.objectives.grpo": _in_rollout, "raytrain.preemption": _after_step, "raytrain.checkpoint": _around_save,
+def _on_upload(module) -> None:  # Ray Train's storage: a rank's copy of its part of a checkpoint
+    original = module.StorageContext.persist_current_checkpoint
+
+    def persist_current_checkpoint(self, checkpoint, checkpoint_dir_name):
+        import torch.distributed as dist
+
+        fire("upload", int(checkpoint_dir_name.rsplit("_", 1)[-1]), dist.get_rank() if dist.is_initialized() else 0)
+        return original(self, checkpoint, checkpoint_dir_name)
+
+    module.StorageContext.persist_current_checkpoint = persist_current_checkpoint
+
+
+PATCHES = {"ray.train.v2._internal.execution.storage": _on_upload, "raytrain.objectives.grpo": _in_rollout, "raytrain.preemption": _after_step, "raytrain.checkpoint": _around_save,
            "raytrain.strategies.base": _after_write("TorchStrategy"),
            "raytrain.strategies.zero3": _after_write("Zero3Strategy")}
 
