@@ -214,6 +214,28 @@ def latest_checkpoint(run_dir: str) -> str:
     return storage.join(run_dir, name)
 
 
+def await_committed(run_dir: str, name: str | None, timeout_s: float) -> None:
+    """Driver, before it resumes: the checkpoint the lease's record names as the last committed
+    (lease.commit) is registered, or we wait up to `timeout_s` for its upload to finish. A driver
+    that took the lease from a live holder mid-upload then resumes from that checkpoint, not the
+    one before, so no step of the run is trained twice or written into one folder by both groups."""
+    import time
+
+    folder = storage.join(run_dir, name) if name else None
+    if not folder or not storage.exists(folder):  # nothing of it was uploaded: nothing to wait for
+        return
+    uri, deadline, said = storage.join(run_dir, RAY_SNAPSHOT), time.monotonic() + timeout_s, False
+    while time.monotonic() < deadline:
+        if storage.exists(uri) and f'"{name}"' in storage.read_text(uri):
+            return
+        if not said:
+            print(f"[raytrain] waiting up to {timeout_s:.0f} s for {name}, committed under the previous lease, to "
+                  "finish uploading", flush=True)
+            said = True
+        time.sleep(1.0)
+    print(f"[raytrain] {name} did not finish uploading: resuming from the checkpoint before it", flush=True)
+
+
 def _newest_present(results: list[dict], present: set[str]) -> dict | None:
     """Of Ray's registered checkpoint results, the newest whose folder is still there."""
     return max((r for r in results if r["checkpoint_dir_name"] in present), default=None,

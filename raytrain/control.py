@@ -213,6 +213,14 @@ class Held:
     token: str  # the lease's generation:token, signed into the run plan for the workers' fence
     renewal: lease.Renewal
 
+    def taken_over(self, run_dir: str) -> bool:
+        """Another driver holds the run directory's lease now: the run, its MLflow run included, is its."""
+        try:
+            holder = lease.read(run_dir)
+        except JobError:  # unreadable: not known to be taken
+            return False
+        return holder is not None and holder.get("token") != self.token
+
 
 def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False) -> Held:
     """Driver: the named control actor of this job, which is its lock on the run directory within

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import control, modeling, signing, tracking
+from . import checkpoint, control, lease, modeling, signing, tracking
 from .worker_env import RELAY_CONFIG, controller_env, runtime_env, start_relay, with_secrets
 from .timeline import Timeline
 from .checkpoint import TrainState, forget_deleted, latest_checkpoint
@@ -159,6 +159,7 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
     try:  # once the MLflow run is open, whatever happens ends it: it never stays RUNNING
         held = control.start_actor(spec.run_dir, spec.failure.max_failures, takeover)
         job_control = held.actor
+        checkpoint.await_committed(spec.run_dir, (lease.read(spec.run_dir) or {}).get("committed"), lease.TTL_S)
         gone = forget_deleted(spec.run_dir)
         latest, where = _latest_state(spec)
         if gone:
@@ -194,7 +195,9 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
         if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
             raise JobError(verdict)
     except BaseException as exc:
-        if run_id is None and job_control is not None:  # no MLflow run yet: only the lease to give back
+        # No MLflow run yet, or a fenced driver (another took the lease): nothing of the run to end
+        # here (its MLflow run is the new driver's now), only this driver's hold to give back.
+        if job_control is not None and (run_id is None or held.taken_over(spec.run_dir)):
             control.release(spec.run_dir, held)
         elif run_id is not None:
             _close(spec, run_id, held, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")

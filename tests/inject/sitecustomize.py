@@ -61,6 +61,8 @@ def fire(at: str, step: int, rank: int) -> None:
             os._exit(1)
         if fault["action"] == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        if fault["action"] == "pause":  # a hang at a known point (a test may freeze the process meanwhile)
+            time.sleep(fault["seconds"])
         if fault["action"] == "slow_down":
             raise OSError("When uploading part for key 'step': AWS Error SLOW_DOWN during UploadPart operation: "
                           "Please reduce your request rate. (HTTP 503, injected by the test)")
