@@ -95,13 +95,15 @@ class JobControl:
         """A preemption notice's checkpoint committed at `step`: this attempt's end is not a failure."""
         self.attempts[-1].preempted_at = step
 
-    def failed(self, error: str, retry: bool) -> None:
+    def failed(self, error: str, retry: bool, transient: bool = False) -> None:
         """A worker's error; a job error (retry=False) ends the job at the next group's start, and so
         does the same error twice in a row at the same step from the same checkpoint: a restart
-        repeats what failed (a bug, a combination that cannot run), it does not mend it."""
+        repeats what failed (a bug, a combination that cannot run), it does not mend it. Not an
+        error of storage, the network or a collective (`transient`, errors.transient): a restart
+        may well mend those, within failure.max_failures."""
         if self.attempts:
             self.attempts[-1].error = error
-        if retry and len(self.attempts) >= 2:
+        if retry and not transient and len(self.attempts) >= 2:
             before, now = self.attempts[-2], self.attempts[-1]
             if (before.error, before.resumed_from, before.last_step) == (error, now.resumed_from, now.last_step) \
                     and before.preempted_at is None:

@@ -29,6 +29,24 @@ def user_message(exc: BaseException) -> str | None:
     return None
 
 
+# What a restart can mend, whatever the job: storage, the network, a collective (a peer lost mid-call).
+TRANSIENT_TYPES = ("OSError", "ConnectionError", "TimeoutError", "DistBackendError", "DistNetworkError",
+                   "DistStoreError", "RayActorError", "ActorDiedError", "NodeDiedError")
+TRANSIENT_WORDS = ("AWS Error", "Connection reset", "Connection refused", "Broken pipe", "timed out", "Timed out",
+                   "gloo", "NCCL", "Socket", "unreachable")
+
+
+def transient(exc: BaseException) -> bool:
+    """An error of storage, the network or a collective: retried within failure.max_failures, never
+    taken for one the job's own code or data makes (the same error twice ends such a job)."""
+    for cause in _chain(exc):
+        if any(t.__name__ in TRANSIENT_TYPES for t in type(cause).__mro__):
+            return True
+        if any(w in str(cause) for w in TRANSIENT_WORDS):
+            return True
+    return False
+
+
 def _chain(exc: BaseException):
     """The exception, its causes, and the per-worker failures Ray Train keeps beside its own
     (truncated) message: the worker's error text is where a JobError's line survives."""

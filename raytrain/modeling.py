@@ -200,7 +200,7 @@ def init_buffers(model: nn.Module) -> None:
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks, found by the class names HF marks as unsplittable."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
+    names = set(private_apis.unsplittable_blocks(base))
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:  # fall back to the longest ModuleList (the layer stack in every HF decoder)
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]

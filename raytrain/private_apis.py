@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 from importlib import metadata
 
-TESTED = {"ray": "2.60", "torch": "2.13", "deepspeed": "0.19", "transformers": "5.23"}  # major.minor
+# major.minor. torchao's: a job with finetune qlora refuses another (qlora.nf4), the rest only warn.
+TESTED = {"ray": "2.60", "torch": "2.13", "deepspeed": "0.19", "transformers": "5.23", "torchao": "0.18"}
 USES = {
+    "torchao": "NF4Tensor's fields and constructor (qlora.py, for finetune: qlora)",
     "ray": "worker setup-hook variable, log dispatcher, SIGTERM setter and Ray Train's worker context",
     "torch": "DCP storage prefix and DTensor's local tensor",
     "deepspeed": "engine config's universal-checkpoint switch",
-    "transformers": "config._attn_implementation and _init_weights",
+    "transformers": "config._attn_implementation, _init_weights, _no_split_modules and _auto_class",
 }
 
 
@@ -116,6 +118,18 @@ def init_weights(model, module) -> None:
     """transformers' initialization of one module, as `from_pretrained` runs it for what no weight
     file holds (rotary frequencies): no public call initializes a single module."""
     model._init_weights(module)
+
+
+def unsplittable_blocks(model) -> list[str]:
+    """The class names of the blocks a model says must never be split across devices (its decoder
+    layers): transformers keeps them in a private attribute, which device maps and FSDP wrapping read."""
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def has_remote_code_class(model) -> bool:
+    """Whether a model class was loaded from the hub's remote code (`register_for_auto_class`): only
+    then does saving copy its modelling files beside the weights."""
+    return getattr(model, "_auto_class", None) is not None
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ all-reduce for all weights. The bytes are those of quantizing the whole weight a
 resized to another worker count rebuilds the same base. The base is never checkpointed.
 
 torchao's NF4Tensor fields and its constructor are torchao's internals: used in this module only,
-with the version checked (`TESTED`). The layout rules (block, group, what shards) are nf4_layout.py's,
+with the version checked (private_apis.TESTED, the one registry of tested versions). The layout rules (block, group, what shards) are nf4_layout.py's,
 which validate reads without torch.
 """
 
@@ -34,7 +34,7 @@ from . import private_apis
 from .errors import JobError
 from .nf4_layout import BLOCK, group_size
 
-TESTED = ("0.18",)  # torchao versions whose NF4Tensor internals this module was tested with
+TESTED = private_apis.TESTED["torchao"]  # the torchao version whose NF4Tensor internals this module was tested with
 LEVELS = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379,
           0.4407, 0.5626, 0.7230, 1.0)  # the NF4 code book (torchao's, the QLoRA paper's rounded)
 
@@ -46,10 +46,10 @@ def nf4():
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as exc:
         raise JobError(f"training.finetune: qlora needs torchao on every worker ({type(exc).__name__}: {exc}); "
-                       f"pip install 'torchao=={TESTED[-1]}.*' in the workers' image") from None
-    if not torchao.__version__.startswith(TESTED):
-        raise JobError(f"training.finetune: qlora was tested with torchao {', '.join(TESTED)}, and the workers have "
-                       f"{torchao.__version__}: pip install 'torchao=={TESTED[-1]}.*'")
+                       f"pip install 'torchao=={TESTED}.*' in the workers' image") from None
+    if not torchao.__version__.startswith(TESTED + "."):
+        raise JobError(f"training.finetune: qlora was tested with torchao {TESTED}, and the workers have "
+                       f"{torchao.__version__}: pip install 'torchao=={TESTED}.*'")
     return nf4_tensor
 
 

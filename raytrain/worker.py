@@ -17,7 +17,7 @@ from .checkpoint import TrainState
 from .config import JobSpec
 from .plan import RunPlan
 from .data.batches import open_data
-from .errors import user_message
+from .errors import transient, user_message
 from .preemption import Preempted
 from .strategies import build_strategy
 from .timeline import STEADY_AFTER, Timeline, host_memory_mb
@@ -60,7 +60,8 @@ def train_func(config: dict) -> None:
         if job_control is not None:
             message = user_message(exc)
             last_line = (str(exc).strip().splitlines() or [""])[-1]
-            job_control.failed.remote(message or f"{type(exc).__name__}: {last_line}", retry=message is None)
+            job_control.failed.remote(message or f"{type(exc).__name__}: {last_line}", retry=message is None,
+                                      transient=transient(exc))
         raise
 
 

@@ -24,6 +24,11 @@ def test_private_apis_are_used_in_one_module_only():
                 owner = node.value.id if isinstance(node.value, ast.Name) else None
                 if owner not in ("self", "cls") and ast.unparse(node) not in STDLIB:
                     found.append(f"{where} {ast.unparse(node)}")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr", "setattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and re.fullmatch(r"_[a-z]\w*", str(node.args[1].value)) \
+                    and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls")):
+                found.append(f"{where} {ast.unparse(node)}")  # the same private name, reached through a string
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module != "__future__":
                 names = node.module.split(".") + [a.name for a in node.names]
                 if any(n.startswith("_") for n in names):

@@ -81,6 +81,22 @@ def test_the_same_error_twice_at_the_same_step_ends_the_job_before_its_budget():
     assert verdict == (f"the same error twice in step 52, each time from step 50: {error}. A restart repeats it: fix "
                        "its cause, then run the job again (it resumes from the latest committed checkpoint, which is kept)")
 
+    # Storage, the network or a collective failing twice at one step is no bug of the job: restarts
+    # go on within the budget (an S3 outage, a peer's node lost twice).
+    from raytrain.errors import transient
+
+    for exc in (OSError("AWS Error SERVICE_UNAVAILABLE during GetObject operation"),
+                RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:52001")):
+        assert transient(exc)
+        control = JobControl(max_failures=10)
+        for _ in range(3):
+            assert control.may_start(4) is None
+            control.attempt_started(4, 50)
+            control.step_done(51, 1.0)
+            control.failed(f"{type(exc).__name__}: {exc}", retry=True, transient=transient(exc))
+        assert control.may_start(4) is None
+    assert not transient(RuntimeError("sequence-parallel attention called outside SequenceSplit.attending"))
+
     # The same error after progress (a newer checkpoint, or a later step) is another failure: restart.
     control = JobControl(max_failures=10)
     for resumed, last in ((50, 51), (100, 101), (100, 120)):

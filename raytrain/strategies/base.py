@@ -51,7 +51,12 @@ class Strategy(ABC):
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives/tokens.py); 0: the whole logits
         self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
-        self.upload_group = None  # checkpoint.py's gloo group for signing in Ray's upload thread, made once
+        # Two gloo groups, made at first use, each for collectives of one background thread: DCP's
+        # async save plans in its own thread (`_save_group`), checkpoint.py signs in Ray's upload
+        # thread (`upload_group`). One group shared by two threads would pair one thread's call on
+        # one rank with the other thread's on another.
+        self._save_group = None
+        self.upload_group = None
 
     @abstractmethod
     def setup(self) -> None:
@@ -183,7 +188,7 @@ class TorchStrategy(Strategy):
         # DCP copies the state into CPU memory (the next steps change the parameters), then a
         # background thread writes the files; its collectives run on a gloo group of their own,
         # since two threads on one group could interleave collectives.
-        if getattr(self, "_save_group", None) is None:
+        if self._save_group is None:
             self._save_group = dist.new_group(backend="gloo")
         future = dcp.async_save(self._state(), storage_writer=SplitWriter(directory), process_group=self._save_group)
         return future.result

@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from .. import modeling
+from .. import modeling, private_apis
 from ..config import JobSpec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -158,7 +158,7 @@ def write_config(directory: str, model: torch.nn.Module, dtype: torch.dtype) -> 
     config.dtype = dtype
     config.architectures = [type(model).__name__]  # as save_pretrained says it (a reward model's is not its base's)
     Path(directory).mkdir(parents=True, exist_ok=True)
-    if getattr(model, "_auto_class", None) is not None:
+    if private_apis.has_remote_code_class(model):
         custom_object_save(model, directory, config=config)
     config.save_pretrained(directory)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
