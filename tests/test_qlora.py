@@ -96,6 +96,9 @@ def test_qlora_trains_within_two_percent_of_lora_and_exports_a_plain_adapter(run
     (_, lora), (spec, qlora_losses) = runs["lora"], runs["qlora"]
     assert sorted(qlora_losses) == list(range(1, STEPS + 1))
     assert qlora_losses[STEPS] < qlora_losses[1] - 0.3, qlora_losses  # it learns
+    # ...on the 4-bit base: at step 1 (the adapter still zero) the loss is the NF4 base's, not the
+    # original's that LoRA sees (fp32 reduction order alone moves it by ~1e-7 relative)
+    assert abs(qlora_losses[1] - lora[1]) > 1e-5 * lora[1], (qlora_losses[1], lora[1])
     print(f"\n[qlora] step {STEPS} loss: qlora {qlora_losses[STEPS]:.6f}, lora {lora[STEPS]:.6f}, "
           f"{qlora_losses[STEPS] / lora[STEPS] - 1:+.3%}")
     assert abs(qlora_losses[STEPS] - lora[STEPS]) <= 0.02 * lora[STEPS], (qlora_losses[STEPS], lora[STEPS])
