@@ -249,8 +249,9 @@ class CheckpointSpec(Section):
             scheme = self.storage_path.split("://", 1)[0]
             raise ValueError(f"storage_path={self.storage_path!r}: a run directory on {scheme}:// cannot hold the "
                              "run's lease (one driver per run directory needs conditional writes, which raytrain "
-                             "has for s3:// and for local or shared file systems); use an s3:// bucket (GCS "
-                             "through its S3 interoperability endpoint) or a mounted file system path")
+                             "has for s3:// and for local or shared file systems); use an s3:// bucket (or an "
+                             "S3-compatible store with conditional writes) or a shared file system with locks "
+                             "(NFS: Filestore on GCP, EFS on AWS) mounted on every node")
         return self
 
 

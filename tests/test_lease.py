@@ -151,6 +151,6 @@ def test_a_run_directory_without_conditional_writes_is_refused_at_validate():
     from raytrain.config import CheckpointSpec
 
     for uri in ("gs://bucket/runs", "hdfs://namenode/runs", "abfs://container/runs"):
-        with pytest.raises(ValueError, match=f"storage_path='{uri}'.*conditional writes.*use an s3:// bucket"):
+        with pytest.raises(ValueError, match=f"storage_path='{uri}'.*conditional writes.*use an s3:// bucket.*shared file system"):
             CheckpointSpec(storage_path=uri)
     assert CheckpointSpec(storage_path="s3://bucket/runs") and CheckpointSpec(storage_path="/mnt/shared/runs")
