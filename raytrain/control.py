@@ -57,14 +57,18 @@ class Goodput:
 class JobControl:
     """Plain class; `actor_for(run_name)` runs it as a named Ray actor."""
 
-    def __init__(self, max_failures: int = -1, holder: dict | None = None):
+    def __init__(self, max_failures: int = -1, holder: dict | None = None, window: int = 10_000):
         self.max_failures = max_failures
         self.holder = holder or {}  # the driver that owns the run directory: who a second submit is told of
         self.spent: str | None = None  # why the job must stop instead of restarting
         self.started = time.time()
         self.stop_reason: str | None = None
         self.attempts: list[Attempt] = []
+        # Productive seconds (goodput): the step times of the steps the run keeps. A restart rolls back
+        # to a checkpoint, never further than `window` steps (every_n_steps x (keep_last + 1)), so only
+        # the last `window` steps are kept one by one; older ones are folded into `settled`.
         self.step_times: dict[int, float] = {}  # step -> seconds, latest attempt wins (rolled-back steps overwritten)
+        self.settled, self.window, self.top = 0.0, window, 0
         self.prepared = False  # the driver has prepared the token stores (it stays so for every later group)
         self._settled = asyncio.Event()  # set once workers need not wait for the data: prepared, a verdict or a stop
 
@@ -133,6 +137,7 @@ class JobControl:
         self.attempts[-1].resumed_from = resumed_from
         for step in [s for s in self.step_times if s > resumed_from]:
             del self.step_times[step]  # rolled back: not part of the final lineage
+        self.top = resumed_from
         return len(self.attempts)
 
     def step_done(self, step: int, step_time: float) -> str | None:
@@ -143,6 +148,9 @@ class JobControl:
         if step >= attempt.last_step:  # an asyncio actor need not run one caller's calls in their order
             attempt.last_step, attempt.last_step_at = step, now
         self.step_times[step] = step_time
+        self.top = max(self.top, step)
+        while self.step_times and next(iter(self.step_times)) <= self.top - self.window:  # O(1) a step
+            self.settled += self.step_times.pop(next(iter(self.step_times)))
         return self.stop_reason
 
     # --- driver ---
@@ -167,7 +175,7 @@ class JobControl:
 
     def goodput(self) -> dict:
         wall = time.time() - self.started
-        productive = sum(self.step_times.values())
+        productive = self.settled + sum(self.step_times.values())
         failures = []
         for i, (before, after) in enumerate(zip(self.attempts, self.attempts[1:])):
             failed_at = before.last_step_at or before.started_at
@@ -224,7 +232,7 @@ class Held:
         return holder is not None and holder.get("token") != self.token
 
 
-def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False) -> Held:
+def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False, window: int = 10_000) -> Held:
     """Driver: the named control actor of this job, which is its lock on the run directory within
     its Ray cluster, and the lease in storage, which is it across clusters (lease.py).
     Ray creates a named actor once, so a second driver of the same run directory is refused here,
@@ -246,7 +254,7 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False) ->
         name=name, namespace=NAMESPACE, scheduling_strategy=here)
     for _ in range(20):
         try:
-            actor = make.remote(max_failures, me)
+            actor = make.remote(max_failures, me, window)
         except ValueError:  # the name is taken: a live driver holds the run directory (or a dead one's actor is going)
             pass
         else:

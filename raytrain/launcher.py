@@ -157,7 +157,8 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
     # (the run snapshot, job.json, the MLflow run's status).
     held = job_control = run_id = None
     try:  # once the MLflow run is open, whatever happens ends it: it never stays RUNNING
-        held = control.start_actor(spec.run_dir, spec.failure.max_failures, takeover)
+        held = control.start_actor(spec.run_dir, spec.failure.max_failures, takeover,
+                                   window=spec.checkpoint.every_n_steps * (spec.checkpoint.keep_last + 1))
         job_control = held.actor
         checkpoint.await_committed(spec.run_dir, (lease.read(spec.run_dir) or {}).get("committed"), lease.TTL_S)
         gone = forget_deleted(spec.run_dir)

@@ -230,8 +230,10 @@ def reward_model_problems(field: str, path: str) -> list[Problem]:
     base it names), each with safetensors weights (nothing pickled is read). A hub id is the cluster's."""
     folder = Path(path)
     if not folder.is_dir():
-        if is_hub_id(path):
-            return []  # a hub id: loaded on the cluster
+        if is_hub_id(path):  # its head could not be checked, and the hub's main moves under a running job
+            return [Problem(field, repr(path), "is a hub id: a reward model is read from a folder, whose scoring "
+                            f"head validate checks; download it at a fixed commit (`hf download {path} --revision "
+                            "COMMIT --local-dir DIR`) and give DIR", "model")]
         return [Problem(field, repr(path), "no such folder, and not a hub id: give the final_model folder of a "
                         "`raytrain run` with objective: reward, or a ...ForSequenceClassification model", "model")]
     adapter = folder / "adapter_config.json"

@@ -107,6 +107,24 @@ def test_the_same_error_twice_at_the_same_step_ends_the_job_before_its_budget():
     assert control.may_start(4) is None
 
 
+def test_goodput_counts_the_kept_steps_in_bounded_memory():
+    # The control actor kept every step's time for the whole run (a dict of 100k entries on a long
+    # job); now only the steps a restart can still roll back, the rest summed.
+    from raytrain.control import JobControl
+
+    control = JobControl(window=30)  # every_n_steps 10, keep_last 2
+    control.may_start(2)
+    control.attempt_started(2, 0)
+    for step in range(1, 100_001):
+        control.step_done(step, 0.5)
+    assert len(control.step_times) <= 30
+    control.may_start(2)
+    control.attempt_started(2, 99_990)  # a restart from the step-99990 checkpoint: 10 steps rolled back
+    for step in range(99_991, 100_006):
+        control.step_done(step, 0.25)
+    assert control.goodput()["productive_s"] == 99_990 * 0.5 + 15 * 0.25
+
+
 def test_a_recovery_interrupted_by_another_failure_ends_where_the_next_begins():
     # Seen in a soak: a node lost while the group was still loading after an earlier loss gave
     # the earlier failure a 614 s recovery (counted to the end of the job) in a 644 s run.

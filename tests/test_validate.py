@@ -505,6 +505,10 @@ def grpo_reward_model_pickled(job, tmp, assets):
 def grpo_reward_model_without_a_head(job, tmp, assets):  # transformers would make up a random head on each rank
     grpo_job(job, tmp, rewards=[{"model": str(assets / "model")}])
 
+@case("training.grpo.rewards[0].model", "is a hub id: a reward model is read from a folder")
+def grpo_reward_model_from_the_hub(job, tmp, assets):
+    grpo_job(job, tmp, rewards=[{"model": "OpenAssistant/reward-model-deberta-v3-large-v2"}])
+
 @case("training.grpo.rewards[0].model", "its scoring head has 3 labels (score.weight)")
 def grpo_reward_model_of_three_labels(job, tmp, assets):
     from transformers import AutoModelForSequenceClassification
