@@ -237,7 +237,11 @@ def test_the_builtin_rewards():
     assert length(prompts, completions, ids, columns, rows) == [0.5, 0.25, 1.0]
     assert score([accuracy, length], prompts, completions, ids, columns, rows) == [[1.0, 0.5], [0.0, 0.25], [0.0, 1.0]]
     assert (length.name, length.weight) == ("length", -0.5)
-    with pytest.raises(RewardError, match="solution"):  # a column the rows lack: named, with the ones they have
+    # A column the rows lack: named, with the ones they have. A JobError raised in a worker ends the
+    # job with its one line, not retried (as a tampered checkpoint's refusal does in test_strategies.py).
+    assert issubclass(RewardError, JobError)
+    with pytest.raises(RewardError, match=r"accuracy reads column 'solution', which row \(0, 0, 1\) does not have "
+                                          r"\(its columns: \['answer'\]\); set `column` to one of them"):
         Reward(RewardSpec(builtin="accuracy", column="solution"), 8)(prompts, completions, ids, {"answer": ["72"] * 3},
                                                                      rows)
 

@@ -33,7 +33,6 @@ from chaos import final_lineage
 from conftest import REPO, altered, deep_merge, metric_history
 from raytrain import launcher
 from raytrain.config import JobSpec
-from raytrain.errors import JobError
 
 pytestmark = pytest.mark.slow
 REWARD_RISE = 0.2  # the demo rises ~0.5 -> ~0.95 in 12 steps (seed 0); a drift this large by chance is not seen
@@ -116,13 +115,6 @@ def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inver
     assert [(f["kind"], f["resumed_from"]) for f in b_run.goodput["failures"]] == [("failure", 5)]
     for k in keys:  # every step once, equal to the uninterrupted run's
         assert metric_history(b_spec, b_run.run_id, k) == a[k], k
-
-    # E: a reward that fails in the workers ends the job with one message naming it, not retried
-    e_spec = demo(assets, tmp_path / "runs", "grpo-e", training={"strategy": "ddp", "max_steps": 2, "grpo": {
-        "rewards": [{"builtin": "accuracy", "column": "answer"}]}})
-    with pytest.raises(JobError, match=r"accuracy reads column 'answer', which row \(0, 0, \d+\) does not have "
-                                       r"\(its columns: \['solution'\]\)"):
-        launcher.run(e_spec)
 
     c_spec = demo(assets, tmp_path / "runs", "grpo-c", scaling={"num_workers": 1},
                   training={"strategy": "ddp", "grpo": {"beta": 0.04, "loss_type": "grpo", "rewards": [
