@@ -1,6 +1,6 @@
 """GRPO as users run it: the shipped demo job (jobs/grpo-demo.yaml) on a real local Ray cluster.
 
-One test, five runs of the same job (they share the cluster and the model):
+One test, four runs of the same job (they share the cluster and the model):
   A  the job as shipped (STEPS of its 20 steps): its reward rises by RL alone (the mean of the last 5 steps beats the first
      5 steps' by REWARD_RISE), MLflow has TRL's metric names, and each checkpoint a table of samples
      (prompt, completion, each reward) whose rewards are the reward function's on those completions;
@@ -11,12 +11,12 @@ One test, five runs of the same job (they share the cluster and the model):
      the restart resumes from step 5's checkpoint and every step's loss, reward and completion
      lengths equal A's, bit for bit (the completions are a function of (seed, step, prompt,
      generation, policy), nothing replayed from memory);
-  E  a reward that fails in the workers (accuracy on a column the rows lack): one message, no retry;
   C  the reward inverted (`e_lover`, the share of words with an e), on 1 DDP worker, with a KL term
      to the reference (a frozen copy: full fine-tuning) and TRL's `grpo` loss: the lipogram share,
      logged beside it with weight 0, falls. The rise of A is the policy learning the reward, not
      drift. (LoRA's GRPO runs in the shipped 7B job's miniature, test_miniature_jobs.py; GRPO under
-     ZeRO-3, DDP, QLoRA, DoRA, offload, ... against a DDP reference in test_combinations.py.)
+     ZeRO-3, DDP, QLoRA, DoRA, offload, ... against a DDP reference in test_combinations.py. A reward
+     that fails in the workers, accuracy on a column the rows lack, is test_grpo.py's: its message.)
 """
 
 from __future__ import annotations
