@@ -38,7 +38,7 @@ from . import storage, versioned
 from .errors import JobError
 
 FILE = "driver.json"
-TTL_S = float(os.environ.get("RAYTRAIN_LEASE_TTL_S", 60))  # unrenewed this long, as this driver watched: gone
+TTL_S = 60.0  # unrenewed this long, as this driver watched: gone
 RENEW_S = TTL_S / 4
 CHECK_S = 5.0  # how often rank 0 reads the lease while training
 RETRY_S = 30.0  # how long an unreadable record is retried before the caller gives up
