@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -219,14 +220,13 @@ def await_committed(run_dir: str, name: str | None, timeout_s: float) -> None:
     (lease.commit) is registered, or we wait up to `timeout_s` for its upload to finish. A driver
     that took the lease from a live holder mid-upload then resumes from that checkpoint, not the
     one before, so no step of the run is trained twice or written into one folder by both groups."""
-    import time
-
     folder = storage.join(run_dir, name) if name else None
     if not folder or not storage.exists(folder):  # nothing of it was uploaded: nothing to wait for
         return
     uri, deadline, said = storage.join(run_dir, RAY_SNAPSHOT), time.monotonic() + timeout_s, False
     while time.monotonic() < deadline:
-        if storage.exists(uri) and f'"{name}"' in storage.read_text(uri):
+        snapshot = json.loads(storage.read_text(uri)) if storage.exists(uri) else {}
+        if name in {r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])}:
             return
         if not said:
             print(f"[raytrain] waiting up to {timeout_s:.0f} s for {name}, committed under the previous lease, to "

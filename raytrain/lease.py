@@ -63,13 +63,16 @@ def how_to_stop(holder: dict) -> str:
 def process_identity() -> dict:
     """What tells this process apart from one with the same host name and pid: the boot and the
     pid namespace (containers on one host share a host name, not a pid namespace)."""
-    def read(path: str) -> str:
-        try:
-            return open(path).read().strip() if not path.startswith("/proc/self/ns") else os.readlink(path)
-        except OSError:
-            return ""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "boot": read("/proc/sys/kernel/random/boot_id"),
-            "pidns": read("/proc/self/ns/pid")}
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        pidns = ""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "boot": boot, "pidns": pidns}
 
 
 def _load(run_dir: str, patient: bool = True) -> tuple[dict | None, str | None]:

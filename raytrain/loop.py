@@ -239,7 +239,9 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             # Rank 0's steps MLflow does not have yet ride in the checkpoint too: a restart, the
             # driver at the end or `raytrain sync-metrics` writes them if this process never can.
             state.metrics = ((logger.unwritten() if logger else []) + done) if rank == 0 else []
-            if token:  # an early stop, on every rank at once (the commit itself is fenced: checkpoint.sign)
+            # A stop on every rank at once, on the training thread, before anything is staged: an async
+            # save's own refusal (checkpoint.sign, the fence itself) comes on Ray's upload thread
+            if token:
                 _require_lease(fence)
             committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)
             checkpoint_s = time.perf_counter() - save_start

@@ -21,6 +21,7 @@ torn read or a storage hiccup cannot hand a live job's lease to another driver.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import uuid
@@ -112,16 +113,21 @@ class _Local:
             return new
 
 
+@functools.lru_cache(maxsize=4)
+def _s3_client(endpoint: str | None, region: str):
+    """One client a process (boto3's clients are thread-safe): the fence reads every few seconds."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name=region)
+
+
 class _S3:
     def __init__(self, uri: str):
         self.uri = uri
         self.bucket, _, self.key = uri.removeprefix("s3://").partition("/")
 
     def _client(self):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
-                            region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+        return _s3_client(os.environ.get("AWS_ENDPOINT_URL") or None, os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
 
     def load(self) -> tuple[dict | None, str | None]:
         from botocore.exceptions import BotoCoreError, ClientError
