@@ -1,5 +1,5 @@
 """GRPO's pieces without a cluster: the loss, its gradient and its metrics against TRL's own
-GRPOTrainer._compute_loss for every loss type; the advantages against TRL's formula (weights,
+GRPOTrainer._compute_loss for every loss type; the advantages against TRL's own code (weights,
 None rewards, unscorable completions, equal rewards); the sampler (a function of its key only,
 and the distribution softmax(logits / temperature), top_p as transformers filters it); the
 rewards (built-ins, a user's function, and the errors a user reads); and the prompt rows as the
@@ -109,23 +109,26 @@ def test_equal_rewards_in_a_group_give_zero_gradient():
 
 # ---------------------------------------------------------------- advantages
 def trl_advantages(scores, weights, group, scale):
-    """TRL 1.x GRPOTrainer._generate_and_score_completions, multi_objective_aggregation
-    sum_then_normalize, written out (it is inline there, not a method)."""
+    """TRL's own advantage code, run as it stands: the block of
+    GRPOTrainer._generate_and_score_completions from the unscorable mask to the advantages
+    (multi_objective_aggregation sum_then_normalize), sliced from the installed source and
+    executed with the names it reads. It is inline there, not a method; a TRL release that
+    moves it fails here loudly rather than leaving a stale copy in this file."""
+    import inspect
+    import textwrap
+
+    from trl import GRPOTrainer
     from trl.trainer.utils import nanstd
 
-    unscorable_mask = torch.isnan(scores).all(dim=1)
-    rewards = (scores * weights.unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable_mask] = torch.nan
-    mean_grouped_rewards = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
-    if scale in ["group", "none"]:
-        std_rewards = nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
-    else:
-        std_rewards = nanstd(rewards).expand_as(rewards)
-    adv = rewards - mean_grouped_rewards
-    if scale != "none":
-        adv = adv / (std_rewards + 1e-4)
-    is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))
-    return torch.nan_to_num(adv, nan=0.0), rewards, is_std_zero
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    begin = source.index("        unscorable_mask = torch.isnan(rewards_per_func)")
+    last = "        advantages = torch.nan_to_num(advantages, nan=0.0)\n"
+    block = textwrap.dedent(source[begin:source.index(last, begin) + len(last)])
+    names = {"torch": torch, "nanstd": nanstd, "rewards_per_func": scores, "num_generations": group, "device": "cpu",
+             "self": SimpleNamespace(multi_objective_aggregation="sum_then_normalize", reward_weights=weights,
+                                     scale_rewards=scale)}
+    exec(compile(block, "trl/trainer/grpo_trainer.py", "exec"), names)
+    return names["advantages"], names["rewards"], names["is_std_zero"]
 
 
 nan = math.nan
@@ -138,7 +141,7 @@ WEIGHTS = torch.tensor([1.0, 0.5], dtype=torch.float64)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_advantages_equal_trls_formula(scale):
+def test_advantages_equal_trls(scale):
     adv, summed, zero_std = advantages(SCORES.clone(), WEIGHTS, 4, scale)
     their_adv, their_summed, their_zero = trl_advantages(SCORES.clone(), WEIGHTS, 4, scale)
     # TRL's nanstd rounds its Bessel correction count / (count - 1) to float32: equal to that precision
