@@ -49,7 +49,6 @@ class TrainState:
     # their own file (METRICS_FILE), which only rank 0 and the driver read: up to 100k steps while
     # MLflow is down, that every rank of a restore need not read.
     metrics: list = field(default_factory=list)
-    lease: str = ""  # the run directory's lease of the driver whose workers committed it (lease.py)
     stopped: bool = False  # a stop was requested on the driver; not part of the saved state
 
     def to_json(self) -> str:
@@ -83,8 +82,18 @@ class TrainState:
     @classmethod
     def from_json(cls, text: str) -> "TrainState":
         raw = json.loads(text)
+        raw.pop("lease", None)  # checkpoints before the generation named their folder kept the token here
         raw["data"] = DataPosition(**raw["data"])
         return cls(**raw)
+
+
+def folder_name(step: int, token: str) -> str:
+    """A checkpoint's folder: `step_N` for the run directory's first driver, `step_N-gG` for its
+    G-th (a re-run or a takeover: lease.generation_of). So a fenced group frozen mid-upload of a
+    checkpoint it committed before the takeover, and woken after the new driver wrote the same
+    step, lands its files in a folder of its own, never over the new driver's."""
+    generation = lease.generation_of(token)
+    return f"step_{step:08d}" if generation <= 1 else f"step_{step:08d}-g{generation}"
 
 
 def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = True) -> str | None:
@@ -103,7 +112,7 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
     from ray.train import CheckpointUploadMode
 
     tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # Ray deletes it after the upload
-    name = f"step_{state.step:08d}"
+    name = folder_name(state.step, strategy.plan.lease)
     if strategy.rank == 0:
         state.write(tmp)
 

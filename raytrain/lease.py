@@ -21,8 +21,9 @@ unreadable record is retried, never taken for "no holder".
 The fence is the commit. Rank 0 commits each checkpoint (`commit`) by a write conditioned on the
 record's version while the record still names its driver's token, before the checkpoint's signed
 manifest exists; a checkpoint without a manifest is never restored (signing.py). So after a
-takeover, however the timing falls, the fenced group commits nothing: its files may land, but
-never become a checkpoint. Rank 0 also reads the lease every `CHECK_S` in a thread (`Fence`); a
+takeover, however the timing falls, the fenced group commits nothing: its files may land, in
+folders named by its generation (checkpoint.folder_name) that no other driver writes, but never
+become a checkpoint. Rank 0 also reads the lease every `CHECK_S` in a thread (`Fence`); a
 stale token becomes a stop flag on the next step's all-reduce, so the fenced group stops early.
 """
 
@@ -182,6 +183,11 @@ def _update(run_dir: str, token: str, change: dict, patient: bool) -> dict | Non
         except versioned.Conflict:
             continue  # a renewal or a commit of this same holder came first: again on the new version
     raise JobError(f"could not update the run directory's lease {uri(run_dir)}: it keeps changing under this driver")
+
+
+def generation_of(token: str) -> int:
+    """The generation a token was issued at (`acquire` writes "<generation>:<random>"); 0 for none."""
+    return int(token.split(":", 1)[0]) if token else 0
 
 
 def commit(run_dir: str, token: str, name: str) -> None:

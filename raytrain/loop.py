@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, lease, objectives, telemetry
+from . import checkpoint, lease, metrics_backlog, objectives, telemetry
 from .checkpoint import TrainState
 from .config import JobSpec
 from .data.batches import GlobalBatches
@@ -177,6 +177,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
     objective = objectives.build(spec)
     checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
     skipped = SkippedUpdates()
+    journal = metrics_backlog.Journal(spec.run_dir) if logger else None  # rank 0
     while state.step < t.max_steps:
         step_start = time.perf_counter()
         seed_step(t.seed, state.step, rank // strategy.layout.tp)  # a layer's tp ranks drop out alike
@@ -236,9 +237,13 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
                 _log_committed(logger, uploading, checkpoint.confirm(strategy))
             urgent = bool(flags) or state.step == t.max_steps or not ck.async_save
             done = pending + [(state.step, {"checkpoint_step": state.step})]
-            # Rank 0's steps MLflow does not have yet ride in the checkpoint too: a restart, the
-            # driver at the end or `raytrain sync-metrics` writes them if this process never can.
-            state.metrics = ((logger.unwritten() if logger else []) + done) if rank == 0 else []
+            # The checkpoint holds its own steps' metrics; those of earlier ones MLflow has not taken
+            # yet go once into the run directory's backlog (metrics_backlog.py): a restart, the driver
+            # at the end or `raytrain sync-metrics` writes them if this process never can.
+            state.metrics = done if rank == 0 else []
+            if journal:
+                journal.keep(logger.unwritten())
+                journal.forget(logger.written_through)
             # A stop on every rank at once, on the training thread, before anything is staged: an async
             # save's own refusal (checkpoint.sign, the fence itself) comes on Ray's upload thread
             if token:

@@ -6,9 +6,9 @@ Two histories (see tracking.py): the committed one (`loss`, ...: each step once,
 when its checkpoint commits) and the live one (`live/loss`, ...: within moments of each step).
 While MLflow is unreachable the writer says so once, retries with a growing pause, and says
 so again when it is back; live values of the outage are dropped (a convenience), committed
-ones are kept. What is not written yet also rides in every checkpoint (`unwritten()` goes into
-`TrainState.metrics`), so a restart, the driver at the end, a later run of the job or
-`raytrain sync-metrics` writes whatever this process never could.
+ones are kept. What is not written yet is also kept in storage, each step once (a checkpoint
+holds its own steps, metrics_backlog.py those of earlier checkpoints), so a restart, the driver
+at the end, a later run of the job or `raytrain sync-metrics` writes whatever this process never could.
 
 A write that failed may still have landed (the server committed, the answer was lost): after
 any failure, kept steps are first checked against the run's watermark (`tracking.logged_through`:
@@ -47,6 +47,7 @@ class StepLogger:
         self._tags: dict[str, str] = {}
         self._busy = False  # the writer holds a batch taken from the queues
         self._down_since: float | None = None
+        self.written_through = 0  # MLflow has every committed step up to here (the backlog's files may go)
         threading.Thread(target=self._write, name="raytrain-metrics", daemon=True).start()
 
     # --- the training thread's side: none of these waits for MLflow ---
@@ -143,7 +144,7 @@ class StepLogger:
                     if self._down_since is None:
                         self._down_since = time.monotonic()
                         print(f"[raytrain] MLflow unreachable ({_why(exc)}): training goes on; step metrics are kept "
-                              "(and in each checkpoint) and written when it is back", file=sys.stdout, flush=True)
+                              "(and in storage) and written when it is back", file=sys.stdout, flush=True)
                     self._cond.notify_all()
                 time.sleep(pause)
                 pause = min(pause * 2, RETRY_S[1])
@@ -175,6 +176,7 @@ class StepLogger:
         if any(e.check and e.committed for e in kept):  # a step is in the run iff <= its watermark (tracking)
             through = tracking.logged_through(self.client, self.run_id)
             self._reached()
+            self.written_through = max(self.written_through, through)
             kept = self._drop_written(kept, lambda e: e.committed and e.check and e.step <= through)
         attempts = [e for e in kept if e.check and not e.committed]
         if attempts:  # per-attempt values: a few an attempt, so their whole histories
@@ -186,6 +188,7 @@ class StepLogger:
         if committed:
             self._reached()
             self._written(committed)
+            self.written_through = max(self.written_through, committed[-1].step)
         now = int(time.time() * 1000)
         others = [e for e in kept if not e.committed]
         batch = [Metric(k, float(v), now, e.step) for e in others for k, v in e.metrics.items()]  # host: metric values, read once a step

@@ -18,7 +18,7 @@ from contextlib import closing
 from importlib import metadata
 from pathlib import Path
 
-from . import storage
+from . import metrics_backlog, storage
 from .config import JobSpec
 from .problems import SECRET_KEY  # pre-flight refuses secrets in a job file; they are never logged either
 
@@ -226,9 +226,11 @@ def close_run(spec: JobSpec, run_id: str, status: str, tags: dict, goodput: dict
     except Exception as exc:
         storage.write_text(storage.join(spec.run_dir, PENDING_FILE), json.dumps(signing.sign_document(record)))
         print(f"[raytrain] MLflow unreachable at the end ({type(exc).__name__}): the run's status ({status}), goodput "
-              f"and unwritten step metrics are kept in {spec.run_dir} ({PENDING_FILE} and the latest checkpoint); "
+              f"and unwritten step metrics are kept in {spec.run_dir} ({PENDING_FILE}, {metrics_backlog.FOLDER} and the "
+              "latest checkpoint); "
               f"`raytrain sync-metrics {spec.run_dir}` or running the job again writes them", file=sys.stderr, flush=True)
         return
+    metrics_backlog.forget(spec.run_dir, max((step for step, _ in steps), default=0))  # MLflow has them all
     storage.delete(storage.join(spec.run_dir, PENDING_FILE))
 
 
@@ -259,5 +261,6 @@ def sync_pending(spec: JobSpec, steps: list, run_id: str | None, resume: bool) -
     if not record.get("run_id"):
         return 0
     written = _apply(client(spec), record, steps)
+    metrics_backlog.forget(spec.run_dir, max((step for step, _ in steps), default=0))  # MLflow has them all
     storage.delete(uri)
     return written

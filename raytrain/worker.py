@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import allocator, checkpoint, control, loop, modeling, private_apis, storage
+from . import allocator, checkpoint, control, loop, metrics_backlog, modeling, private_apis, storage
 from .step_metrics import StepLogger
 from .checkpoint import TrainState
 from .config import JobSpec
@@ -74,11 +74,12 @@ def _train(spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, de
     state = checkpoint.restore(strategy) or TrainState(model_commit=spec.model.revision)  # pinned by the driver
     timeline.mark("restored")
     resumed_from = state.step
-    state.world_size, state.run_id, state.lease = world, config["run_id"], plan.lease
+    state.world_size, state.run_id = world, config["run_id"]
     logger = StepLogger(spec, config["run_id"]) if rank == 0 else None
     attempt = 0  # rank 0 learns it from the control actor
     if rank == 0:
-        logger.log_missing(state.metrics)  # the restored checkpoint's steps, if the last attempt died before logging them
+        if resumed_from:  # the restored checkpoint's steps (and the backlog's), if the last attempt died before logging them
+            logger.log_missing(metrics_backlog.unwritten(spec.run_dir, state))
         attempt = ray.get(job_control.attempt_started.remote(world, resumed_from)) if job_control else 1
         logger.set_tags({f"raytrain.attempt.{attempt}": f"world_size={world} resumed_from_step={resumed_from}"})
         if resumed_from:

@@ -33,7 +33,7 @@ def registered(run_dir: str) -> list[str]:
 
 
 def latest_step(run_dir: str) -> int:
-    return max((int(name.split("_")[1]) for name in registered(run_dir)), default=0)
+    return max((int(name.split("_")[1].split("-")[0]) for name in registered(run_dir)), default=0)  # step_N[-gG]
 
 
 def worker_said(line: str) -> int:
@@ -161,13 +161,20 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     said_by_rank_0 = {line: worker_said(line) - n for line, n in before.items()}
     assert said_by_rank_0 == {"MLflow unreachable (": 2, "MLflow reachable again": 1}  # once an outage, once back
     assert f"`raytrain sync-metrics {spec.run_dir}`" in said.err
-    # The steps MLflow missed ride in the checkpoint in a file of their own, which rank 0 and the
-    # driver read; train_state.json, which every rank of a restore reads, stays small.
+    # The steps MLflow missed are kept in storage, each step written once: a checkpoint's own in a
+    # file of their own (which rank 0 and the driver read; train_state.json, which every rank of a
+    # restore reads, stays small), those of earlier checkpoints in the run directory's backlog.
+    # Before, every checkpoint rewrote all the outage's steps.
     from raytrain.checkpoint import METRICS_FILE, STATE_FILE, latest_checkpoint
+    from raytrain.metrics_backlog import FOLDER
 
     last = Path(latest_checkpoint(spec.run_dir))
     assert "metrics" not in json.loads((last / STATE_FILE).read_text())
-    assert json.loads((last / METRICS_FILE).read_text())[-1][0] == result.metrics["step"]
+    own = [step for step, _ in json.loads((last / METRICS_FILE).read_text())]
+    assert own[-1] == result.metrics["step"] and own[0] > result.metrics["step"] - 2  # every_n_steps 2 (or the stop's)
+    kept = [(step, *sorted(metrics)) for f in sorted(Path(spec.run_dir, FOLDER).glob("steps_*.json"))
+            for step, metrics in json.loads(f.read_text())["steps"]]  # a step's metrics, and its checkpoint_step
+    assert kept and len(kept) == len(set(kept)) and max(kept)[0] < own[0], (kept, own)
     assert cli.main(["sync-metrics", spec.run_dir]) == cli.EXIT_FAILED  # still down: nothing changes
     mlflow_server.start()
     assert cli.main(["sync-metrics", spec.run_dir]) == cli.EXIT_OK, capfd.readouterr().err[-3000:]
@@ -177,6 +184,7 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     assert run.info.status == "KILLED"  # a stopped job's status, set once MLflow took it
     assert json.loads(run.data.tags["raytrain.goodput"])["failures"] == []
     assert not Path(spec.run_dir, "mlflow_pending.json").exists()
+    assert not list(Path(spec.run_dir, FOLDER).glob("steps_*.json"))  # MLflow has them: the backlog is gone
 
 
 def test_which_steps_mlflow_has_is_one_read_of_the_run_not_its_history(tmp_path):
@@ -298,7 +306,8 @@ def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_wor
     third.wait_for("[raytrain] step ")
     assert f"resuming from {spec.run_dir}/step_{stopped_at:08d} (step {stopped_at})" in third.text
     after = next(s for s in range(stopped_at + 1, steps) if s % 3 == 0)  # its next (asynchronous) save
-    wait_until(lambda: f"step_{after:08d}" in registered(spec.run_dir) or third.proc.poll() is not None,
+    # The run directory's second driver (generation 2) writes its checkpoints in folders of its own
+    wait_until(lambda: f"step_{after:08d}-g2" in registered(spec.run_dir) or third.proc.poll() is not None,
                what=f"step {after}'s asynchronous checkpoint")
     third.proc.send_signal(signal.SIGKILL)  # right after Ray registered it, before the next save marked anything
     third.wait()
@@ -307,8 +316,8 @@ def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_wor
     assert fourth.wait() == 0, fourth.text[-3000:]
     assert "taking over the run directory from" in fourth.text and f"pid {third.proc.pid} " in fourth.text
     # The driver (its data and model checks) and the workers (what they load) use one checkpoint.
-    assert f"resuming from {spec.run_dir}/step_{after:08d} (step {after})" in fourth.text
-    assert f"restored step {after} from {spec.run_dir}/step_{after:08d}" in fourth.text
+    assert f"resuming from {spec.run_dir}/step_{after:08d}-g2 (step {after})" in fourth.text
+    assert f"restored step {after} from {spec.run_dir}/step_{after:08d}-g2" in fourth.text
     client = MlflowClient(tracking_uri(spec))
     (run,) = client.search_runs([client.get_experiment_by_name("lease").experiment_id])  # one run for the job
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))
@@ -326,7 +335,7 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     import psutil
     from mlflow.tracking import MlflowClient
 
-    from raytrain.checkpoint import TrainState
+    from raytrain.signing import MANIFEST
     from raytrain.tracking import tracking_uri
 
     steps = 30
@@ -358,7 +367,7 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     third.wait_for("[raytrain] step ", timeout=400)
     resumed = int(third.text.split("(step ")[1].split(")")[0]) if "resuming from" in third.text else 0
     after = next(s for s in range(resumed + 1, steps) if s % 3 == 0)
-    wait_until(lambda: f"step_{after:08d}" in registered(spec.run_dir) or third.proc.poll() is not None,
+    wait_until(lambda: f"step_{after:08d}-g2" in registered(spec.run_dir) or third.proc.poll() is not None,
                what=f"the new driver's first checkpoint (step {after})")
     for pid in hung:
         os.kill(pid, signal.SIGCONT)
@@ -366,13 +375,14 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     assert "was taken over by" in first.text and f"pid {third.proc.pid} " in first.text, first.text[-3000:]
     assert third.wait() == 0, third.text[-3000:]
 
-    # Every committed checkpoint is the first driver's up to where the third resumed, the third's after:
-    # the fenced group committed nothing after the takeover (goal 0).
-    leases = {int(f.name.split("_")[1]): TrainState.from_json((f / "train_state.json").read_text()).lease
-              for f in sorted(Path(spec.run_dir).glob("step_*")) if (f / "train_state.json").exists()}
-    mine, theirs = leases[steps], {v for k, v in leases.items() if k <= resumed}
-    assert resumed >= 3 and mine not in theirs and len(theirs) == 1, (resumed, leases)
-    assert all(v == mine for k, v in leases.items() if k > resumed), (resumed, leases)
+    # Every committed checkpoint (its signed manifest) is the first driver's (generation 1, step_N) up
+    # to where the third resumed, the third's (step_N-g2) after: the fenced group committed nothing
+    # after the takeover (goal 0). Its files may have landed, in its own folders, never signed.
+    signed = sorted(f.name for f in Path(spec.run_dir).glob("step_*") if (f / MANIFEST).exists())
+    firsts = [int(n[5:]) for n in signed if "-g" not in n]
+    thirds = [int(n[5:].removesuffix("-g2")) for n in signed if n.endswith("-g2")]
+    assert resumed >= 3 and max(firsts) == resumed and min(thirds) > resumed, (resumed, signed)
+    assert len(firsts) + len(thirds) == len(signed) and thirds[-1] == steps, signed
     client = MlflowClient(tracking_uri(spec))
     (run,) = client.search_runs([client.get_experiment_by_name("fence").experiment_id])  # one run for the job
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))
