@@ -4,7 +4,8 @@ for tracking, and a real S3-compatible server (moto's server mode) for data and 
 
 One job, as a user runs it: `ray job submit --working-dir . -- python -m raytrain run job.yaml`
 with its data and checkpoints on s3://; a training worker is SIGKILLed mid-run (the job resumes
-from the checkpoint on S3, never from scratch); `ray job stop` (the job commits its last step
+from the checkpoint on S3, never from scratch); a driver of the same job on another Ray cluster is
+refused by the lease on S3, naming the first; `ray job stop` (the job commits its last step
 before it ends); the same job submitted again resumes there and runs to SUCCEEDED, its checkpoints,
 its final model and its one MLflow run (read back from the server) all there.
 
@@ -227,6 +228,12 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     # 1. Submitted; once a checkpoint is committed on S3, a training worker is SIGKILLed.
     first, _ = submit(400, "--no-wait")
     wait_until(lambda: committed_step() >= 5, first)
+    # Meanwhile a driver of the same job on another Ray cluster (a local instance of its own, as a
+    # second `raytrain run` on a laptop starts), sharing the bucket: the lease on S3 refuses it,
+    # naming the first, once it saw the first renew (lease.py).
+    env = {k: v for k, v in cluster.env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    other = subprocess.Popen([sys.executable, "-m", "raytrain", "run", str(tmp_path / "job.yaml")], env=env,
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     before, old = committed_step(), cluster.train_workers()
     assert old, "no Ray Train worker process found"
     victim = psutil.Process(min(old))
@@ -234,6 +241,10 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     victim.wait(timeout=30)
     # The group restarts from S3 and commits a later checkpoint; then `ray job stop`.
     wait_until(lambda: bool(cluster.train_workers() - old) and committed_step() > before, first)
+    said = other.communicate(timeout=300)[0]
+    assert other.returncode == 1 and "is in use by another driver of this job" in said, said[-3000:]
+    assert "on another Ray cluster" in said and "Traceback" not in said
+    assert cluster.status(first) == "RUNNING"
     cluster.ray("job", "stop", first, timeout=300)
     assert cluster.wait(first) == "STOPPED"
     stopped_at = committed_step()

@@ -139,7 +139,7 @@ def _on_upload(module) -> None:  # Ray Train's storage: a rank's copy of its par
     def persist_current_checkpoint(self, checkpoint, checkpoint_dir_name):
         import torch.distributed as dist
 
-        fire("upload", int(checkpoint_dir_name.rsplit("_", 1)[-1]), dist.get_rank() if dist.is_initialized() else 0)
+        fire("upload", int(checkpoint_dir_name[len("step_"):][:8]), dist.get_rank() if dist.is_initialized() else 0)
         return original(self, checkpoint, checkpoint_dir_name)
 
     module.StorageContext.persist_current_checkpoint = persist_current_checkpoint
