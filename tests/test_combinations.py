@@ -47,6 +47,7 @@ FP32_AFTER_AN_UPDATE = 1e-4
 # the autocast reference (a full fine-tune on a CPU with AMX's bf16 kernels), within 3% elsewhere. The
 # rewards (the same completions) stay exact and the loss within BF16; fp32 GRPO cases hold FP32.
 GRPO_BF16_NORM = 0.12
+GRPO_ZERO = 1e-6  # a GRPO loss at ratio 1, -mean(A): zero up to fp32 rounding (grpo_losses_agree)
 
 
 def reward_model(assets: Path, out: Path) -> Path:
@@ -103,6 +104,19 @@ def same_rewards(case: dict, got: list, want: list) -> bool:
     return len(got) == len(want) and all(math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-7) for x, y in zip(got, want))
 
 
+def grpo_losses_agree(case: dict, got: list, want: list, tol: float) -> bool:
+    """GRPO's losses. With one update a rollout the ratio is 1 and the loss is -mean(A) over the
+    completions' tokens: ~0 (each group's advantages sum to 0; seen 1e-9 to 6e-9 with the equal
+    lengths these completions have), so it is compared absolutely, to fp32 rounding of terms of the
+    advantages' size: advantages or units that differ from the reference's (a dropped completion,
+    a rank's tokens counted twice) leave a residue of their own size. With two, the second update's
+    ratio moves off 1 and the loss (~5e-2) is compared relative to its size, as every other loss.
+    (That the advantages and the loss are TRL's is test_grpo's, against TRL's code.)"""
+    if case["num_iterations"] == 1:
+        return all(abs(x - y) <= GRPO_ZERO for x, y in zip(got, want))
+    return all(abs(x - y) <= tol * abs(y) for x, y in zip(got, want))
+
+
 def test_each_combination_trains_like_its_data_parallel_reference(combos):
     bad, results = [], combos["results"]
     for case in combos["cases"]:
@@ -114,7 +128,7 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
             # keeps fp32 weights under autocast, some sampled tokens move (seen: 2 of 3 cases' second
             # rewards), and all after them: the second step must train, not match.
             assert same_rewards(case, got["rewards"][:1], want["rewards"][:1]), (name, got["rewards"], want["rewards"])
-            assert abs(got["losses"][0] - want["losses"][0]) <= BF16 * max(abs(want["losses"][0]), 1.0), (name, got, want)
+            assert grpo_losses_agree(case, got["losses"][:1], want["losses"][:1], BF16), (name, got, want)
             assert abs(got["grad_norms"][0] - want["grad_norms"][0]) <= GRPO_BF16_NORM * want["grad_norms"][0], \
                 (name, got, want)
             assert all(math.isfinite(x) for x in got["losses"]) and all(g > 0 for g in got["grad_norms"]), name
@@ -124,11 +138,12 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
             assert same_rewards(case, got["rewards"], want["rewards"]), (name, got["rewards"], want["rewards"])
         tol = FP32 if case["precision"] == "fp32" else BF16
         later = FP32_AFTER_AN_UPDATE if case["precision"] == "fp32" else BF16
-        # A GRPO loss is advantage-weighted terms that cancel to ~0 (step 2's ~5e-9): compared on the
-        # advantages' scale, 1, not relative to the sum's own size
-        floor = 1.0 if case["objective"] == "grpo" else 1e-12
-        errors = [(abs(x - y) / max(abs(y), floor), tol if step == 0 else later)
-                  for k in ("losses", "grad_norms") for step, (x, y) in enumerate(zip(got[k], want[k]))]
+        compared = ("losses", "grad_norms")
+        if case["objective"] == "grpo" and case["num_iterations"] == 1:
+            assert grpo_losses_agree(case, got["losses"], want["losses"], tol), (name, got, want)
+            compared = ("grad_norms",)
+        errors = [(abs(x - y) / max(abs(y), 1e-12), tol if step == 0 else later)
+                  for k in compared for step, (x, y) in enumerate(zip(got[k], want[k]))]
         worst = max(e for e, _ in errors)
         print(f"[combinations] {worst:.1e} {got['seconds']:5.1f}s {name}")
         if not all(e <= allowed for e, allowed in errors):

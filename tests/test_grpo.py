@@ -37,72 +37,94 @@ B, T = 6, 7
 LENGTHS = [7, 3, 5, 1, 6, 2]  # varied: grpo's per-completion mean and the token means differ
 
 
-def trl_loss(logps, mask, old, ref, adv, loss_type, beta):
+def trl_loss(logps, mask, old, ref, adv, g):
     """TRL's GRPOTrainer._compute_loss on one micro-batch, one process (its gathers are the identity),
-    the policy's log-probs given (the model's forward is not what is compared)."""
+    the policy's log-probs given (the model's forward is not what is compared), `g` a GRPOSpec."""
     from trl import GRPOTrainer
 
     accelerator = SimpleNamespace(num_processes=1, process_index=0, gather=lambda t: t, gather_for_metrics=lambda t: t,
                                   reduce=lambda t, reduction="sum": t)
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, use_vllm=False, max_completion_length=T,
-        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, aux_loss_enabled=False,
-        model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)), accelerator=accelerator,
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1))
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=g.importance_sampling_level,
+        beta=g.beta, epsilon_low=g.epsilon, epsilon_high=g.high, loss_type=g.loss_type, use_vllm=False,
+        max_completion_length=T, current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
+        aux_loss_enabled=False, model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=accelerator,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+                             sapo_temperature_pos=g.sapo_temperature_pos, sapo_temperature_neg=g.sapo_temperature_neg))
     inputs = {"prompt_ids": torch.ones(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
               "completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": mask.long(),
               "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
-    if beta:
+    if g.beta:
         inputs["ref_per_token_logps"] = ref
     loss = GRPOTrainer._compute_loss(trainer, None, inputs)
     return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
+# Every loss type at both importance-sampling levels (GSPO: sequence), with and without the KL term.
+# CISPO's clip is its upper bound on the ratio (epsilon_high, 1.1 here so some ratios pass it, at both levels).
+LOSSES = [(t, level) for t in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo") for level in ("token", "sequence")]
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
-def test_the_loss_and_its_gradient_equal_trls_for_each_loss_type(loss_type, beta):
-    g = torch.Generator().manual_seed(0)
-    logps = (-2 * torch.rand(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+@pytest.mark.parametrize("loss_type,level", LOSSES)
+def test_the_loss_and_its_gradient_equal_trls_for_each_loss_type(loss_type, level, beta):
+    from raytrain.rl.spec import GRPOSpec
+
+    g = GRPOSpec(loss_type=loss_type, importance_sampling_level=level, beta=beta,
+                 epsilon_high=1.1 if loss_type == "cispo" else 0.28)
+    gen = torch.Generator().manual_seed(0)
+    logps = (-2 * torch.rand(B, T, generator=gen, dtype=torch.float64)).requires_grad_()
     mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).double()
     # old != policy: ratios beyond 0.8 and 1.28 on both sides, so both clips (and their zero gradient) are exercised
-    old = logps.detach() + 0.35 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    ref = logps.detach() + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    old = logps.detach() + 0.35 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref = logps.detach() + 0.5 * torch.randn(B, T, generator=gen, dtype=torch.float64)
     adv = torch.tensor([1.3, -0.7, 0.4, -1.1, 0.9, -0.2], dtype=torch.float64)
 
-    loss, kl, low, high = token_terms(logps, old, ref, adv, 0.2, 0.28, beta)
+    loss, kl, low, high = token_terms(logps, old, ref, adv, mask, g)
     ours = summed_loss(loss, mask, loss_type) / units_of(loss_type, B, int(mask.sum()), T)
-    theirs, metrics = trl_loss(logps, mask, old, ref, adv, loss_type, beta)
-    assert ((low * mask).sum() > 0) and ((high * mask).sum() > 0)  # the case exercises both clips
+    theirs, metrics = trl_loss(logps, mask, old, ref, adv, g)
 
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
     (ours_grad,), (their_grad,) = torch.autograd.grad(ours, logps), torch.autograd.grad(theirs, logps)
     torch.testing.assert_close(ours_grad, their_grad, rtol=0, atol=1e-6)
     assert ours_grad.abs().sum() > 0
 
-    def mean(x):  # raytrain's metrics: token means over the completion tokens (GRPO.finish); TRL counts in float32
-        return ((x * mask).sum() / mask.sum()).item()
+    over = mask if level == "token" else torch.ones(B, 1, dtype=mask.dtype)  # TRL counts completions at sequence level
 
-    assert metrics["clip_ratio/low_mean"] == pytest.approx(mean(low), rel=1e-6)
-    assert metrics["clip_ratio/high_mean"] == pytest.approx(mean(high), rel=1e-6)
-    assert metrics["clip_ratio/region_mean"] == pytest.approx(mean(torch.maximum(low, high)), rel=1e-6)
+    def mean(x):  # raytrain's metrics: means over completion tokens or completions (GRPO.finish); TRL counts in float32
+        return ((x * over).sum() / over.sum()).item()
+
+    if loss_type == "cispo":
+        assert metrics["cispo_clip_ratio"] == pytest.approx(mean(high), rel=1e-6) and high.sum() > 0
+    elif loss_type == "sapo":
+        assert not any(k.startswith("clip_ratio") for k in metrics)
+    else:
+        if level == "token":  # the case exercises both clips (a completion's mean ratio need not pass either)
+            assert ((low * mask).sum() > 0) and ((high * mask).sum() > 0)
+        assert metrics["clip_ratio/low_mean"] == pytest.approx(mean(low), rel=1e-6)
+        assert metrics["clip_ratio/high_mean"] == pytest.approx(mean(high), rel=1e-6)
+        assert metrics["clip_ratio/region_mean"] == pytest.approx(mean(torch.maximum(low, high)), rel=1e-6)
     assert (kl is None) == (beta == 0.0) and ("kl" in metrics) == (beta != 0.0)
     if beta:
-        assert metrics["kl"] == pytest.approx(mean(kl.detach()), rel=1e-6)
+        assert metrics["kl"] == pytest.approx(((kl.detach() * mask).sum() / mask.sum()).item(), rel=1e-6)
 
 
 def test_equal_rewards_in_a_group_give_zero_gradient():
+    from raytrain.rl.spec import GRPOSpec
+
     # num_iterations 1: the loop passes old = logps.detach(), so the ratio is exactly 1 and nothing is clipped;
     # a completion with advantage 0 (its group's rewards all equal) must not move the policy at all.
     logps = (-3 * torch.rand(4, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
-    loss, kl, low, high = token_terms(logps, logps.detach(), None, torch.zeros(4), 0.2, 0.28, 0.0)
+    g = GRPOSpec(epsilon_high=0.28)
+    loss, kl, low, high = token_terms(logps, logps.detach(), None, torch.zeros(4), torch.ones(4, 5), g)
     (grad,) = torch.autograd.grad(summed_loss(loss, torch.ones(4, 5), "dapo"), logps)
     assert kl is None and torch.equal(grad, torch.zeros_like(grad))
     assert torch.equal(torch.exp(logps - logps.detach()), torch.ones(4, 5))
     assert low.sum() == 0 and high.sum() == 0
     # with an advantage, the gradient of the unclipped surrogate at ratio 1 is -A per token
-    loss, *_ = token_terms(logps, logps.detach(), None, torch.tensor([1.0, -2.0, 0.0, 0.5]), 0.2, 0.28, 0.0)
+    loss, *_ = token_terms(logps, logps.detach(), None, torch.tensor([1.0, -2.0, 0.0, 0.5]), torch.ones(4, 5), g)
     (grad,) = torch.autograd.grad(loss.sum(), logps)
     assert torch.equal(grad, -torch.tensor([1.0, -2.0, 0.0, 0.5])[:, None].expand(4, 5))
 

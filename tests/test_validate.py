@@ -462,6 +462,10 @@ def grpo_job(job, tmp, **grpo):
 def grpo_without_rewards(job, tmp, assets):
     grpo_job(job, tmp, rewards=[])
 
+@case("training.grpo.loss_type", "set training.grpo.epsilon_high (CISPO's paper and TRL recommend 5.0)")
+def grpo_cispo_without_its_bound(job, tmp, assets):
+    grpo_job(job, tmp, loss_type="cispo")
+
 @case("training.grpo.engine", "vllm is not built yet")
 def grpo_on_vllm(job, tmp, assets):
     grpo_job(job, tmp, engine="vllm")

@@ -6,12 +6,14 @@ the scores of the whole global batch gathered to every rank, and the advantages 
 does (group-normalized; `scale_rewards`). Each micro-batch then becomes its completions as
 training rows: prompt + completion, only the completion labelled.
 
-The loss per token is TRL's clipped surrogate, -min(r A, clip(r, 1 - eps, 1 + eps_high) A), plus
-beta x the k3 estimate of KL(policy || reference); with num_iterations 1 the ratio r is 1 (its
-gradient is the log-prob's). It is averaged by `loss_type` over the global batch's units (the
-loop's rule: the same at any worker count and micro-batch split): completions for `grpo` (each a
-token mean), completion tokens for `dapo` and `bnpo` (TRL's bnpo averages each micro-batch's
-tokens instead), completions x max_completion_length for `dr_grpo`.
+The loss per token is TRL's clipped surrogate, -min(r A, clip(r, 1 - eps, 1 + eps_high) A), or
+CISPO's -sg(min(r, eps_high)) A log p, or SAPO's sigmoid-gated ratio, plus beta x the k3 estimate
+of KL(policy || reference); r is per token, or per completion (GSPO's sequence level); with
+num_iterations 1 it is 1 (its gradient is the log-prob's). It is averaged by `loss_type` over the
+global batch's units (the loop's rule: the same at any worker count and micro-batch split):
+completions for `grpo` and `sapo` (each a token mean), completion tokens for `dapo`, `bnpo` and
+`cispo` (TRL's bnpo averages each micro-batch's tokens instead), completions x
+max_completion_length for `dr_grpo`.
 """
 
 from __future__ import annotations
@@ -62,28 +64,46 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: s
 
 
 def token_terms(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, adv: torch.Tensor,
-                epsilon: float, epsilon_high: float, beta: float) -> tuple[torch.Tensor, ...]:
-    """Per token: (loss, KL or None, low-clipped, high-clipped), as TRL's _compute_loss (token level)."""
-    coef_1 = torch.exp(logps - old)
-    coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
+                mask: torch.Tensor, g) -> tuple[torch.Tensor, ...]:
+    """Per token: (loss, KL or None, low-clipped, high-clipped), as TRL's _compute_loss for `g`'s
+    loss_type and importance_sampling_level (`g`: a GRPOSpec). The clip flags are per completion,
+    [n, 1], at sequence level (TRL counts completions there), and 0 where the loss has no such clip
+    (sapo; cispo's one clip is `high`)."""
+    log_ratio = logps - old
+    if g.importance_sampling_level == "sequence":  # GSPO: one ratio a completion, from its tokens' mean log-ratio
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    coef_1 = torch.exp(log_ratio)
     a = adv[:, None]
-    loss = -torch.min(coef_1 * a, coef_2 * a)
+    none = torch.zeros_like(coef_1)
+    if g.loss_type == "cispo":  # the log-prob itself, weighted by the ratio clipped above and held constant
+        loss = -torch.clamp(coef_1, max=g.high).detach() * a * logps
+        low, high = none, ((coef_1 > g.high) & (a > 0)).to(coef_1.dtype)
+    elif g.loss_type == "sapo":  # a sigmoid gate around ratio 1 instead of the clip, steeper for negative advantages
+        temperatures = torch.where(a > 0, g.sapo_temperature_pos, g.sapo_temperature_neg)
+        loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * a
+        low = high = none
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - g.epsilon, 1 + g.high)
+        loss = -torch.min(coef_1 * a, coef_2 * a)
+        low = ((coef_1 < 1 - g.epsilon) & (a < 0)).to(coef_1.dtype)
+        high = ((coef_1 > 1 + g.high) & (a > 0)).to(coef_1.dtype)
+    loss = loss.expand_as(logps)  # a completion's one value on each of its tokens (sequence level)
     kl = None
-    if beta != 0.0:
+    if g.beta != 0.0:
         kl = torch.exp(ref - logps) - (ref - logps) - 1
-        loss = loss + beta * kl
-    return loss, kl, ((coef_1 < 1 - epsilon) & (a < 0)).float(), ((coef_1 > 1 + epsilon_high) & (a > 0)).float()
+        loss = loss + g.beta * kl
+    return loss, kl, low, high
 
 
 def summed_loss(loss: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
     """The micro-batch's share of the loss before the division by the global units (`units_of`)."""
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
     return (loss * mask).sum()
 
 
 def units_of(loss_type: str, sequences: int, tokens: int, max_completion_length: int) -> int:
-    return {"grpo": sequences, "dr_grpo": sequences * max_completion_length}.get(loss_type, tokens)
+    return {"grpo": sequences, "sapo": sequences, "dr_grpo": sequences * max_completion_length}.get(loss_type, tokens)
 
 
 def token_logps(out, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -237,17 +257,24 @@ class GRPO:
             with torch.no_grad(), strategy.reference() as reference:
                 ref = mb["_ref_logps"] = token_logps(forward(strategy, reference, mb)[0], targets, g.temperature)
         adv = attention.to_device(mb["advantages"], strategy.device)
-        loss, kl, low, high = token_terms(logps, old, ref, adv, g.epsilon, g.high, g.beta)
+        loss, kl, low, high = token_terms(logps, old, ref, adv, mask, g)
         real = (mask.sum(-1) > 0).float()
+        over = mask if low.shape[-1] > 1 else real[:, None]  # clips counted over tokens, or completions (sequence level)
         stats = [real.sum(), mask.sum(), (kl.detach() * mask).sum() if kl is not None else mask.sum() * 0,
-                 (low * mask).sum(), (high * mask).sum(), (torch.maximum(low, high) * mask).sum()]
+                 (low * over).sum(), (high * over).sum(), (torch.maximum(low, high) * over).sum()]
         return summed_loss(loss, mask, g.loss_type), stats
 
     def finish(self, means: dict[str, float]) -> dict[str, float]:
         """TRL's metric names from the global batch's sums (over completion tokens) and the rollout's."""
         tokens = means["_tokens"] or math.inf
-        out = {"clip_ratio/low_mean": means["_low"] / tokens, "clip_ratio/high_mean": means["_high"] / tokens,
-               "clip_ratio/region_mean": means["_region"] / tokens}
+        counted = (means["_sequences"] or math.inf) if self.g.importance_sampling_level == "sequence" else tokens
+        if self.g.loss_type == "cispo":
+            out = {"cispo_clip_ratio": means["_high"] / counted}
+        elif self.g.loss_type == "sapo":  # no clip to count
+            out = {}
+        else:
+            out = {"clip_ratio/low_mean": means["_low"] / counted, "clip_ratio/high_mean": means["_high"] / counted,
+                   "clip_ratio/region_mean": means["_region"] / counted}
         if self.g.beta:
             out["kl"] = means["_kl"] / tokens
         return {**out, **self.host}

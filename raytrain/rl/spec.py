@@ -84,8 +84,14 @@ class GRPOSpec(Section):
     """Updates on each step's completions (TRL's mu): a step rolls out once, then takes this many optimizer updates on the same completions, the probability ratio against the policy that sampled them (clipped by epsilon). The step, its checkpoint and the learning rate schedule count rollouts; MLflow logs the updates' mean loss and clip ratios, and the last update's grad norm."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide the advantages by the group's reward std (`group`), the global batch's (`batch`), or not (`none`: Dr. GRPO)."""
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
-    """How token losses are averaged: `grpo` per completion then over completions; `dapo` and `bnpo` over the global batch's completion tokens; `dr_grpo` over completions x max_completion_length."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo"] = "dapo"
+    """The policy loss, TRL's names: the clipped surrogate averaged per completion then over completions (`grpo`), over the global batch's completion tokens (`dapo`, `bnpo`) or over completions x max_completion_length (`dr_grpo`); `cispo`, the log-prob weighted by the ratio clipped at epsilon_high and detached (ScaleRL; token-averaged); `sapo`, a sigmoid-softened ratio instead of the clip (sapo_temperature_pos / _neg; averaged as `grpo`)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The probability ratio per token, or per completion (`sequence`: the exponent of its tokens' mean log-ratio, GSPO), as TRL's."""
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    """`sapo`: the softening temperature of tokens with a positive advantage (TRL's default)."""
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    """`sapo`: the softening temperature of tokens with a non-positive advantage (TRL's default)."""
     engine: Literal["hf", "vllm"] = "hf"
     """Who samples the rollouts: `hf`, the workers' own model (CPU and GPU)."""
     rewards: list[RewardSpec] = Field(default_factory=list)
@@ -145,6 +151,10 @@ def grpo_problems(spec) -> list[str]:
     if d.train_on_inputs:
         problems.append("data.train_on_inputs with training.objective: grpo: only the sampled completions are "
                         "trained; remove data.train_on_inputs")
+    if g.loss_type == "cispo" and g.epsilon_high is None:  # TRL would clamp the ratio at epsilon (0.2): no signal
+        problems.append("training.grpo.loss_type: cispo clamps the probability ratio at epsilon_high, which is unset "
+                        "(it would be epsilon, 0.2, below a ratio of 1): set training.grpo.epsilon_high (CISPO's "
+                        "paper and TRL recommend 5.0)")
     labels = [r.label for r in g.rewards]
     if len(set(labels)) < len(labels):
         problems.append(f"training.grpo.rewards: two rewards are named alike ({labels}): give one a `name`")
