@@ -125,15 +125,16 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                pad_token_id=0, bos_token_id=None)
 
 
-def smollm2_shape(s: h.Setting) -> Path:
-    """A Llama of SmolLM2-135M's published shape (tied embeddings), random weights in fp32."""
+def smollm2_shape(s: h.Setting, tied: bool = True) -> Path:
+    """A Llama of SmolLM2-135M's published shape (tied embeddings), random weights in fp32; `tied`
+    False: the same with an output layer of its own (163M parameters), as untied models are."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    out = h.CACHE / "smollm2-135m-shape"
+    out = h.CACHE / ("smollm2-135m-shape" if tied else "smollm2-shape-untied")
     if not (out / "config.json").exists():
         base, _ = h.assets(s)
-        config = LlamaConfig(**SMOLLM2)
+        config = LlamaConfig(**{**SMOLLM2, "tie_word_embeddings": tied})
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
         AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out))
