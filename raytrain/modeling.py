@@ -208,6 +208,16 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def untied_input_embedding(model: nn.Module) -> nn.Module | None:
+    """The input embedding, when it shares no weight with the output layer (None when it does:
+    the one table is then used at both ends of the forward)."""
+    lookup, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if lookup is None:
+        return None
+    shared = {id(p) for p in lookup.parameters()} & {id(p) for p in (head.parameters() if head is not None else ())}
+    return None if shared else lookup
+
+
 def sparse_tied_lookup(model: nn.Module, device: torch.device) -> bool:
     """Where the input embedding is the output layer's weight and trains (a full fine-tune of a tied
     model: SmolLM2, Qwen2.5 up to 3B, Llama 3.2 1B/3B, Gemma), look tokens up with a sparse gradient.

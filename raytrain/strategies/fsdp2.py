@@ -1,5 +1,15 @@
-"""FSDP2: `fully_shard` on every decoder block, then the root. The only place raytrain
-shards a model with torch.
+"""FSDP2: `fully_shard` on every decoder block, on an untied input embedding, then the root.
+The only place raytrain shards a model with torch.
+
+The units as torchtitan lays them out (`apply_fsdp`), where a hook can gather them: a block is
+gathered for its forward and again for its backward; an input embedding of its own (untied) is
+one unit, gathered only at the first forward and the last backward, so its table is not held at
+the loss, where a step's memory peaks. The root keeps what is used outside a module's own call:
+the output layer (the chunked loss applies its weight after the model's forward, objectives/tokens)
+and with it a tied table (the same weight at both ends), the last norm, and nothing else. On an
+accelerator the last block stays gathered from its forward to its backward, which follows at once
+(torchtitan's choice: FSDP would prefetch it straight back); on CPU workers, host memory is the
+limit and it reshards as every block does.
 
 Built on meta on every rank, sharded, materialized shard by shard, then filled from the
 model's safetensors files, each rank reading only its slices (`weights.fill`): no process
@@ -22,6 +32,10 @@ from .base import TorchStrategy, needs_fp32_master, to_fp32_master
 
 class FSDP2Strategy(TorchStrategy):
     _gathered = False  # inside `gathered()`
+
+    def __init__(self, *args, **kwargs):
+        self._reshard: dict[torch.nn.Module, bool] = {}  # each unit's reshard_after_forward (`wrap`), for `gathered()`
+        super().__init__(*args, **kwargs)
 
     def build_model(self) -> torch.nn.Module:
         self.hf_model = modeling.load_model(self.spec, on_meta=True)
@@ -57,9 +71,16 @@ class FSDP2Strategy(TorchStrategy):
                                            reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         )
-        for block in modeling.decoder_blocks(model):
-            fully_shard(block, **kwargs)
+        blocks = modeling.decoder_blocks(model)
+        for block in blocks:
+            self._reshard[block] = block is not blocks[-1] or self.device.type == "cpu"
+            fully_shard(block, reshard_after_forward=self._reshard[block], **kwargs)
+        embedding = modeling.untied_input_embedding(model)
+        if embedding is not None:
+            self._reshard[embedding] = True
+            fully_shard(embedding, **kwargs)
         fully_shard(model, **kwargs)
+        self._reshard[model] = False  # the root: fully_shard keeps its parameters from forward to backward
         model.to_empty(device="cpu" if cpu_offload else self.device)
         modeling.init_buffers(model)
         self.loaded_by = weights.fill(self.spec, model, adapters)
@@ -85,8 +106,8 @@ class FSDP2Strategy(TorchStrategy):
         gloo ranks, 135M model; the same losses bit for bit). Gradients still reduce-scatter to
         their shards at the last backward. Each rank holds the whole model in the compute dtype
         meanwhile, as TRL's ds3_gather_for_generation and verl's hybrid engine do (memory.py counts
-        it). Re-entrant: the rollout inside a gathered step gathers nothing more. fully_shard's
-        default is restored after: blocks reshard after forward, the root keeps its parameters."""
+        it). Re-entrant: the rollout inside a gathered step gathers nothing more. Each unit's own
+        setting is restored after (`wrap`)."""
         if self._gathered:
             yield
             return
@@ -102,7 +123,7 @@ class FSDP2Strategy(TorchStrategy):
             self._gathered = False
             for m in units:
                 m.reshard()
-                m.set_reshard_after_forward(m is not self.model, recurse=False)
+                m.set_reshard_after_forward(self._reshard.get(m, True), recurse=False)
                 m.set_reshard_after_backward(True, recurse=False)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
