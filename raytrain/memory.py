@@ -9,7 +9,7 @@ back-of-the-envelope one, written out term by term so a user can check it:
     + gathered layers (fsdp2: the all-gathered block and the prefetched next one; zero3: what
       stage3_max_live_parameters lets it keep gathered between forward and backward; GRPO under
       fsdp2: the whole model, gathered for the step)
-    + the vocabulary layers (fsdp2: the root unit gathered whole; a full fine-tune also holds their
+    + the vocabulary layers (fsdp2: the root unit, the output layer, gathered whole; a full fine-tune also holds their
       whole gradients, twice, at the backward's end)
     + activations (Korthikanti et al. 2022: 34·b·s·d bytes per layer at 16 bit; +5·a·s²·b eager)
     + logits (b·s·V in the compute dtype, its fp32 copy and that copy's gradient; one chunk's
@@ -141,14 +141,17 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
             layer, per_tp = facts.layer_params / tp, f" / {tp}" if tp > 1 else ""
             out.device.append(Term("gathered layers", f"2 × {_n(facts.layer_params)}{per_tp} × {g} B", 2 * layer * g))
     if t.strategy == "fsdp2" and P > 1 and not spec.rl:
-        # The root unit (the embedding, a separate output layer, the last norm) is gathered whole
-        # at the first forward and kept through the backward: the largest tensors of the model.
+        # The root unit (the output layer, a tied table with it, the last norm) is gathered at the
+        # first forward and kept through the backward: the largest unit gathered at once, held at the
+        # loss. An untied input embedding is a unit of its own, gathered only at the first forward
+        # and the last backward, when nothing else is (strategies/fsdp2.py): not at the peak.
         vocab, d = facts.dim("vocab_size", default=0), facts.dim("hidden_size", "n_embd", "d_model", default=0)
-        heads = 1 if facts.config.get("tie_word_embeddings", True) else 2
-        tables = "embedding" + (" and output layer" if heads == 2 else "")
-        out.device.append(Term(f"gathered {tables}", f"{heads} × {vocab}·{d} × {c} B", heads * vocab * d * c))
-        if t.finetune == "full":  # their whole gradients at the backward's end: a tied table's two parts
-            # and their sum (benchmarks/RESULTS.md, "A tied table's gradient"), or each table's own
+        tied = facts.config.get("tie_word_embeddings", True)
+        root = "the output layer" + (", tied to the embedding" if tied else "")
+        out.device.append(Term(f"largest gathered unit: the root ({root})", f"{vocab}·{d} × {c} B", vocab * d * c))
+        if t.finetune == "full":  # whole gradients at the backward's end: a tied table's two parts and their
+            # sum (benchmarks/RESULTS.md, "A tied table's gradient"), or the output layer's and the embedding's
+            tables = "tied table" if tied else "output layer and embedding"
             out.device.append(Term(f"whole gradients of the {tables}", f"2 × {vocab}·{d} × {c} B",
                                    2 * vocab * d * c))
     out.device.extend(activation_terms(spec, facts))
