@@ -4,14 +4,16 @@ A ~1.1B-parameter Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192,
 random weights stored as bf16 safetensors in a temporary folder) at seq_len 4096, trained through
 the product's own path (`build_strategy`, `loop.fit` on rows `open_data` reads from a prepared
 token store; tests/gpu/local_run.py is what stands in for Ray) under each strategy: fsdp2 LoRA and
-full, ddp LoRA, zero3 LoRA and full (when DeepSpeed imports). Each case runs in a fresh process;
-after the warm-up steps it times the measured steps and prints:
+full, ddp LoRA, zero3 LoRA and full (when DeepSpeed imports); and TRL's SFTTrainer on the same
+model and documents, LoRA and full (benchmarks/gpu_trl.py; when TRL imports). Each case runs in a
+fresh process; after the warm-up steps it times the measured steps and prints:
 
 - tokens/s (global) and MFU: raytrain.telemetry's flops_per_token over the device's bf16 peak
   from telemetry's table;
 - torch.cuda.max_memory_allocated over the whole case (build and steps) and what
   `raytrain validate` estimates for the job (raytrain.memory.estimate; its ~1 GiB runtime term
-  is the CUDA context and NCCL, which max_memory_allocated does not count), and their ratio.
+  is the CUDA context and NCCL, which max_memory_allocated does not count), and their ratio;
+- each raytrain case's tokens/s over TRL's with the same fine-tuning (LoRA or full).
 
     python -m benchmarks.gpu                      # on a GPU machine (tests/gpu/run.sh runs it)
     python -m benchmarks.gpu --cases fsdp2-full --steps 20 --json out.json
@@ -33,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
-CASES = ("fsdp2-lora", "fsdp2-full", "ddp-lora", "zero3-lora", "zero3-full")
+CASES = ("fsdp2-lora", "trl-lora", "fsdp2-full", "trl-full", "ddp-lora", "zero3-lora", "zero3-full")
 ONE_B = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
          "intermediate_size": 8192, "vocab_size": 32000}
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -202,6 +204,11 @@ def child(a: argparse.Namespace) -> None:
 
     work = Path(a.workdir)
     meta = json.loads((work / "bench.json").read_text())
+    if a.child.startswith("trl-"):
+        from . import gpu_trl
+
+        Path(a.out).write_text(json.dumps(gpu_trl.run(a, a.child, Path(meta["model"]), Path(meta["data"]), work)))
+        return
     spec = job(a, a.child, Path(meta["model"]), Path(meta["data"]), work)
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
     args = (spec.model_dump_json(), meta["prepared"], a.warmup, meta["model"], a.detect_anomaly)
@@ -225,15 +232,19 @@ def size(gib: float | None) -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'case':<11} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak alloc':>11} {'estimate':>11} {'alloc/est':>9} {'reserved':>11}"
+    trl = {r["case"].split("-")[1]: r["tokens_per_s"] for r in results if r["case"].startswith("trl-") and "error" not in r}
+    head = (f"{'case':<11} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak alloc':>11} {'estimate':>11} {'alloc/est':>9} "
+            f"{'reserved':>11} {'÷ TRL':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         if "error" in r:
             lines.append(f"{r['case']:<11} {r['error']}")
             continue
+        theirs = trl.get(r["case"].split("-")[1]) if not r["case"].startswith("trl-") else None
         lines.append(f"{r['case']:<11} {r['tokens_per_s']:>10,.0f} {fmt(r['mfu'], '.1%'):>6} {r['step_s']:>7.3f} "
                      f"{size(r['peak_allocated_gib']):>11} {size(r['estimate_gib']):>11} "
-                     f"{fmt(r.get('measured_over_estimate'), '.2f'):>9} {size(r['peak_reserved_gib']):>11}")
+                     f"{fmt(r.get('measured_over_estimate'), '.2f'):>9} {size(r['peak_reserved_gib']):>11} "
+                     f"{fmt(r['tokens_per_s'] / theirs if theirs else None, '.2f', '-'):>6}")
     return "\n".join(lines)
 
 
@@ -256,12 +267,13 @@ def main(argv=None) -> int:
 
     cases = a.cases.split(",")
     skipped = {}
-    if any(c.startswith("zero3") for c in cases):
-        try:
-            import deepspeed  # noqa: F401
-        except Exception as exc:  # not installed (tests/gpu/wheels.sh carries it), or broken
-            skipped = {c: f"skipped: deepspeed does not import ({type(exc).__name__}: {exc})" for c in cases
-                       if c.startswith("zero3")}
+    for prefix, module in (("zero3", "deepspeed"), ("trl", "trl")):  # tests/gpu/wheels.sh carries both
+        if any(c.startswith(prefix) for c in cases):
+            try:
+                __import__(module)
+            except Exception as exc:  # not installed, or broken
+                skipped.update({c: f"skipped: {module} does not import ({type(exc).__name__}: {exc})" for c in cases
+                                if c.startswith(prefix)})
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="raytrain-bench-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     device = "cpu" if a.cpu else "cuda"
@@ -270,7 +282,8 @@ def main(argv=None) -> int:
           f"{a.warmup} warm-up + {a.steps} measured steps; work folder {work}", flush=True)
     try:
         model, data = make_assets(a, work, device)
-        prepared = lr.prepare_data(job(a, cases[0], model, data, work))  # one store: the same data for every case
+        ours = next((c for c in cases if not c.startswith("trl-")), CASES[0])
+        prepared = lr.prepare_data(job(a, ours, model, data, work))  # one store: the same data for every case
         (work / "bench.json").write_text(json.dumps({"model": str(model), "data": str(data), "prepared": prepared}))
         results = []
         for case in cases:
@@ -298,7 +311,8 @@ def main(argv=None) -> int:
     print(table(results))
     print("MFU: raytrain.telemetry flops_per_token (6N + attention; LoRA 4N_frozen + 6N_trainable) over the bf16 peak "
           "in telemetry.PEAK_BF16_FLOPS. estimate: raytrain.memory.estimate, what `raytrain validate` prints "
-          "(its runtime term, ~1 GiB of CUDA context and NCCL, is not in max_memory_allocated).")
+          "(its runtime term, ~1 GiB of CUDA context and NCCL, is not in max_memory_allocated). ÷ TRL: tokens/s over "
+          "TRL SFTTrainer's with the same fine-tuning (benchmarks/gpu_trl.py: packed, padding-free, its tokens counted).")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return 1 if any("error" in r and not r["error"].startswith("skipped") for r in results) else 0

@@ -11,6 +11,9 @@
 #   torchao             training.finetune: qlora (its NF4Tensor)
 #   hjson, py-cpuinfo, msgpack, einops, ninja
 #                       DeepSpeed's own dependencies
+#   trl, datasets, dill, multiprocess
+#                       benchmarks/gpu_trl.py: TRL's SFTTrainer, the side-by-side arm (the image has
+#                       accelerate, pandas, xxhash, fsspec and the rest of what they need)
 #
 # Each at the version .venv has (the versions the tests ran). Binary wheels are cp312
 # manylinux2014 x86_64 (GPU_PYTHON_VERSION=3.11 for another Python; GPU_WHEELS=DIR for another
@@ -21,7 +24,8 @@ PY=${PYTHON:-.venv/bin/python}
 OUT=${GPU_WHEELS:-.gpu-wheels}
 PYV=${GPU_PYTHON_VERSION:-3.12}  # the GPU machine's Python
 LIMIT_MIB=50
-BINARY=(pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson py-cpuinfo msgpack einops ninja)
+BINARY=(pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson py-cpuinfo msgpack einops ninja
+        trl datasets dill multiprocess)  # pure-Python ones (py3-none-any, py312-none-any) match these tags too
 
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # this image's local index, noise
 version() { "$PY" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1"; }
