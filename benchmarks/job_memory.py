@@ -57,6 +57,19 @@ def run_job(name: str, model: Path, data: Path, finetune: str, env: dict, folder
             "wall_s": time.time() - started}
 
 
+def estimate_mb(job_folder: Path) -> dict:
+    """What `raytrain validate` estimates a worker holds for the job written in `job_folder` (a CPU
+    worker: its host memory, the process itself included)."""
+    import yaml
+
+    from raytrain import memory, preflight
+    from raytrain.config import JobSpec
+
+    spec = JobSpec.model_validate(yaml.safe_load((job_folder / "job.yaml").read_text()))
+    est = memory.estimate(spec, preflight.model_facts(spec), spec.scaling.num_workers)
+    return {"total_mb": est.total / 2**20, "arithmetic": est.arithmetic()}
+
+
 def dpo(real: Path, folder: Path, env: dict) -> None:
     """M6: SmolLM2-135M-shaped LoRA DPO at seq_len 1024, a pair a micro-batch, 2 workers: its busiest
     worker's peak (goal <= 5 GiB, half this machine's 24 GiB for 2) against `raytrain validate`'s
@@ -110,6 +123,11 @@ def main() -> None:
                         print(f"M1j {kind} {finetune} {setting} {m}: busiest peak {r['peak_mb']:.0f} MiB; resident after "
                               f"steps 1-5 {[round(x) for x in r['rss_by_step_mb']]}; {r['startup']}; {r['wall_s']:.0f} s",
                               flush=True)
+                    est = estimate_mb(folder / f"{kind}-{finetune}-{setting}-smollm2")
+                    print(f"M1j {kind} {finetune} {setting}: busiest peak / validate's estimate = "
+                          f"{out['smollm2']['peak_mb']:.0f} / {est['total_mb']:.0f} MiB = "
+                          f"{out['smollm2']['peak_mb'] / est['total_mb']:.2f} (goal 0.85-1.15); {est['arithmetic']}",
+                          flush=True)
                     print(f"M1j {kind} {finetune} {setting}: (busiest peak {out['smollm2']['peak_mb']:.0f} - tiny "
                           f"{out['tiny']['peak_mb']:.0f} MiB) / (a rank's share {share:.0f} MiB) = {excess / share:.2f} "
                           f"(goal <= 1.5; the issue's M1 <= 2.0 tied)", flush=True)
