@@ -17,7 +17,6 @@ tracking.logged_through), so a step read twice is logged once.
 from __future__ import annotations
 
 import json
-import os
 
 from . import signing, storage
 
@@ -51,20 +50,12 @@ class Journal:
         new = [(step, metrics) for step, metrics in steps if step > self.through]
         if not new:
             return
-        name = f"steps_{new[0][0]:08d}-{new[-1][0]:08d}.json"
-        text = json.dumps(signing.sign_document({"run_dir": signing.place(self.run_dir), "steps": new}))
-        uri = storage.join(_folder(self.run_dir), name)
-        if storage.is_remote(uri):  # an object store's put is whole or absent
-            storage.write_text(uri, text)
-        else:  # a file system: complete or invisible, by rename
-            os.makedirs(os.path.dirname(uri), exist_ok=True)
-            with open(uri + ".tmp", "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(uri + ".tmp", uri)
-        self.through = new[-1][0]
-        self.files.append((self.through, name))
+        first, last = min(step for step, _ in new), max(step for step, _ in new)
+        name = f"steps_{first:08d}-{last:08d}.json"
+        doc = signing.sign_document({"run_dir": signing.place(self.run_dir), "steps": new})
+        storage.write_whole(storage.join(_folder(self.run_dir), name), json.dumps(doc))  # complete or invisible
+        self.through = last
+        self.files.append((last, name))
 
     def forget(self, logged_through: int) -> None:
         for last, name in [f for f in self.files if f[0] <= logged_through]:

@@ -69,6 +69,21 @@ def write_text(uri: str, text: str) -> None:
         f.write(text.encode())
 
 
+def write_whole(uri: str, text: str) -> None:
+    """Write a file that a reader sees complete or not at all: an object store's put is whole or
+    absent; on a file system (local, NFS) a temporary file, flushed to disk, is renamed over it."""
+    if is_remote(uri):
+        write_text(uri, text)
+        return
+    os.makedirs(os.path.dirname(uri) or ".", exist_ok=True)
+    tmp = f"{uri}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, uri)
+
+
 def read_bytes(uri: str) -> bytes:
     REQUESTS["read"] += 1
     fs, path = filesystem(uri)

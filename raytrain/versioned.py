@@ -24,7 +24,6 @@ import contextlib
 import functools
 import json
 import os
-import uuid
 
 from . import storage
 
@@ -104,12 +103,7 @@ class _Local:
             if now != version:
                 raise Conflict(f"{self.path} is at version {now}, not {version}")
             new = str(int(version or 0) + 1)
-            tmp = f"{self.path}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(json.dumps({**doc, "_version": int(new)}))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            storage.write_whole(self.path, json.dumps({**doc, "_version": int(new)}))
             return new
 
 
