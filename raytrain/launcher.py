@@ -105,7 +105,7 @@ def sync_metrics(run_dir: str) -> tuple[int, str | None]:
     spec = read_job_file(run_dir)
     latest, _ = _latest_state(spec)
     run_id = latest.run_id if latest else None
-    return tracking.sync_pending(spec, metrics_backlog.unwritten(spec.run_dir, latest) if latest else [], run_id, resume=False), run_id
+    return tracking.sync_pending(spec, metrics_backlog.unwritten(spec.run_dir, latest), run_id, resume=False), run_id
 
 
 def pin_model(spec: JobSpec, latest: TrainState | None, where: str | None) -> JobSpec:
@@ -173,7 +173,7 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
             tracking.set_tags(spec, run_id, {"raytrain.model_commit": spec.model.revision})
         write_job_file(spec)
         try:
-            written = tracking.sync_pending(spec, metrics_backlog.unwritten(spec.run_dir, latest) if latest else [], run_id, resume=True)
+            written = tracking.sync_pending(spec, metrics_backlog.unwritten(spec.run_dir, latest), run_id, resume=True)
         except Exception as exc:  # MLflow just opened the run; if it fails now, what is kept stays kept
             written = 0
             print(f"[raytrain] metrics MLflow missed earlier not written yet ({type(exc).__name__}); they stay kept in "
@@ -279,6 +279,6 @@ def _close(spec: JobSpec, run_id: str, held, status: str, tags: dict | None = No
         latest, _ = _latest_state(spec)
     except JobError:  # a refused checkpoint was said where it was met; its steps stay unwritten
         latest = None
-    tracking.close_run(spec, run_id, status, tags or {}, goodput, metrics_backlog.unwritten(spec.run_dir, latest) if latest else [])
+    tracking.close_run(spec, run_id, status, tags or {}, goodput, metrics_backlog.unwritten(spec.run_dir, latest))
     control.release(spec.run_dir, held)
     return goodput

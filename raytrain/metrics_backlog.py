@@ -71,8 +71,10 @@ def forget(run_dir: str, logged_through: int) -> None:
 
 
 def unwritten(run_dir: str, state) -> list[tuple[int, dict]]:
-    """The steps a restore of `state` (a TrainState read with its metrics) may still owe MLflow:
-    the backlog's up to its step, then its own, in step order."""
+    """The steps a restore of `state` (a TrainState read with its metrics; None: no checkpoint, so
+    nothing committed) may still owe MLflow: the backlog's up to its step, then its own, in step order."""
+    if state is None:
+        return []
     steps: list[tuple[int, dict]] = []  # a checkpoint's step has two entries: its metrics, its checkpoint_step
     for first, last, name in _spans(run_dir):
         if first > state.step:

@@ -208,14 +208,18 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def _tied(lookup: nn.Module | None, head: nn.Module | None) -> bool:
+    """Whether the input embedding and the output layer share a weight (one table at both ends)."""
+    if lookup is None or head is None:
+        return False
+    return bool({id(p) for p in lookup.parameters()} & {id(p) for p in head.parameters()})
+
+
 def untied_input_embedding(model: nn.Module) -> nn.Module | None:
     """The input embedding, when it shares no weight with the output layer (None when it does:
     the one table is then used at both ends of the forward)."""
-    lookup, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if lookup is None:
-        return None
-    shared = {id(p) for p in lookup.parameters()} & {id(p) for p in (head.parameters() if head is not None else ())}
-    return None if shared else lookup
+    lookup = model.get_input_embeddings()
+    return None if lookup is None or _tied(lookup, model.get_output_embeddings()) else lookup
 
 
 def sparse_tied_lookup(model: nn.Module, device: torch.device) -> bool:
@@ -231,8 +235,8 @@ def sparse_tied_lookup(model: nn.Module, device: torch.device) -> bool:
     backend without sparse kernels aborts in the backward, as the stand-in device of
     tests/test_device.py did; CUDA's sparse path under FSDP2 has not run on a GPU here)."""
     lookup, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if device.type != "cpu" or not isinstance(lookup, nn.Embedding) or head is None \
-            or lookup.weight is not head.weight or not lookup.weight.requires_grad:
+    if device.type != "cpu" or not isinstance(lookup, nn.Embedding) or not _tied(lookup, head) \
+            or not lookup.weight.requires_grad:
         return False
     lookup.sparse = True
     return True
