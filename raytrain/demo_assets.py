@@ -121,28 +121,31 @@ def make_tokenizer(out: Path, vocab_size: int = 384):
     return fast
 
 
-def make_model(out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0) -> None:
+def make_model(out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0, heads: int = 4,
+               kv_heads: int = 2) -> None:
     """A tiny Llama whose output layer is its input embedding, as in the small models most users
     start from (SmolLM2, Qwen2.5 0.5B-3B, Llama 3.2 1B/3B, Gemma): the quickstart meets what they do."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
                          tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
 
 
 def make_all(root: str | Path, rows: int = 4000) -> Path:
-    """root/model (model + tokenizer), root/text.jsonl, root/chat.jsonl, root/pairs.jsonl, root/kto.jsonl,
-    root/prompts.jsonl;
-    idempotent."""
+    """root/model (model + tokenizer), root/model-hd64 (the same tokenizer, head_dim 64: what vLLM's CPU
+    attention takes, for engine: vllm), root/text.jsonl, root/chat.jsonl, root/pairs.jsonl, root/kto.jsonl,
+    root/prompts.jsonl; idempotent."""
     root = Path(root)
-    if (root / "model" / "config.json").exists() and (root / "prompts.jsonl").exists():
+    if (root / "model-hd64" / "config.json").exists() and (root / "prompts.jsonl").exists():
         return root
     tok = make_tokenizer(root / "model")
     make_model(root / "model", vocab_size=len(tok))
+    tok.save_pretrained(str(root / "model-hd64"))
+    make_model(root / "model-hd64", vocab_size=len(tok), hidden=128, heads=2, kv_heads=1)
     write_jsonl(root / "text.jsonl", text_rows(rows))
     write_jsonl(root / "chat.jsonl", chat_rows(rows // 4))
     write_jsonl(root / "pairs.jsonl", preference_rows(rows // 4))

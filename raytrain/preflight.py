@@ -22,6 +22,7 @@ from . import allocator, memory, nf4_layout, probes, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
 from .model_facts import ModelFacts, read_facts
 from .plan import RunPlan, model_parallel_problems
+from .rl.spec import engine_model_problems
 from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
                        is_hub_id, secret_problems)
 
@@ -220,6 +221,8 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
         out.append(Problem("model.path", path, f"architecture {archs} is not a causal LM (…ForCausalLM); "
                            "raytrain fine-tunes decoder-only language models", "model"))
     out += remote_code_problems(spec, folder, config)
+    if "training" not in broken:
+        out += [Problem("training.grpo.engine", "vllm", text, "model") for text in engine_model_problems(spec, config)]
     window = config.get("max_position_embeddings") or config.get("n_positions")
     if window and spec.data.seq_len > window and "data" not in broken:
         out.append(Problem("data.seq_len", str(spec.data.seq_len), f"longer than the model's context window ({window}); "

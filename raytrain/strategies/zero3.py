@@ -160,6 +160,15 @@ class Zero3Strategy(Strategy):
         if converter:
             shutil.rmtree(root, ignore_errors=True)
 
+    def full_parameters(self, trainable_only: bool = False):
+        """Each parameter whole, gathered alone (collective) and released when the caller moves on."""
+        import deepspeed
+
+        for name, p in self.hf_model.named_parameters():
+            if p.requires_grad or not trainable_only:
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    yield name, p.detach()
+
     def export(self, directory: str, tokenizer) -> None:
         if self.lora:  # the adapter only, gathered on rank 0, in fp32 as it trained (as fsdp2 and ddp export it)
             full = gathered_state_dict(self.hf_model, self.rank, fp32_master=self.bf16, dtype=torch.float32,

@@ -1,0 +1,159 @@
+"""`training.grpo.engine: vllm`: each training worker drives its own vLLM engine, colocated on its
+node (and, on a GPU, its device: `vllm_gpu_memory_utilization` of it, as TRL's colocate mode and
+verl's hybrid engine share it), in a process of its own Python environment (vllm_server.py). A rank
+samples its own prompts there, as it does with `engine: hf`: the step's prompts are spread over the
+engines by the data order itself, and nothing crosses ranks but the rewards (objectives/grpo.py).
+
+Weight sync, before every rollout (so after every update, and after a restore): the trained
+weights, one parameter at a time, whole (`Strategy.full_parameters`: a collective where they are
+sharded), written as safetensors into the engine's folder (shared memory where the node has it)
+and loaded there. Under LoRA only the adapter moves (a new vLLM adapter id each sync); a full
+fine-tune moves every weight, in files of at most SHARD_BYTES, so no rank holds a whole copy
+beyond the engine's own. The sync's bytes and seconds are the step's `vllm/sync_mb` and
+`vllm/sync_s`.
+
+The engine dies with its worker (PR_SET_PDEATHSIG): a killed or preempted worker leaves no engine
+holding memory, and the restarted one starts a fresh engine and syncs the restored weights."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .. import private_apis
+from ..errors import JobError
+from .spec import vllm_python
+
+SERVER = Path(__file__).resolve().parents[1] / "vllm_server.py"
+SHARD_BYTES = 256 << 20  # a full sync's file size: what a rank holds beyond its shards at once
+STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # wrappers' name parts
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def kv_cache_bytes(spec, prompts: int) -> int:
+    """A CPU engine's KV cache: the rank's whole rollout at once (every completion of every prompt
+    at seq_len), twice over, at least 64 MiB. (On a GPU: vllm_gpu_memory_utilization of the device.)"""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs())
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * heads * head_dim * 4
+    return max(64 << 20, 2 * prompts * spec.training.grpo.num_generations * spec.data.seq_len * per_token)
+
+
+class VLLMEngine:
+    def __init__(self, spec, rank: int, device: torch.device, prompts_per_step: int):
+        g, on_gpu = spec.training.grpo, device.type == "cuda"
+        self.spec, self.lora = spec, spec.training.adapters
+        self.dtype = torch.bfloat16 if on_gpu and spec.training.precision == "bf16" else torch.float32
+        shm = Path("/dev/shm")
+        self.dir = Path(tempfile.mkdtemp(prefix=f"raytrain-engine-{rank}-", dir=shm if shm.is_dir() else None))
+        self.syncs = 0
+        args = {"model": spec.model.path, "dtype": "bfloat16" if self.dtype == torch.bfloat16 else "float32",
+                "max_model_len": spec.data.seq_len, "enforce_eager": not on_gpu,
+                "lora_rank": max(8, 1 << (spec.training.lora.r - 1).bit_length()) if self.lora else 0,  # vLLM's sizes
+                "raytrain_root": str(SERVER.parents[1]),
+                **({"gpu_memory_utilization": g.vllm_gpu_memory_utilization} if on_gpu
+                   else {"kv_cache_bytes": kv_cache_bytes(spec, prompts_per_step)})}
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        if not on_gpu:  # the worker's cores are the worker's: no binding of its own, its thread count
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(torch.get_num_threads()))
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))
+        self.log_path = self.dir / "engine.log"
+        python = vllm_python()
+        started = time.perf_counter()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([str(python), str(SERVER), json.dumps(args)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+                                         preexec_fn=_die_with_parent)
+        ready = self._read("start")
+        self.start_s = time.perf_counter() - started
+        if ready.get("vllm") and ready["vllm"].rsplit(".", 1)[0] != private_apis.ENGINE_TESTED["vllm"]:
+            print(f"[raytrain] the rollout engine runs vllm {ready['vllm']}, not the tested "
+                  f"{private_apis.ENGINE_TESTED['vllm']}.*; raytrain relies on its {private_apis.ENGINE_USES['vllm']}")
+
+    def _read(self, what: str) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-15:])
+            raise JobError(f"the vLLM rollout engine ({vllm_python()}) ended during {what} with exit code "
+                           f"{self.proc.returncode}; the end of its log ({self.log_path}):\n{tail}")
+        out = json.loads(line)
+        if "error" in out:
+            raise JobError(f"the vLLM rollout engine refused {what}: {out['error']}")
+        return out
+
+    def _ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read(request["op"])
+
+    def generate(self, prompts: list[list[int]], keys: list[int], eos: set[int]) -> tuple[list, list]:
+        """Each prompt's completion (up to and including its first end token) and the engine's
+        log-probability of each sampled token (of logits / temperature, top_p applied: TRL's)."""
+        g = self.spec.training.grpo
+        out = self._ask({"op": "generate", "prompts": prompts, "keys": keys, "max_tokens": g.max_completion_length,
+                         "temperature": g.temperature, "top_p": g.top_p, "eos": sorted(eos)})
+        return out["completions"], out["logps"]
+
+    def sync(self, strategy) -> tuple[float, float]:
+        """The trained weights into the engine (a collective: every rank calls it); (MB, seconds)."""
+        from safetensors.torch import save_file
+
+        started, self.syncs = time.perf_counter(), self.syncs + 1
+        folder = self.dir / f"sync-{self.syncs}"
+        folder.mkdir()
+        files, part, size, total = 0, {}, 0, 0
+        for name, tensor in strategy.full_parameters(trainable_only=self.lora):
+            for s in STRIP:
+                name = name.replace(s, "")
+            part[name] = tensor.detach().to("cpu", self.dtype if tensor.is_floating_point() else None, copy=True)
+            size += part[name].nbytes
+            if size >= SHARD_BYTES and not self.lora:
+                save_file(part, str(folder / f"part-{files:05d}.safetensors"))
+                files, part, total, size = files + 1, {}, total + size, 0
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            model = strategy.hf_model
+            save_file(get_peft_model_state_dict(model, state_dict=part), str(folder / "adapter_model.safetensors"))
+            model.peft_config["default"].save_pretrained(str(folder))
+            self._ask({"op": "adapter", "id": self.syncs, "path": str(folder)})
+            old = self.dir / f"sync-{self.syncs - 2}"  # vLLM reads an adapter at its first use: keep the last two
+        else:
+            if part:
+                save_file(part, str(folder / f"part-{files:05d}.safetensors"))
+            self._ask({"op": "weights", "path": str(folder)})
+            old = folder
+        total += size
+        if old.is_dir():
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+        return total / 2**20, time.perf_counter() - started
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        for f in sorted(self.dir.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        self.dir.rmdir()

@@ -1,0 +1,89 @@
+"""The rollout engine's own process: vLLM in its own Python environment (vLLM pins its own
+transformers and torch builds, which move on vLLM's schedule, not raytrain's), driven by one
+training worker (rl/engine.py) over a pipe of JSON lines.
+
+Run by path with that environment's Python; it imports nothing of raytrain but `private_apis`
+(the one place private APIs live), which imports only the standard library at module level.
+Each request is one line; each answer one line, `{"error": ...}` when the request failed, so the
+worker raises it with the engine's own words. Weights and adapters arrive as safetensors files the
+worker wrote (never pickles: nothing read here runs code).
+
+Sampling: each completion carries its own seed (rl/sampling.completion_key), so what vLLM samples
+is a function of (key, prompt, weights), not of the order requests arrive in. Prefix caching is
+off: a cache hit computes a prompt's keys by another path than a miss, and a resumed run's cache
+is empty where the uninterrupted run's was warm."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _engine(args: dict):
+    from vllm import LLM
+
+    sizing = ({"kv_cache_memory_bytes": args["kv_cache_bytes"]} if args.get("kv_cache_bytes")
+              else {"gpu_memory_utilization": args["gpu_memory_utilization"]})
+    lora = {"enable_lora": True, "max_lora_rank": args["lora_rank"], "max_loras": 1} if args.get("lora_rank") else {}
+    return LLM(model=args["model"], dtype=args["dtype"], seed=0, enforce_eager=args["enforce_eager"],
+               max_model_len=args["max_model_len"], enable_prefix_caching=False, skip_tokenizer_init=True,
+               logprobs_mode="processed_logprobs",  # after temperature and top_p: the distribution sampled
+               trust_remote_code=False, **sizing, **lora)
+
+
+def _generate(llm, lora, req: dict) -> dict:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=1, max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
+                             seed=key, logprobs=0, stop_token_ids=req["eos"], detokenize=False)
+              for key in req["keys"]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params, lora_request=lora, use_tqdm=False)
+    completions, logps = [], []
+    for out in outs:
+        sample = out.outputs[0]
+        completions.append(list(sample.token_ids))
+        logps.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
+    return {"completions": completions, "logps": logps}
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    sys.path.insert(0, args["raytrain_root"])
+    from raytrain import private_apis
+
+    answer = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's own prints go to the engine's log, never into the protocol
+    # The engine in this one process (no engine-core child): it dies with the worker's death signal,
+    # and a post-load call reaches its model without pickling a function across processes.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    started = time.perf_counter()
+    llm, lora = _engine(args), None
+    import vllm
+
+    answer.write(json.dumps({"ready": time.perf_counter() - started, "vllm": vllm.__version__}) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "generate":
+                out = _generate(llm, lora, req)
+            elif req["op"] == "adapter":  # a new id each sync: vLLM caches adapters by id
+                from vllm.lora.request import LoRARequest
+
+                lora, out = LoRARequest(f"step-{req['id']}", req["id"], req["path"]), {}
+            elif req["op"] == "weights":
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": req["path"]})
+                private_apis.vllm_refresh_tied_output_layer(llm)
+                out = {}
+            elif req["op"] == "quit":
+                break
+            else:
+                out = {"error": f"unknown request {req['op']!r}"}
+        except Exception as exc:  # noqa: BLE001 - the worker raises it with the engine's words
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        answer.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":  # vLLM may spawn helpers that re-import the main module
+    main()
