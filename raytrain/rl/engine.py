@@ -63,7 +63,7 @@ class VLLMEngine:
         self.syncs = 0
         args = {"model": spec.model.path, "dtype": "bfloat16" if self.dtype == torch.bfloat16 else "float32",
                 "max_model_len": spec.data.seq_len, "enforce_eager": not on_gpu,
-                "lora_rank": max(8, 1 << (spec.training.lora.r - 1).bit_length()) if self.lora else 0,  # vLLM's sizes
+                "lora_rank": max(8, 1 << (spec.training.lora.rank - 1).bit_length()) if self.lora else 0,  # vLLM's sizes
                 "raytrain_root": str(SERVER.parents[1]),
                 **({"gpu_memory_utilization": g.vllm_gpu_memory_utilization} if on_gpu
                    else {"kv_cache_bytes": kv_cache_bytes(spec, prompts_per_step)})}
