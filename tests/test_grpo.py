@@ -37,7 +37,7 @@ B, T = 6, 7
 LENGTHS = [7, 3, 5, 1, 6, 2]  # varied: grpo's per-completion mean and the token means differ
 
 
-def trl_loss(logps, mask, old, ref, adv, g):
+def trl_loss(logps, mask, old, ref, adv, g, is_ratio=None):
     """TRL's GRPOTrainer._compute_loss on one micro-batch, one process (its gathers are the identity),
     the policy's log-probs given (the model's forward is not what is compared), `g` a GRPOSpec."""
     from trl import GRPOTrainer
@@ -47,7 +47,8 @@ def trl_loss(logps, mask, old, ref, adv, g):
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=g.importance_sampling_level,
-        beta=g.beta, epsilon_low=g.epsilon, epsilon_high=g.high, loss_type=g.loss_type, use_vllm=False,
+        beta=g.beta, epsilon_low=g.epsilon, epsilon_high=g.high, loss_type=g.loss_type, use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None,
         max_completion_length=T, current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)),
         accelerator=accelerator,
@@ -58,6 +59,8 @@ def trl_loss(logps, mask, old, ref, adv, g):
               "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
     if g.beta:
         inputs["ref_per_token_logps"] = ref
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
     loss = GRPOTrainer._compute_loss(trainer, None, inputs)
     return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
@@ -127,6 +130,54 @@ def test_equal_rewards_in_a_group_give_zero_gradient():
     loss, *_ = token_terms(logps, logps.detach(), None, torch.tensor([1.0, -2.0, 0.0, 0.5]), torch.ones(4, 5), g)
     (grad,) = torch.autograd.grad(loss.sum(), logps)
     assert torch.equal(grad, -torch.tensor([1.0, -2.0, 0.0, 0.5])[:, None].expand(4, 5))
+
+
+def trl_importance_ratio(trainer, engine, mask, g):
+    """TRL's vLLM importance-sampling ratio, its own inline block of
+    GRPOTrainer._generate_and_score_completions (from the log-prob difference to the mode's
+    clamp or mask), sliced from the installed source and run with the names it reads."""
+    import inspect
+    import textwrap
+
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    begin = source.index("per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask")
+    begin = source.rindex("\n", 0, begin) + 1
+    end = source.index("# Compute the per-token log probabilities for the reference model", begin)
+    block = textwrap.dedent(source[begin:source.rindex("\n", 0, end) + 1])
+    names = {"torch": torch, "math": math, "mask": mask, "old_per_token_logps": trainer,
+             "sampling_per_token_logps": engine,
+             "self": SimpleNamespace(vllm_importance_sampling_mode=g.vllm_importance_sampling_mode,
+                                     vllm_importance_sampling_clip_min=g.vllm_importance_sampling_clip_min,
+                                     vllm_importance_sampling_clip_max=g.vllm_importance_sampling_clip_max)}
+    exec(compile(block, "trl/trainer/grpo_trainer.py", "exec"), names)
+    return names["vllm_importance_sampling_ratio"]
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"])
+def test_the_engine_mismatch_correction_equals_trls(mode):
+    """engine: vllm's truncated importance sampling: TRL's ratio (its code) in each mode, bounds on
+    both sides, and the loss it weights equal to TRL's _compute_loss with the correction on."""
+    from raytrain.objectives.grpo import importance_ratio
+    from raytrain.rl.spec import GRPOSpec
+
+    g = GRPOSpec(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,
+                 vllm_importance_sampling_clip_max=1.5, loss_type="dapo")
+    gen = torch.Generator().manual_seed(1)
+    logps = (-2 * torch.rand(B, T, generator=gen, dtype=torch.float64)).requires_grad_()
+    mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).double()
+    engine = logps.detach() + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)  # ratios past both bounds
+    ours = importance_ratio(logps.detach(), engine, mask, g)
+    theirs = trl_importance_ratio(logps.detach(), engine, mask, g)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)
+    inside = (ours > 0.5) & (ours < 1.5)
+    assert inside.any() and (~inside).any()  # both bounds are crossed, so the mode matters
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.1, 0.9, -0.2], dtype=torch.float64)
+    loss, *_ = token_terms(logps, logps.detach(), None, adv, mask, g, ours)
+    mine = summed_loss(loss, mask, "dapo") / units_of("dapo", B, int(mask.sum()), T)
+    their_loss, _ = trl_loss(logps, mask, logps.detach(), None, adv, g, is_ratio=theirs)
+    assert mine.item() == pytest.approx(their_loss.item(), rel=1e-9) and mine.item() != 0
 
 
 # ---------------------------------------------------------------- advantages

@@ -466,9 +466,21 @@ def grpo_without_rewards(job, tmp, assets):
 def grpo_cispo_without_its_bound(job, tmp, assets):
     grpo_job(job, tmp, loss_type="cispo")
 
-@case("training.grpo.engine", "vllm is not built yet")
-def grpo_on_vllm(job, tmp, assets):
+@case("training.grpo.engine", "vLLM's CPU attention takes head sizes [32, 64")
+def grpo_on_vllm_with_a_head_size_it_cannot_run(job, tmp, assets):
+    grpo_job(job, tmp, engine="vllm")  # the demo model: head_dim 16
+
+@case("training.grpo.engine", "there is none at /nowhere/bin/python: run `bash cluster/setup-local.sh`")
+def grpo_on_vllm_without_its_environment(job, tmp, assets):
     grpo_job(job, tmp, engine="vllm")
+    job["model"]["path"] = str(assets / "model-hd64")
+    return {"env": {"RAYTRAIN_VLLM_PYTHON": "/nowhere/bin/python"}}
+
+@case("training.grpo.engine", "vLLM serves LoRA adapters, not DoRA's magnitudes")
+def grpo_on_vllm_with_dora(job, tmp, assets):
+    grpo_job(job, tmp, engine="vllm")
+    job["model"]["path"] = str(assets / "model-hd64")
+    job["training"]["lora"] = {"use_dora": True}
 
 @case("training.objective", "rollouts decode one token at a time with a KV cache")
 def grpo_with_sequence_parallelism(job, tmp, assets):
@@ -536,7 +548,7 @@ def test_bad_job_exits_2_naming_the_field(name, assets, tmp_path):
     job = base_job(assets, tmp_path)
     extra = fn(job, tmp_path, assets) or {}
     path = extra.get("path") or write_job(tmp_path, extra.get("text", job))
-    code, out, err = cli("validate", str(path), *extra.get("args", []))
+    code, out, err = cli("validate", str(path), *extra.get("args", []), env=extra.get("env"))
     assert code == 2, out + err
     problem_lines = [ln for ln in err.splitlines() if ln.startswith(f"  - {field}")]
     assert any(text in ln for ln in problem_lines), err
