@@ -31,7 +31,8 @@ import local_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 # The jobs that run here as shipped are tests whole (a miniature would be them again, smaller).
-WHOLE = {"quickstart.yaml": "test_spine.py runs `raytrain quickstart`", "grpo-demo.yaml": "test_rl.py runs it"}
+WHOLE = {"quickstart.yaml": "test_spine.py runs `raytrain quickstart`", "grpo-demo.yaml": "test_rl.py runs it",
+         "grpo-vllm.yaml": "test_vllm.py runs it"}
 JOBS = sorted(p for p in (REPO / "jobs").glob("*.yaml") if p.name not in WHOLE)
 WORLD = 4
 

