@@ -391,7 +391,8 @@ def prompt_tokens(model: Path, prompts: Path) -> int:
     return max(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
 
 
-def raytrain_job(a, model: Path, prompts: Path, seq_len: int, folder: Path, strategy: str = "fsdp2") -> dict:
+def raytrain_job(a, model: Path, prompts: Path, seq_len: int, folder: Path, strategy: str = "fsdp2",
+                 engine: str = "hf") -> dict:
     """The raytrain arm's GRPO job: the product's defaults, the settings both arms share."""
     return {
         "name": "rl1-raytrain",
@@ -400,7 +401,7 @@ def raytrain_job(a, model: Path, prompts: Path, seq_len: int, folder: Path, stra
         "training": {
             "objective": "grpo",
             "grpo": {"num_generations": a.generations, "max_completion_length": a.completion,
-                     "temperature": 1.0, "loss_type": "dapo", "rewards": [{"function": REWARD}]},
+                     "temperature": 1.0, "loss_type": "dapo", "rewards": [{"function": REWARD}], "engine": engine},
             "strategy": strategy, "finetune": a.finetune,
             "global_batch_size": a.prompts, "micro_batch_size": a.prompts // a.workers,
             "max_steps": a.steps, "seed": 0,
@@ -413,16 +414,16 @@ def raytrain_job(a, model: Path, prompts: Path, seq_len: int, folder: Path, stra
     }
 
 
-def raytrain_arm(a, model: Path, prompts: Path, seq_len: int, strategy: str = "fsdp2") -> dict:
+def raytrain_arm(a, model: Path, prompts: Path, seq_len: int, strategy: str = "fsdp2", engine: str = "hf") -> dict:
     from . import harness as h
 
     folder = h.scratch("rl1-raytrain")
     try:
-        raw = raytrain_job(a, model, prompts, seq_len, folder, strategy)
+        raw = raytrain_job(a, model, prompts, seq_len, folder, strategy, engine)
         job_file = h.write_job(raw, folder)
         run = h.run_arm("rl1-raytrain", h.raytrain_command(job_file), folder / "steps", timeout_s=a.timeout)
         keys = ("step_time_s", "time/generation_s", "time/reward_s", "generation_tokens_per_s",
-                "completions/mean_length", "data_wait_s")
+                "completions/mean_length", "data_wait_s", "vllm/sync_s", "vllm/sync_mb")
         series = {k: h.metric_series(folder / "runs", k) for k in keys}
         return {"run": run, **series}
     finally:
@@ -466,8 +467,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--finetune", choices=["lora", "full"], default="lora")
     p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    p.add_argument("--arms", nargs="*", default=["raytrain", "trl"], choices=["raytrain", "trl", "raytrain-ddp"],
-                   help="raytrain-ddp (not in the default): raytrain with training.strategy ddp, TRL's parallelism")
+    p.add_argument("--arms", nargs="*", default=["raytrain", "trl"], choices=["raytrain", "trl", "raytrain-ddp", "raytrain-vllm"],
+                   help="raytrain-ddp (not in the default): raytrain with training.strategy ddp, TRL's parallelism; "
+                        "raytrain-vllm: raytrain with training.grpo.engine vllm")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
     p.add_argument("--log", help="default benchmarks/results/rl1-<date>.log")
     p.add_argument("--no-decompose", action="store_true", help="skip the rollout's decomposition (rollout_probe)")
@@ -509,11 +511,15 @@ def main(argv: list[str]) -> None:
         if arm == "trl":
             r = trl_arm(a, model, prompts)
         else:
-            r = raytrain_arm(a, model, prompts, seq_len, "ddp" if arm == "raytrain-ddp" else "fsdp2")
+            r = raytrain_arm(a, model, prompts, seq_len, "ddp" if arm == "raytrain-ddp" else "fsdp2",
+                             "vllm" if arm == "raytrain-vllm" else "hf")
         step = steady(r["step_time_s"])
         gen, rew = steady(r["time/generation_s"]), steady(r["time/reward_s"])
         tps, lengths = steady(r["generation_tokens_per_s"]), steady(r["completions/mean_length"])
         period = r["run"].period_s(WARMUP)
+        if r.get("vllm/sync_s"):
+            print(f"    {arm}: weight sync {median(steady(r['vllm/sync_s'])) * 1e3:.0f} ms a step, "
+                  f"{median(steady(r['vllm/sync_mb'])):.1f} MB", flush=True)
         fig = {"step": median(step), "gen": median(gen), "reward": median(rew), "tps": median(tps),
                "length": median(lengths), "period": period, "first": r["step_time_s"].get(1, float("nan")),
                "train": median([s - g - w for s, g, w in zip(step, gen, rew)]), "wall": time.time() - started,
@@ -549,6 +555,13 @@ def main(argv: list[str]) -> None:
         rest = median([x["step"] - x["gen"] for x in ry]) / median([x["step"] - x["gen"] for x in tr])
         print(f"RL1 with training.strategy ddp (TRL's parallelism): raytrain-ddp / trl whole step {step:.3f}, "
               f"generation {gen:.3f}, the rest {rest:.3f}", flush=True)
+    for arm in ("raytrain-vllm", "raytrain"):
+        if arm in results and "trl" in results and (arm == "raytrain-vllm" or "raytrain-vllm" in results):
+            ry, tr = results[arm], results["trl"]
+            print(f"RL1 {arm} / trl (TRL on generate): whole step "
+                  f"{median([x['step'] for x in ry]) / median([x['step'] for x in tr]):.3f}, generation "
+                  f"{median([x['gen'] for x in ry]) / median([x['gen'] for x in tr]):.3f}; {arm}'s step: generation "
+                  f"{median([x['gen'] / x['step'] for x in ry]):.1%}", flush=True)
     if not {"raytrain", "trl"} <= set(results):
         return
     ry, tr = results["raytrain"], results["trl"]

