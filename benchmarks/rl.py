@@ -1,7 +1,7 @@
 """RL1: GRPO's whole step, raytrain / TRL's GRPOTrainer, on the same model, prompts and rollout shape.
 
     python -m benchmarks.rl [--reps 2] [--steps 6] [--prompts 4] [--generations 8] [--completion 32]
-                            [--finetune lora|full] [--model tiny|smollm2] [--arms raytrain trl [raytrain-ddp]]
+                            [--finetune lora|full] [--model tiny|smollm2] [--arms raytrain trl [raytrain-ddp] [raytrain-vllm]]
                             [--no-decompose] [--log FILE]
 
 RL1  steady whole-step time, raytrain / TRL (median over the steps after the first 2)      goal <= 1.0
@@ -22,6 +22,8 @@ Arms, alternated (raytrain, trl, trl, raytrain, ...: harness.alternate), each a 
             optimizer step timed by a TrainerCallback (on_step_begin -> on_step_end, perf_counter); the
             generation (`_generate_single_turn`) and the rewards (`_calculate_rewards`) timed by a subclass.
   raytrain-ddp  (only when named in --arms) the raytrain job with training.strategy: ddp, TRL's parallelism.
+  raytrain-vllm (only when named) the raytrain job with training.grpo.engine: vllm (its rollouts on a vLLM engine
+            beside each worker, .venv-vllm); also prints its weight sync's seconds and MB a step.
 
 Then (unless --no-decompose) `rollout_probe`: one rank's rollout of the same shape, raytrain's strategy built
 as the job's workers build it under torchrun, timed as shipped and with the FSDP2 model unsharded once for

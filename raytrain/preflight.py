@@ -22,7 +22,7 @@ from . import allocator, memory, nf4_layout, probes, storage
 from .config import DEFAULT_LORA_TARGETS, JobSpec, apply_overrides
 from .model_facts import ModelFacts, read_facts
 from .plan import RunPlan, model_parallel_problems
-from .rl.spec import engine_model_problems
+from .rl.spec import engine_model_problems, vllm_python
 from .problems import (ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error,
                        is_hub_id, secret_problems)
 
@@ -222,7 +222,11 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
                            "raytrain fine-tunes decoder-only language models", "model"))
     out += remote_code_problems(spec, folder, config)
     if "training" not in broken:
-        out += [Problem("training.grpo.engine", "vllm", text, "model") for text in engine_model_problems(spec, config)]
+        engine = engine_model_problems(spec, config)
+        out += [Problem("training.grpo.engine", "vllm", text, "model") for text in engine]
+        if spec.rl and spec.training.grpo.engine == "vllm" and not engine and vllm_python().is_file():
+            out.append(Problem("training.grpo.engine", "vllm", f"rollouts on a vLLM engine beside each worker, run by "
+                               f"{vllm_python()} (RAYTRAIN_VLLM_PYTHON)", "environment", NOTE))
     window = config.get("max_position_embeddings") or config.get("n_positions")
     if window and spec.data.seq_len > window and "data" not in broken:
         out.append(Problem("data.seq_len", str(spec.data.seq_len), f"longer than the model's context window ({window}); "

@@ -67,7 +67,7 @@ def hub_cache(root: Path, *hub_ids: str) -> dict:
 # modules go first (measured, `--durations`), so that none starts last and runs on alone.
 LONGEST_FIRST = ("test_combinations.py", "test_strategies.py", "test_operations.py", "test_fault_tolerance.py",
                  "test_miniature_jobs.py", "test_deploy.py", "test_elastic.py", "test_preference.py", "test_rl.py",
-                 "test_store.py", "test_qlora.py", "test_meshes.py", "test_validate.py", "test_benchmarks_smoke.py",
+                 "test_vllm.py", "test_store.py", "test_qlora.py", "test_meshes.py", "test_validate.py", "test_benchmarks_smoke.py",
                  "test_loading.py", "test_spine.py", "test_bad_rows.py", "test_supply_chain.py", "test_mesh.py")
 
 

@@ -62,7 +62,9 @@ def test_constraints_pin_the_whole_runtime_closure_at_the_tested_versions():
 def test_the_image_the_cloud_nodes_and_the_dev_venv_install_through_the_constraints():
     dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
     installs = [line for line in dockerfile.splitlines() if "pip install" in line]
-    assert installs and all("-c " in line and "constraints.txt" in line for line in installs), installs
+    # vLLM's own environment (engine: vllm) is the one install outside them, on purpose: its pins are vLLM's
+    ours = [line for line in installs if "vllm-env/bin/pip" not in line]
+    assert len(ours) == len(installs) - 1 and all("-c " in line and "constraints.txt" in line for line in ours), installs
     for cloud in ("aws", "gcp"):
         setup = [line for line in (REPO / "cluster" / f"{cloud}.yaml").read_text().splitlines() if "pip install" in line]
         assert setup and all(line.count("pip install") == line.count("-c ~/raytrain/k8s/constraints.txt") for line in setup)
