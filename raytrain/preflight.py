@@ -223,7 +223,7 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
     out += remote_code_problems(spec, folder, config)
     if "training" not in broken:
         engine = engine_model_problems(spec, config)
-        out += [Problem("training.grpo.engine", "vllm", text, "model") for text in engine]
+        out += [Problem("training.grpo.engine", "vllm", text, "model", ERROR if error else NOTE) for text, error in engine]
         if spec.rl and spec.training.grpo.engine == "vllm" and not engine and vllm_python().is_file():
             out.append(Problem("training.grpo.engine", "vllm", f"rollouts on a vLLM engine beside each worker, run by "
                                f"{vllm_python()} (RAYTRAIN_VLLM_PYTHON)", "environment", NOTE))

@@ -470,6 +470,11 @@ def grpo_cispo_without_its_bound(job, tmp, assets):
 def grpo_on_vllm_with_a_head_size_it_cannot_run(job, tmp, assets):
     grpo_job(job, tmp, engine="vllm")  # the demo model: head_dim 16
 
+@case("training.grpo.engine", "architecture MadeUpForCausalLM is not one the tested vLLM (0.32) runs")
+def grpo_on_vllm_with_an_architecture_it_lacks(job, tmp, assets):
+    grpo_job(job, tmp, engine="vllm")
+    job["model"]["path"] = copy_model(assets, tmp, architectures=["MadeUpForCausalLM"])
+
 @case("training.grpo.engine", "there is none at /nowhere/bin/python: run `bash cluster/setup-local.sh`")
 def grpo_on_vllm_without_its_environment(job, tmp, assets):
     grpo_job(job, tmp, engine="vllm")

@@ -102,3 +102,16 @@ def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_exactly(inject_fa
         assert sorted(r_rows[s]["samples"]) == sorted(a_rows[s]["samples"]) and len(r_rows[s]["samples"]) == 8, s
     r = metric_history(r_spec, r_run.run_id, "reward")
     print(json.dumps({"A reward": a["reward"], "resized 2 -> 1 reward": r, "A logp diff": diff, "L logp diff": l_diff}))
+
+
+def test_validates_list_of_what_vllm_runs_is_the_installed_registrys():
+    """validate reads the causal-LM architectures of the tested vLLM from a file (it imports no vLLM):
+    the file is the installed engine's registry."""
+    import subprocess
+
+    from raytrain.rl.spec import vllm_architectures
+
+    code = ("from vllm.model_executor.models import ModelRegistry; print(' '.join(a for a in "
+            "ModelRegistry.get_supported_archs() if a.endswith(('ForCausalLM', 'LMHeadModel'))))")
+    out = subprocess.run([str(vllm_python()), "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert set(out.stdout.split()) == vllm_architectures() and "LlamaForCausalLM" in vllm_architectures()

