@@ -19,7 +19,7 @@ import torch
 from raytrain.config import DataSpec
 from raytrain.data.prompts import columns_of, encode_prompts, stored_columns, to_prompt
 from raytrain.errors import JobError
-from raytrain.objectives.grpo import advantages, summed_loss, token_terms, units_of
+from raytrain.rl.losses import advantages, summed_loss, token_terms, units_of
 from raytrain.rl.rewards import Reward, RewardError, answer_of, same_answer, score
 from raytrain.rl.sampling import completion_key, sample, uniforms
 from raytrain.rl.spec import RewardSpec
@@ -159,7 +159,7 @@ def trl_importance_ratio(trainer, engine, mask, g):
 def test_the_engine_mismatch_correction_equals_trls(mode):
     """engine: vllm's truncated importance sampling: TRL's ratio (its code) in each mode, bounds on
     both sides, and the loss it weights equal to TRL's _compute_loss with the correction on."""
-    from raytrain.objectives.grpo import importance_ratio
+    from raytrain.rl.losses import importance_ratio
     from raytrain.rl.spec import GRPOSpec
 
     g = GRPOSpec(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,

@@ -83,7 +83,7 @@ def merged(model, weights):
 
 
 class VLLMEngine:
-    def __init__(self, spec, rank: int, device: torch.device, completions: int):
+    def __init__(self, spec, device: torch.device, completions: int):
         g, on_gpu = spec.training.grpo, device.type == "cuda"
         self.spec = spec
         # LoRA: `vllm_lora_sync` (auto: the adapter alone on a GPU, where vLLM's LoRA kernels cost
