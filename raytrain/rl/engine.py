@@ -7,13 +7,15 @@ engines by the data order itself, and nothing crosses ranks but the rewards (obj
 Weight sync, before every rollout (so after every update, and after a restore): the trained
 weights, one parameter at a time, whole (`Strategy.full_parameters`: a collective where they are
 sharded), written as safetensors into the engine's folder (shared memory where the node has it)
-and loaded there. Under LoRA only the adapter moves (a new vLLM adapter id each sync); a full
-fine-tune moves every weight, in files of at most SHARD_BYTES, so no rank holds a whole copy
-beyond the engine's own. The sync's bytes and seconds are the step's `vllm/sync_mb` and
+and loaded there. A full fine-tune moves every weight, in files of at most SHARD_BYTES, so no rank
+holds a whole copy beyond the engine's own; LoRA moves the adapter alone (a new vLLM adapter id each
+sync) or, by `vllm_lora_sync`, the weights with the adapter folded in (`merged`, CPU's default). The sync's bytes and seconds are the step's `vllm/sync_mb` and
 `vllm/sync_s`.
 
-The engine dies with its worker (PR_SET_PDEATHSIG): a killed or preempted worker leaves no engine
-holding memory, and the restarted one starts a fresh engine and syncs the restored weights."""
+The engine dies with its worker (PR_SET_PDEATHSIG, which fires when the spawning thread ends: the
+training thread, whose end is the run's): a killed or preempted worker leaves no engine holding
+memory, and the restarted one starts a fresh engine and syncs the restored weights. A killed
+worker's engine folder stays until the next engine on the node sweeps it (`_sweep`)."""
 
 from __future__ import annotations
 
