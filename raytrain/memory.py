@@ -188,11 +188,8 @@ def engine_terms(spec: JobSpec, facts: ModelFacts, workers: int) -> list[Term]:
         return [Term("the rollout engine (vLLM, colocated): vllm_gpu_memory_utilization × the device",
                      f"{g.vllm_gpu_memory_utilization} × {device:g} GiB", g.vllm_gpu_memory_utilization * device * GiB)] \
             if device else []
-    heads = facts.dim("num_attention_heads", "n_head", default=1)
-    d = facts.dim("hidden_size", "n_embd", "d_model")
-    layers, kv_heads = facts.dim("num_hidden_layers", "n_layer", "num_layers"), facts.dim("num_key_value_heads", default=heads)
     completions = -(-spec.training.global_batch_size // workers) * g.num_generations
-    kv = engine_kv_bytes(layers, kv_heads, facts.config.get("head_dim") or d // heads, completions, spec.data.seq_len)
+    kv = engine_kv_bytes(facts.config, completions, spec.data.seq_len)
     n = facts.n_params
     return [Term("the rollout engine (vLLM, its own process): weights + KV cache + process ≈",
                  f"4 B × {_n(n)} + {size(kv)} + {ENGINE_RUNTIME_CPU_GIB} GiB", 4 * n + kv + ENGINE_RUNTIME_CPU_GIB * GiB)]

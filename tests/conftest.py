@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from raytrain.config import JobSpec
 from raytrain.demo_assets import make_all
@@ -188,6 +189,18 @@ def make_job(assets: Path, storage: Path, **over) -> JobSpec:
         "tracking": {"experiment": "tests"},
     }
     return JobSpec.model_validate(deep_merge(base, over))
+
+
+def shipped_grpo_job(job_file: str, model: str, assets: Path, storage: Path, name: str, steps: int, **over) -> JobSpec:
+    """A shipped GRPO job (jobs/<job_file>) as users run it, on the demo assets' `model` folder and
+    prompts, checkpointing every 5 steps, one restart allowed; keyword sections override (deep-merged)."""
+    raw = yaml.safe_load((REPO / "jobs" / job_file).read_text())
+    raw = deep_merge(raw, {"name": name, "model": {"path": str(assets / model)},
+                           "data": {"path": str(assets / "prompts.jsonl")},
+                           "checkpoint": {"storage_path": str(storage), "every_n_steps": 5, "keep_last": 3},
+                           "training": {"max_steps": steps}, "failure": {"max_failures": 1},
+                           "tracking": {"experiment": "tests"}})
+    return JobSpec.model_validate(deep_merge(raw, over))
 
 
 @contextlib.contextmanager

