@@ -55,7 +55,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="measured steps (default 10; --tiny 2)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--compile", action="store_true", help="training.compile (fsdp2, ddp)")
+    p.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
+                   help="training.compile (default auto, the product's: compiled blocks on GPUs under fsdp2 and ddp)")
     p.add_argument("--attention", default="sdpa", choices=("eager", "sdpa", "flash_attention_2"),
                    help="model.attn_implementation (default sdpa, the product's)")
     p.add_argument("--detect-anomaly", action="store_true",
@@ -135,7 +136,7 @@ def job(a: argparse.Namespace, case: str, model: Path, data: Path, work: Path):
                      "micro_batch_size": a.micro_batch, "max_steps": a.warmup + a.steps, "seed": 0,
                      "precision": "bf16" if gpu else "fp32", "lora": {"rank": a.lora_rank, "alpha": 2 * a.lora_rank},
                      "activation_checkpointing": a.activation_checkpointing,
-                     "compile": a.compile and strategy != "zero3"},
+                     "compile": {"auto": "auto", "true": strategy != "zero3", "false": False}[a.compile]},
         "optimizer": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
         "scaling": {"num_workers": a.gpus, "use_gpu": gpu},
         "checkpoint": {"storage_path": str(work / "runs"), "every_n_steps": 10**6, "export_final": False},
@@ -189,7 +190,7 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
         "peak_rss_gib": telemetry.peak_memory_gb(torch.device("cpu")),
         "estimate_gib": estimate.total / 2**30, "estimate": estimate.arithmetic(),
-        "losses": trained.losses,
+        "losses": trained.losses, "kernels": strategy.kernel_line(),
     }
     if out["peak_allocated_gib"] is not None:
         out["measured_over_estimate"] = out["peak_allocated_gib"] / out["estimate_gib"]
@@ -302,8 +303,9 @@ def main(argv=None) -> int:
                 continue
             r = json.loads(out.read_text())
             results.append(r)
-            print(f"[bench] {case}: {r['tokens_per_s']:,.0f} tokens/s, MFU {fmt(r['mfu'], '.1%')}, peak allocated "
-                  f"{size(r['peak_allocated_gib'])} vs estimate {size(r['estimate_gib'])}: {r['estimate']}", flush=True)
+            print(f"[bench] {case} ({r['kernels']}): {r['tokens_per_s']:,.0f} tokens/s, MFU {fmt(r['mfu'], '.1%')}, "
+                  f"first step {r['first_step_s']:.1f} s, peak allocated {size(r['peak_allocated_gib'])} vs estimate "
+                  f"{size(r['estimate_gib'])}: {r['estimate']}", flush=True)
     finally:
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
@@ -321,8 +323,9 @@ def main(argv=None) -> int:
 def child_flags(a: argparse.Namespace) -> list[str]:
     """The settings a case's process needs, as flags (the defaults already resolved)."""
     flags = ["--gpus", a.gpus, "--seq-len", a.seq_len, "--global-batch", a.global_batch, "--micro-batch", a.micro_batch,
-             "--warmup", a.warmup, "--steps", a.steps, "--lora-rank", a.lora_rank, "--attention", a.attention]
-    flags += [f"--{name.replace('_', '-')}" for name in ("cpu", "tiny", "activation_checkpointing", "compile", "detect_anomaly")
+             "--warmup", a.warmup, "--steps", a.steps, "--lora-rank", a.lora_rank, "--attention", a.attention,
+             "--compile", a.compile]
+    flags += [f"--{name.replace('_', '-')}" for name in ("cpu", "tiny", "activation_checkpointing", "detect_anomaly")
               if getattr(a, name)]
     return [str(f) for f in flags]
 

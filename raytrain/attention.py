@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import masks, private_apis
+from . import kernels, masks, private_apis
 
 PREFIX = "raytrain-"
 
@@ -67,9 +67,10 @@ class Boundaries:
 
 def model_kwargs(boundaries: Boundaries, implementation: str, windows: tuple[int | None, ...],
                  device: torch.device, dtype: torch.dtype, on_device: bool = False) -> dict:
-    """What the model's forward is given for this micro-batch's attention (masks.py says what).
+    """What the model's forward is given for this micro-batch's attention (masks.py says what), for
+    `implementation` as the worker runs it (`kernels.attention_kernel`: sdpa may run varlen).
     `on_device`: the boundaries' documents are on `device` already (a plain forward's fallback)."""
-    if implementation.startswith("flash"):
+    if implementation.startswith("flash") or implementation == kernels.VARLEN_NAME:
         cu, longest = boundaries.varlen()
         cu = to_device(cu, device)
         return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
@@ -110,8 +111,9 @@ def install(model: torch.nn.Module, inner: str, split=None) -> None:
 def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict | None = None, **kwargs):
     """One layer's attention over whole rows ([b, heads, s, d] in, [b, s, heads, d] out)."""
     flash = inner.startswith("flash")
+    varlen = inner == "sdpa" and "cu_seq_lens_q" in kwargs  # torch's varlen kernel (kernels.py)
     kwargs.pop("position_ids", None)  # flash would read packing from them: the boundaries say it
-    given = (raytrain_masks is not None) if not flash else ("cu_seq_lens_q" in kwargs)
+    given = (raytrain_masks is not None or varlen) if not flash else ("cu_seq_lens_q" in kwargs)
     if not given and split is not None:
         raise RuntimeError("sequence-parallel attention was called without the micro-batch's document "
                            "boundaries: call the model with `attention.model_kwargs(...)` (objectives.forward does)")
@@ -119,6 +121,12 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     groups = getattr(module, "num_key_value_groups", 1)
     if split is not None:
         query, key, value, groups = split.gather_positions(query, key, value, groups)
+    if varlen:
+        window = kwargs.get("sliding_window")
+        out = kernels.varlen_attention(query, key, value, cu=kwargs["cu_seq_lens_q"], longest=kwargs["max_length_q"],
+                                       groups=groups, window=window if window is not None and window < query.shape[2]
+                                       else None, scale=kwargs.get("scaling"))
+        return (split.scatter_positions(out) if split is not None else out), None
     mask = None
     if not flash:
         window = kwargs.get("sliding_window")  # this layer's; one as long as the rows cuts nothing

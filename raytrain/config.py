@@ -124,8 +124,8 @@ class TrainingSpec(Section):
     """When gradients are reduced while accumulating (fsdp2, ddp; zero3 always reduce-scatters each micro-batch). `every_micro_batch` keeps only this rank's shard of the gradients (fsdp2), at one reduce-scatter per micro-batch; `last_micro_batch` communicates once per step but keeps every parameter's whole fp32 gradient until then. `auto`: every micro-batch for full fine-tuning (those gradients are the model's size), the last for LoRA (adapters are small). The loss and steps are the same either way."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward to save memory."""
-    compile: bool = False
-    """torch.compile each decoder block (fsdp2, ddp), as torchtitan does: fused kernels, the same losses. The first step pays the compilation (tens of seconds); CPU workers need a C++ compiler."""
+    compile: Literal["auto"] | bool = "auto"
+    """torch.compile each decoder block (fsdp2, ddp), as torchtitan does: fused kernels, the same losses. The first step pays the compilation (tens of seconds, in the start-up line's step_1); CPU workers need a C++ compiler. `auto`: on GPU workers where it applies (fsdp2 or ddp, no sequence or tensor parallelism, not GRPO or QLoRA), off on CPU workers; false opts out."""
     chunked_loss: Literal["auto"] | bool | int = "auto"
     """Compute the cross-entropy a chunk of tokens at a time, each chunk's logits recomputed in backward, so a micro-batch's whole fp32 logits never exist (fsdp2, ddp). `auto`: when they would pass 1 GiB (long sequences at a 128k vocabulary); true: always; a number: that many tokens a chunk (else 256 MiB of fp32 logits' worth). The per-token losses are the same; their sum is taken in another order (~1e-7 relative)."""
     deepspeed: dict[str, Any] | None = None

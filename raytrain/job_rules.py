@@ -75,7 +75,7 @@ def preference_settings_fit_the_objective(job) -> None:
 
 
 def compile_and_chunked_loss_fit(job) -> None:
-    if job.training.compile and job.training.strategy == "zero3":
+    if job.training.compile is True and job.training.strategy == "zero3":
         raise ValueError("training.compile=true compiles decoder blocks under fsdp2 and ddp; ZeRO-3's parameter "
                          "hooks break compiled graphs: remove training.compile or set training.strategy: fsdp2")
     if job.training.chunked_loss not in ("auto", False) and job.training.strategy == "zero3":
@@ -115,7 +115,7 @@ def model_parallel_fits(job) -> None:
         raise ValueError(f"training.lora.use_dora with scaling.tensor_parallel={s.tensor_parallel}: DoRA's magnitude is "
                          "the norm of each output row over the whole input dimension, which the row-parallel "
                          "layers (o_proj, down_proj) split over ranks: remove scaling.tensor_parallel or use_dora")
-    if t.compile and s.model_parallel > 1:
+    if t.compile is True and s.model_parallel > 1:
         which = " and ".join(f"scaling.{k}={v}" for k, v in (("sequence_parallel", s.sequence_parallel),
                                                               ("tensor_parallel", s.tensor_parallel)) if v > 1)
         raise ValueError(f"training.compile with {which} is not supported (the all-to-all and DTensor layers are "

@@ -16,8 +16,10 @@ What each implementation is given, built by raytrain from the host rows once per
 passed to the model (transformers never infers it):
 - flash_attention_2: varlen boundaries, the micro-batch's rows flattened into one sequence
   (`cu_seq_lens_q/k`, `max_length_q/k`), and each layer's window; no mask.
-- sdpa: nothing where every row is one document and no window is shorter than a row (its causal
-  kernel); otherwise a boolean b x s x s mask for each window the model's layers use.
+- sdpa: on CUDA in 16 bits (where torch's varlen flash kernel runs: `sdpa_varlen`), the varlen
+  boundaries as flash is given them, and no mask; elsewhere nothing where every row is one document
+  and no window is shorter than a row (its causal kernel), otherwise a boolean b x s x s mask for
+  each window the model's layers use.
 - eager: an additive mask for each window, always (its kernel is not causal by itself).
 """
 
@@ -41,11 +43,34 @@ def windows(config: dict, seq_len: int) -> tuple[int | None, ...]:
     return (window,)  # Mistral: every layer
 
 
-def mask_windows(implementation: str, packed: bool, windows_: tuple[int | None, ...]) -> tuple[int | None, ...]:
+def attention_shape(config: dict) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a model's config.json, under Llama's key names or GPT-2's."""
+    def first(*keys: str) -> int:
+        return next((config[k] for k in keys if isinstance(config.get(k), int)), 0)
+
+    heads = first("num_attention_heads", "n_head") or 1
+    head_dim = first("head_dim") or first("hidden_size", "n_embd", "d_model") // heads
+    return first("num_hidden_layers", "n_layer", "num_layers"), first("num_key_value_heads") or heads, head_dim
+
+
+def sdpa_varlen(implementation: str, kernel_runs: bool, config: dict) -> bool:
+    """sdpa runs torch's varlen flash kernel (`torch.nn.attention.varlen`), told the boundaries as
+    flash_attention_2 is and given no mask: where the kernel runs for the workers' device and compute
+    dtype (`kernel_runs`: kernels.py knows; CUDA in 16 bits), and the model asks nothing of attention
+    that flash lacks: a head size flash takes (a multiple of 8 up to 256), no logit softcap (Gemma 2),
+    no attention dropout. Without it, sdpa with a boolean mask falls to the memory-efficient kernel."""
+    head_dim = attention_shape(config)[2]
+    return (implementation == "sdpa" and kernel_runs and 0 < head_dim <= 256 and head_dim % 8 == 0
+            and not config.get("attn_logit_softcapping") and not config.get("attention_dropout"))
+
+
+def mask_windows(implementation: str, packed: bool, windows_: tuple[int | None, ...],
+                 varlen: bool = False) -> tuple[int | None, ...]:
     """The windows a mask is built for (one b x s x s mask each): none for flash (varlen boundaries
-    and its window argument), every one for eager, and for sdpa those its causal kernel alone would
-    get wrong (a row of several documents, or a window)."""
-    if implementation.startswith("flash"):
+    and its window argument) nor for sdpa on torch's varlen kernel (`varlen`, the same), every one
+    for eager, and for sdpa those its causal kernel alone would get wrong (a row of several
+    documents, or a window)."""
+    if implementation.startswith("flash") or varlen:
         return ()
     if implementation == "eager" or packed:
         return windows_

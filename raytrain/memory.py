@@ -254,7 +254,9 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     # The masks attention is given (masks.py, the rule the model path follows): whole rows' b·s²
     # under sequence parallelism too. Rows pack only in SFT with data.pack; padding is no document.
     impl = spec.model.attn_implementation
-    built = masks.mask_windows(impl, spec.packed, masks.windows(facts.config, s))
+    # GPU workers in 16 bits run sdpa on torch's varlen kernel (kernels.py), which takes no mask
+    varlen = masks.sdpa_varlen(impl, spec.scaling.use_gpu and c == 2, facts.config)
+    built = masks.mask_windows(impl, spec.packed, masks.windows(facts.config, s), varlen)
     if built:
         mask_b = masks.mask_element_bytes(impl, c)
         why = "packed rows" if spec.packed else "causal" if impl == "eager" else "sliding window"

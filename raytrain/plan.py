@@ -64,6 +64,7 @@ class Mesh:
 class RunPlan:
     strategy: str
     bf16: bool  # training.precision resolved: auto is bf16 on GPU, fp32 on CPU
+    compile: bool  # training.compile resolved: auto compiles on GPU where it applies (`compiles`)
     hsdp: bool  # scaling.hsdp resolved: auto is HSDP on GPU clusters; only FSDP2 has it
     workers_per_node: int
     global_batch: int
@@ -80,6 +81,7 @@ class RunPlan:
         sync = t.gradient_sync == "every_micro_batch" or (
             t.gradient_sync == "auto" and t.finetune == "full" and t.strategy != "ddp")
         return cls(strategy=t.strategy, bf16=t.precision == "bf16" or (t.precision == "auto" and s.use_gpu),
+                   compile=t.compile is True or (t.compile == "auto" and s.use_gpu and compiles(spec)),
                    hsdp=bool(s.use_gpu if s.hsdp == "auto" else s.hsdp) and t.strategy == "fsdp2",
                    workers_per_node=s.workers_per_node, global_batch=t.global_batch_size,
                    micro_batch=t.micro_batch_size, sync_every_micro_batch=sync,
@@ -137,6 +139,13 @@ class RunPlan:
 
 
 TP_FAMILIES = ("llama", "mistral", "qwen2")  # decoder layouts the tensor-parallel plan names (strategies/tensor_parallel.py)
+
+
+def compiles(spec: JobSpec) -> bool:
+    """Where `training.compile: auto` compiles on GPU workers: everywhere validate takes compile=true
+    (not zero3, sequence or tensor parallelism, GRPO) less QLoRA, whose NF4 weights no test compiles."""
+    t = spec.training
+    return t.strategy != "zero3" and spec.scaling.model_parallel == 1 and not spec.rl and t.finetune != "qlora"
 
 
 def model_parallel_problems(config: dict, sp: int, tp: int) -> list[tuple[str, str, str]]:

@@ -96,7 +96,7 @@ def _train(spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, de
     # A row's sp x tp ranks all read it: the first of them records it, so each row is logged once.
     sample_log = _sample_logger(spec.data.sample_log, rank, world, batches.stores,
                                 records_rows=rank % plan.mesh(world).row_ranks == 0)
-    on_step = _first_step_reporter(timeline, logger, attempt, sample_log)
+    on_step = _first_step_reporter(timeline, logger, attempt, sample_log, strategy.kernel_line())
     state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=on_step, eval_batches=eval_batches)
 
     if spec.checkpoint.export_final and not state.stopped:
@@ -145,11 +145,12 @@ def _data_ready(job_control, device) -> bool:
     return bool(flag.item())  # host: once, before training
 
 
-def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
+def _first_step_reporter(timeline: Timeline, logger, attempt: int, then, kernels: str = ""):
     """After this attempt's first step, rank 0 (attempt > 0) says where its start-up went: the
     phases' times, and the busiest rank's host memory at each (every rank's, gathered); after
     its STEADY_AFTER-th step, the busiest rank's memory once the steps are steady. At step 1 it
-    also says which host allocator the workers run, as their own mappings show (allocator.py)."""
+    also says which host allocator the workers run, as their own mappings show (allocator.py), and
+    which kernels run the step (`Strategy.kernel_line`: the attention kernel, the loss, compiled blocks)."""
     steps, host_allocator = [0], allocator.in_use()  # a process's allocator is fixed at its start
 
     def on_step(state, batch) -> None:
@@ -163,8 +164,8 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then):
             if attempt:
                 if phase == "step_1":
                     allocators = ",".join(sorted({name for _, name in every_rank}))
-                    line = f"{timeline.line(attempt)} (host allocator: {allocators})"
-                    logger.set_tags({"raytrain.host_allocator": allocators})
+                    line = f"{timeline.line(attempt)} (host allocator: {allocators}; kernels: {kernels})"
+                    logger.set_tags({"raytrain.host_allocator": allocators, "raytrain.kernels": kernels})
                 else:
                     line = timeline.steps_line()
                 print(f"[raytrain] {line}", file=sys.stdout, flush=True)

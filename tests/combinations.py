@@ -55,7 +55,7 @@ def options() -> dict[str, tuple]:
     for name, field in TrainingSpec.model_fields.items():
         if name in SKIPPED:
             continue
-        if field.annotation is bool:
+        if field.annotation is bool or bool in typing.get_args(field.annotation):  # a bool, or auto | bool
             out[name] = (False, True)
         elif typing.get_origin(field.annotation) is typing.Literal:
             out[name] = tuple(v for v in typing.get_args(field.annotation) if v != "auto")
@@ -98,7 +98,7 @@ def job(case: dict, models: dict, storage: str) -> dict:
     grpo = grpo_section(case, models)
     if grpo:
         training["grpo"] = grpo
-    return {"name": "combo", "model": {"path": models[case["model"]], "attn_implementation": case["attention"]},
+    return {"name": "combo", "model": {"path": models[case["model"]], "attn_implementation": case["attention"].split()[0]},
             "data": {"path": models[rows], "seq_len": SEQ, "pack": case["pack"], **({"format": "prompt"} if rl else {})},
             "training": training, "optimizer": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
             "scaling": {"num_workers": WORLD, "sequence_parallel": case["sequence_parallel"],
@@ -196,6 +196,27 @@ def with_families(cases: list[dict], refused) -> list[dict]:
     return cases
 
 
+# sdpa on torch's varlen kernel, what GPU workers in 16 bits run (kernels.py): on CPU through
+# tests/varlen.py's reference of torch's calling convention, in place of the masks a CPU gets.
+VARLEN = "sdpa varlen"
+
+
+def with_varlen(cases: list[dict], most: int = 3) -> list[dict]:
+    """`cases` with up to `most` packed SFT cases of sdpa (distinct models or strategies) run on the
+    varlen kernel instead, where other sdpa cases hold every pair of theirs (the covering set keeps
+    all its pairs); their references keep sdpa's masks, so each compares the kernel too."""
+    cases, seen = [dict(c) for c in cases], set()
+    for case in cases:
+        if len(seen) == most or case["attention"] != "sdpa" or not case["pack"] or case["objective"] != "sft" or \
+                (case["model"], case["strategy"]) in seen:
+            continue
+        others = [c for c in cases if c is not case and c["attention"] == "sdpa"]
+        if all(any(o[name] == value for o in others) for name, value in case.items() if name != "attention"):
+            case["attention"] = VARLEN
+            seen.add((case["model"], case["strategy"]))
+    return cases
+
+
 def reference_of(case: dict, opts: dict) -> dict:
     """The plain data-parallel job with the numbers of `case`: DDP, no sp/tp, every other option off."""
     ref = {name: False if opts[name] == (False, True) else REFERENCE.get(name, values[0])
@@ -228,6 +249,7 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
     out = {}
     for text in cases:
         case = json.loads(text)
+        varlen.install_torch_varlen(case["attention"] == VARLEN)
         spec = JobSpec.model_validate(job(case, models, storage))
         pairs = case["objective"] != "sft"  # the store never packs pairs (or prompts), whatever data.pack says
         rows = mesh_cases.grpo_rows(models[case["model"]], 8, seq=SEQ) if case["objective"] == "grpo" else \

@@ -5,7 +5,9 @@ The reference of each comparison is transformers itself on one document at a tim
 its own causal and sliding-window masks, nothing packed): a micro-batch of two rows, one starting
 mid-document, several documents a row, padding at the end, must give every token the logits its
 document gives alone. flash_attention_2 runs through transformers' own integration with flash-attn's
-kernels in plain torch (tests/varlen.py), so its varlen kwargs are the ones a GPU gets.
+kernels in plain torch (tests/varlen.py), so its varlen kwargs are the ones a GPU gets; so does
+sdpa on torch's varlen kernel ("sdpa varlen", what a GPU runs for sdpa in 16 bits: kernels.py), with a
+reference of torch's calling convention in its place.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import torch
 
 import families
 import varlen
-from raytrain import attention, masks
+from raytrain import attention, kernels, masks
 
 varlen.install()
 IMPLEMENTATIONS = masks.IMPLEMENTATIONS
+KERNELS = (*IMPLEMENTATIONS, kernels.VARLEN_NAME)  # what a worker may run: sdpa takes torch's varlen kernel on GPUs
 S = 40
 # Row 0 starts mid-document (positions 30..39 continue a document of the row before), then two
 # documents; row 1 holds two documents and padding that continues the last one's positions.
@@ -67,20 +70,46 @@ def cases(assets):
     return {name: (config, ids, alone(config, ids)) for name, config in models(assets).items()}
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.fixture
+def torch_varlen():
+    varlen.install_torch_varlen()
+    yield
+    varlen.install_torch_varlen(False)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("model", ["llama", "mistral window 6", "qwen2 window 6 on layer 1", "phi3", "gemma",
                                    "gpt-neox"])
-def test_packed_rows_attend_as_their_documents_alone(cases, model, implementation):
+def test_packed_rows_attend_as_their_documents_alone(cases, model, kernel, request):
     config, ids, expected = cases[model]
+    implementation = "sdpa" if kernel == kernels.VARLEN_NAME else kernel
     net = build(config, implementation)
     attention.install(net, implementation)
     boundaries = attention.Boundaries.of(POSITIONS)
     windows = masks.windows(config.to_dict(), S)
     assert boundaries.packed and len(windows) == (2 if model == "qwen2 window 6 on layer 1" else 1)
+    if kernel == kernels.VARLEN_NAME:  # the worker's own choice, as a GPU makes it
+        request.getfixturevalue("torch_varlen")
+        assert kernels.attention_kernel("sdpa", torch.device("cpu"), torch.float32, config.to_dict(), windows) == kernel
     with torch.no_grad():
-        got = net(input_ids=ids, position_ids=POSITIONS, **attention.model_kwargs(
-            boundaries, implementation, windows, torch.device("cpu"), torch.float32)).logits
+        kwargs = attention.model_kwargs(boundaries, kernel, windows, torch.device("cpu"), torch.float32)
+        assert ("raytrain_masks" in kwargs) == (kernel in ("sdpa", "eager"))
+        got = net(input_ids=ids, position_ids=POSITIONS, **kwargs).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_which_kernel_sdpa_runs(torch_varlen):
+    """torch's varlen kernel where it runs for the device and dtype and the model asks nothing flash
+    lacks; masks otherwise (and for eager and flash, their own)."""
+    cpu, llama = torch.device("cpu"), {"hidden_size": 64, "num_attention_heads": 4}
+    assert kernels.attention_kernel("sdpa", cpu, torch.float32, llama, (None, 8)) == kernels.VARLEN_NAME
+    assert kernels.attention_kernel("eager", cpu, torch.float32, llama, (None,)) == "eager"
+    assert kernels.attention_kernel("sdpa", cpu, torch.float16, llama, (None,)) == "sdpa"  # not a dtype it takes
+    for asks in ({"attn_logit_softcapping": 50.0}, {"attention_dropout": 0.1}, {"head_dim": 12}, {"head_dim": 512}):
+        assert kernels.attention_kernel("sdpa", cpu, torch.float32, llama | asks, (None,)) == "sdpa", asks
+    varlen.install_torch_varlen(False)
+    assert kernels.attention_kernel("sdpa", cpu, torch.float32, llama, (None,)) == "sdpa"  # no kernel on a CPU
+    assert masks.mask_windows("sdpa", True, (None, 8), varlen=True) == ()
 
 
 def test_transformers_own_flash_inference_gets_these_rows_wrong(cases):

@@ -79,6 +79,30 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                   softcap).view(q.shape)
 
 
+def torch_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                      window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch's `torch.nn.attention.varlen.varlen_attn` (torch 2.13's signature) on the same reference:
+    a window (left, right) as flash's, (-1, 0) causal; fewer key heads only with enable_gqa, as torch's."""
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise RuntimeError(f"varlen_attn: {query.shape[1]} query heads and {key.shape[1]} key heads need enable_gqa")
+    if return_aux is not None or seqused_k is not None or block_table is not None:
+        raise NotImplementedError("the reference varlen_attn trains; it has no aux outputs nor a paged cache")
+    return flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale,
+                                  window_size=window_size)
+
+
+def install_torch_varlen(on: bool = True) -> None:
+    """sdpa on this CPU (fp32) through raytrain's varlen path, as on a GPU (kernels.VARLEN); off: masks."""
+    import torch
+
+    from raytrain import kernels
+
+    if on:
+        kernels.VARLEN["cpu"] = kernels.kernel(torch_varlen_attn, (torch.float32, torch.bfloat16))
+    else:
+        kernels.VARLEN.pop("cpu", None)
+
+
 def install() -> None:
     """flash_attention_2 on this CPU, through transformers' integration and these kernels."""
     import transformers

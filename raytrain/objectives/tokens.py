@@ -124,8 +124,8 @@ def staged(strategy, mb: dict) -> dict:
     ids, positions, targets = mb["input_ids"], mb["position_ids"], targets_of(mb["labels"])
     boundaries = attention.Boundaries.of(positions)  # whole rows: under sp too
     compute = torch.bfloat16 if strategy.compute_bf16 else torch.float32
-    out = {"attention": attention.model_kwargs(boundaries, strategy.spec.model.attn_implementation,
-                                               strategy.attention_windows, device, compute)}
+    out = {"attention": attention.model_kwargs(boundaries, strategy.attention_kernel, strategy.attention_windows,
+                                               device, compute)}
     if strategy.spec.unpaired:  # KTO's labels and real rows (`_split_kto`)
         out["label"], out["real"] = attention.to_device(mb["label"], device), attention.to_device(mb["real"], device)
     elif strategy.spec.preference:  # whole sequences' counts (targets before the split)

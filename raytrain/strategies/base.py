@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import masks, modeling
+from .. import kernels, masks, modeling
 from ..config import JobSpec
 from ..plan import RunPlan
 from ..errors import JobError
@@ -68,6 +68,19 @@ class Strategy(ABC):
         config = self.hf_model.config
         return masks.windows({k: getattr(config, k, None) for k in ("sliding_window", "layer_types", "use_sliding_window")},
                              self.spec.data.seq_len)
+
+    @functools.cached_property
+    def attention_kernel(self) -> str:
+        """The kernel the model's attention runs here (kernels.attention_kernel): the job's
+        implementation, or torch's varlen flash kernel for sdpa on a GPU."""
+        return kernels.attention_kernel(self.spec.model.attn_implementation, self.device,
+                                        torch.bfloat16 if self.compute_bf16 else torch.float32,
+                                        self.hf_model.config.to_dict(), self.attention_windows)
+
+    def kernel_line(self) -> str:
+        """What runs a step's hottest parts on this worker, for the start-up line and MLflow's tags."""
+        loss = f"cross-entropy in chunks of {self.loss_chunk} tokens" if self.loss_chunk else "cross-entropy"
+        return f"attention {self.attention_kernel}, loss {loss}, blocks {'compiled' if self.plan.compile else 'eager'}"
 
     def autocast(self):
         """Context for forward passes (strategies that cast inside the wrapper return a no-op)."""
@@ -143,7 +156,7 @@ class TorchStrategy(Strategy):
         """Return the parallel model."""
 
     def setup(self) -> None:
-        self.model = self.wrap(compile_blocks(self.spec, enable_activation_checkpointing(self.spec, self.build_model()),
+        self.model = self.wrap(compile_blocks(self.plan.compile, enable_activation_checkpointing(self.spec, self.build_model()),
                                               self.device))
         modeling.sparse_tied_lookup(self.hf_model, self.device)
         self.on_phase("loaded")
@@ -279,10 +292,10 @@ def enable_activation_checkpointing(spec: JobSpec, hf_model: torch.nn.Module) ->
     return hf_model
 
 
-def compile_blocks(spec: JobSpec, hf_model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`training.compile`: torch.compile each decoder block in place, before it is sharded or
-    wrapped (torchtitan's order), so FSDP2's per-block hooks stay outside the compiled graphs."""
-    if spec.training.compile:
+def compile_blocks(compile_: bool, hf_model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`training.compile` (as the plan resolves auto): torch.compile each decoder block in place, before
+    it is sharded or wrapped (torchtitan's order), so FSDP2's per-block hooks stay outside the compiled graphs."""
+    if compile_:
         if device.type == "cpu" and not shutil.which(os.environ.get("CXX", "c++")):
             raise JobError("training.compile on CPU workers needs a C++ compiler (torch.compile builds its CPU "
                            "kernels with it) and this node has none: install g++ on every node, or remove "

@@ -22,6 +22,7 @@ suite also proves it never imports Ray or MLflow (they are made unimportable whi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -92,7 +93,9 @@ def storage(tmp_path_factory) -> Path:
 
 def job(assets, storage, model, name, strategy, finetune, steps=4, **over):
     # A constant LR after warmup: a run continued from its step-2 checkpoint is the same optimization.
-    training = {"strategy": strategy, "finetune": finetune, "max_steps": steps,
+    # Blocks compile where a test asks (training.compile auto compiles on GPUs: the train-resume-export
+    # test runs the product's default); elsewhere eager, so the suite fits its few minutes.
+    training = {"strategy": strategy, "finetune": finetune, "max_steps": steps, "compile": False,
                 "precision": "bf16" if CUDA else "fp32", **over.pop("training", {})}
     scaling = {"num_workers": 1, "use_gpu": CUDA, **over.pop("scaling", {})}
     return make_job(assets, storage, name=name, model={"path": str(model), "dtype": "bfloat16"}, training=training,
@@ -208,7 +211,8 @@ def test_train_checkpoint_resume_and_export(assets, storage, bf16_model, device,
     gives the trained model's logits and not the base's."""
     from raytrain.export import export_checkpoint, write_job_file
 
-    spec = job(assets, storage, bf16_model, f"run-{strategy_name}-{finetune}", strategy_name, finetune)
+    spec = job(assets, storage, bf16_model, f"run-{strategy_name}-{finetune}", strategy_name, finetune,
+               training={"compile": "auto"})  # the product's default: compiled blocks on a GPU (not zero3)
     prepared = lr.prepare_data(spec)
     write_job_file(spec)  # the signed job.json the offline export rebuilds the model from
     strategy = build(spec, device)
@@ -438,6 +442,57 @@ def test_packed_rows_attention_gradients_are_finite_where_cudnn_returns_nan(devi
     for name, g, w in zip("qkv", got, want):
         assert g.isfinite().all(), f"grad_{name} has {(~g.isfinite()).sum()} non-finite values"
         assert (g - w).norm() <= 3e-2 * w.norm() + 1e-6, f"grad_{name} off by {(g - w).norm() / w.norm():.3g}"
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_packed_rows_run_torchs_varlen_kernel_with_the_masked_kernels_values(device, window):
+    """On a GPU in bf16, sdpa over packed rows (and a sliding window) runs torch's varlen flash kernel
+    with no mask (kernels.py): outputs and gradients equal the fp32 MATH kernel's under raytrain's
+    masks to bf16 precision, with grouped key/value heads. In the suite's CPU mode the kernel is
+    tests/varlen.py's reference of torch's calling convention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    import varlen
+    from raytrain import attention, kernels
+
+    if not CUDA:
+        varlen.install_torch_varlen()
+    rows, length, dim = 2, 512, 64
+    config = LlamaConfig(hidden_size=4 * dim, num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    module = LlamaAttention(config, layer_idx=0).to(device)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    windows = (window,)
+    kernel = kernels.attention_kernel("sdpa", device, dtype, config.to_dict(), windows)
+    assert kernel == kernels.VARLEN_NAME, kernel
+    positions = torch.stack([torch.cat([torch.arange(60, 260), torch.arange(length - 200)]),  # mid-document start
+                             torch.cat([torch.arange(300), torch.arange(length - 300)])])
+    boundaries = attention.Boundaries.of(positions)
+    fast = attention.model_kwargs(boundaries, kernel, windows, device, dtype)
+    masked = attention.model_kwargs(boundaries, "sdpa", windows, device, torch.float32)
+    assert "raytrain_masks" not in fast and "raytrain_masks" in masked
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, 4, length, dim, generator=generator)
+    k, v = (torch.randn(rows, 2, length, dim, generator=generator) for _ in range(2))
+    upstream = torch.randn(rows, length, 4, dim, generator=generator).to(device)
+
+    def run(kwargs, dtype, reference=False):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel([SDPBackend.MATH]) if reference else contextlib.nullcontext():
+            out, _ = attention.attend(module, *leaves, inner="sdpa", split=None, sliding_window=window,
+                                      scaling=module.scaling, **kwargs)
+        out.float().backward(upstream)
+        return [out.float()] + [t.grad.float() for t in leaves]
+
+    try:
+        got, want = run(fast, dtype), run(masked, torch.float32, reference=True)
+    finally:
+        varlen.install_torch_varlen(False)
+    for name, g, w in zip(("out", "grad_q", "grad_k", "grad_v"), got, want):
+        assert g.isfinite().all(), f"{name} has {(~g.isfinite()).sum()} non-finite values"
+        assert (g - w).norm() <= 3e-2 * w.norm() + 1e-6, f"{name} off by {(g - w).norm() / w.norm():.3g}"
 
 
 # ------------------------------------------------------------------ QLoRA
