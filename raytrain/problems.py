@@ -41,7 +41,7 @@ class Problem:
     field: str  # dotted YAML path, e.g. training.strategy
     value: str  # the offending value, shown as the YAML had it
     message: str  # what is wrong and how to fix it
-    kind: str = "schema"  # schema | file | security | model | memory | data | storage | tracking | environment
+    kind: str = "schema"  # schema | file | security | model | memory | speed | data | storage | tracking | environment
     severity: str = ERROR
 
     def __str__(self) -> str:

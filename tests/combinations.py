@@ -201,20 +201,20 @@ def with_families(cases: list[dict], refused) -> list[dict]:
 VARLEN = "sdpa varlen"
 
 
-def with_varlen(cases: list[dict], most: int = 3) -> list[dict]:
-    """`cases` with up to `most` packed SFT cases of sdpa (distinct models or strategies) run on the
-    varlen kernel instead, where other sdpa cases hold every pair of theirs (the covering set keeps
-    all its pairs); their references keep sdpa's masks, so each compares the kernel too."""
-    cases, seen = [dict(c) for c in cases], set()
-    for case in cases:
-        if len(seen) == most or case["attention"] != "sdpa" or not case["pack"] or case["objective"] != "sft" or \
-                (case["model"], case["strategy"]) in seen:
-            continue
-        others = [c for c in cases if c is not case and c["attention"] == "sdpa"]
-        if all(any(o[name] == value for o in others) for name, value in case.items() if name != "attention"):
-            case["attention"] = VARLEN
-            seen.add((case["model"], case["strategy"]))
-    return cases
+def with_varlen(cases: list[dict]) -> list[dict]:
+    """`cases` and a copy of three sdpa cases run on the varlen kernel: one of packed SFT rows, one
+    with a sliding window under sequence parallelism, one compiled (where the covering set has
+    them). A copy's reference is its case's, on sdpa's masks: each compares the kernel too."""
+    wanted = (lambda c: c["objective"] == "sft" and c["pack"],
+              lambda c: c["model"] == "mistral window" and c["sequence_parallel"] > 1,
+              lambda c: c["compile"])
+    copies = []
+    for want in wanted:
+        found = next((c for c in cases if c["attention"] == "sdpa" and want(c) and
+                      {**c, "attention": VARLEN} not in copies), None)
+        if found is not None:
+            copies.append({**found, "attention": VARLEN})
+    return cases + copies
 
 
 def reference_of(case: dict, opts: dict) -> dict:
@@ -241,6 +241,7 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
 
     sys.path.insert(0, str(Path(__file__).parent))
     import mesh_cases
+    import torch
     import varlen
 
     from raytrain.config import JobSpec
@@ -250,6 +251,8 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
     for text in cases:
         case = json.loads(text)
         varlen.install_torch_varlen(case["attention"] == VARLEN)
+        if case["compile"]:  # an empty dynamo cache, as a job's own process starts with: cases share this one, and
+            torch.compiler.reset()  # another case's graphs and recompile count decided which ran (seen: 1e-7 off on resume)
         spec = JobSpec.model_validate(job(case, models, storage))
         pairs = case["objective"] != "sft"  # the store never packs pairs (or prompts), whatever data.pack says
         rows = mesh_cases.grpo_rows(models[case["model"]], 8, seq=SEQ) if case["objective"] == "grpo" else \

@@ -51,6 +51,33 @@ def test_chunked_loss_equals_the_whole_logits_loss_and_its_gradients(chunk):
     assert loss_whole.item() > 0
 
 
+def liger_reference(input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+                    label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, **unused):
+    """Liger's `liger_fused_linear_cross_entropy` (its signature and per-token result) in plain torch:
+    its kernels are Triton's, CUDA only; the GPU suite runs the real one."""
+    assert ce_weight is None and not lse_square_scale and not label_smoothing and softcap is None and not return_z_loss
+    return torch.nn.functional.cross_entropy(torch.nn.functional.linear(input, weight, bias).float(), target,
+                                             ignore_index=ignore_index, reduction=reduction)
+
+
+def test_liger_fused_loss_is_called_as_it_takes_its_arguments_and_only_on_cuda(assets, tmp_path):
+    """Where Liger runs (kernels.fused_loss: CUDA, chunked_loss auto), the loss hands it the hidden
+    states and the output layer as its function takes them: the whole logits' losses, gradients and
+    per-sequence log-probs. Never on CPU workers."""
+    from conftest import make_job
+    from raytrain import kernels
+
+    states, head, labels = problem()
+    targets = targets_of(labels)
+    fused, whole = Hidden(states, head, 0, contextlib.nullcontext, liger_reference), head(states)
+    loss_fused, loss_whole = token_loss(fused, targets), token_loss(whole, targets)
+    torch.testing.assert_close(loss_fused, loss_whole, rtol=1e-6, atol=0)
+    for a, b in zip(grads(loss_fused, states, head.weight), grads(loss_whole, states, head.weight)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    torch.testing.assert_close(sequence_logps(fused, targets), sequence_logps(whole, targets), rtol=1e-6, atol=0)
+    assert kernels.fused_loss(make_job(assets, tmp_path), torch.device("cpu")) is None
+
+
 def test_grpos_log_probs_at_a_temperature_are_the_whole_logits_ones_with_a_biased_output_layer():
     # GRPO scales the logits by 1/temperature (TRL's). The chunked path scaled the hidden states
     # instead, which is the same only for an output layer without a bias (seen: off by the bias's

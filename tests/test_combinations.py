@@ -8,8 +8,9 @@ and step, and its per-step losses and grad norms must equal its plain data-paral
 packing, precision and model) on the same rows: fp32 to 1e-5, bf16 compute to bf16's rounding.
 Rows as the token store writes them: packed rows that start mid-document, padded rows whose
 padding continues their positions. flash_attention_2 is transformers' integration with
-flash-attn's kernels in plain torch (tests/varlen.py); three packed sdpa cases run torch's varlen
-kernel (what GPU workers run) through a reference of its calling convention, against masks. GRPO's cases sample what they train (the
+flash-attn's kernels in plain torch (tests/varlen.py); copies of three sdpa cases (packed SFT rows, a
+sliding window under sequence parallelism, compiled blocks) run torch's varlen kernel, what GPU workers
+run for sdpa, through a reference of its calling convention, against their references' masks. GRPO's cases sample what they train (the
 demo prompts, 4 completions each, the lipogram reward, and in some a reward model beside it and a
 second update on each rollout): the same completions and rewards as the reference's, and then the
 same losses; under bf16 its first step (later ones sample from weights
@@ -77,6 +78,7 @@ def combos(assets, tmp_path_factory):
 
     cases, refused_pairs = C.covering(opts, refused)
     cases = C.with_varlen(C.with_families(cases, refused))
+    assert sum(c["attention"] == C.VARLEN for c in cases) == 3
     references = {C.key(c): C.key(C.reference_of(c, opts)) for c in cases}
     runs = sorted({C.key(c) for c in cases} | set(references.values()))
     results = local_run.spawn(C.run_cases, C.WORLD, torch.device("cpu"), runs, models, str(tmp / "runs"),

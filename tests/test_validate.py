@@ -739,6 +739,37 @@ def test_unreachable_hosts_are_notes_for_validate_and_errors_for_run(assets, tmp
     assert refused.spec is None and [p.field for p in refused.errors] == ["tracking.uri"]
 
 
+def test_compile_auto_is_resolved_where_it_applies_and_zero3_lora_on_gpus_is_told_its_cost(assets, tmp_path):
+    """training.compile: auto (the default) compiles on GPU workers where `true` is allowed and is
+    never refused; a GPU job of LoRA under zero3 validates with a note of what it measured to cost."""
+    from raytrain import preflight
+    from raytrain.config import JobSpec
+    from raytrain.plan import RunPlan
+
+    def plan(training=None, scaling=None, data=None):
+        job = base_job(assets, tmp_path)
+        job["training"].update(training or {})
+        job["scaling"].update(scaling or {})
+        job["data"].update(data or {})
+        return RunPlan.of(JobSpec.model_validate(job))
+
+    gpu = {"use_gpu": True, "accelerator_memory_gb": 80}
+    assert plan(scaling=gpu).compile and plan({"strategy": "ddp", "finetune": "full"}, gpu).compile
+    assert not plan().compile  # CPU workers: eager
+    for training, scaling in (({"strategy": "zero3"}, {}), ({}, {"sequence_parallel": 2}), ({"finetune": "qlora"}, {}),
+                              ({"compile": False}, {})):
+        assert not plan({"strategy": "fsdp2", **training}, {**gpu, **scaling}).compile, (training, scaling)
+    job = base_job(assets, tmp_path)
+    job["training"]["strategy"] = "zero3"
+    job["scaling"].update(gpu)
+    report = preflight.check(str(write_job(tmp_path, job)), probes=False)
+    assert report.spec is not None
+    [note] = [p for p in report.notes if p.kind == "speed"]
+    assert note.field == "training.strategy" and "0.23x fsdp2's tokens/s" in note.message and "fsdp2" in note.message
+    job["training"]["strategy"] = "fsdp2"
+    assert not [p for p in preflight.check(str(write_job(tmp_path, job)), probes=False).notes if p.kind == "speed"]
+
+
 @pytest.fixture(scope="module")
 def s3(s3_server):
     """The S3 server with a bucket holding a dataset."""

@@ -79,6 +79,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                   softcap).view(q.shape)
 
 
+def _opaque(function):
+    """Outside compiled graphs, as torch's kernel is (a custom op dynamo does not trace into): traced,
+    the reference's per-segment loop reads the boundaries' values, and a second compile of the same
+    blocks (a restored strategy in this process) specializes them otherwise, off in the last bit."""
+    import torch
+
+    return torch.compiler.disable(function)
+
+
+@_opaque
 def torch_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                       window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     """torch's `torch.nn.attention.varlen.varlen_attn` (torch 2.13's signature) on the same reference:

@@ -22,8 +22,9 @@ class Hidden:
     layer, which the loss applies a chunk of tokens at a time."""
     states: torch.Tensor
     head: torch.nn.Module
-    chunk: int
+    chunk: int  # tokens a chunk of raytrain's own (0 where `fused` does the chunking)
     autocast: Callable  # the strategy's compute precision, which the output layer runs in as in the model
+    fused: Callable | None = None  # Liger's fused linear cross-entropy (kernels.fused_loss), or None
 
 
 def token_loss(out: torch.Tensor | Hidden, targets: torch.Tensor) -> torch.Tensor:
@@ -59,6 +60,10 @@ def chunked_cross_entropy(out: Hidden, targets: torch.Tensor, temperature: float
     an output layer with a bias is no scale of its input)."""
     states, labels = out.states.flatten(0, 1), targets.flatten()
     weight, bias = out.head.weight, out.head.bias
+    if out.fused is not None and temperature == 1.0:  # Liger's kernel: its own chunks and recomputation
+        with out.autocast():
+            return out.fused(states, weight, labels, bias, ignore_index=IGNORE, reduction="none").float().view(
+                targets.shape)
     with out.autocast():  # recorded by each checkpoint and restored when backward recomputes it
         parts = [checkpoint(_chunk_cross_entropy, states[i:i + out.chunk], weight, bias, labels[i:i + out.chunk],
                             temperature, use_reentrant=False) for i in range(0, len(labels), out.chunk)]
@@ -100,16 +105,16 @@ def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Ten
     targets they are scored against) of a micro-batch. Packed documents attend only to themselves
     (attention.py, told by `staged`). Under sequence parallelism: this rank's part of each sequence."""
     chunk, head = strategy.loss_chunk, getattr(model, "module", model).get_output_embeddings()  # (DDP's wrapper)
-    x, split = staged(strategy, mb), strategy.sequence
+    x, split, fused = staged(strategy, mb), strategy.sequence, strategy.fused_loss
     # The output layer returns its input for this call: the model's output is its hidden states.
-    with strategy.autocast(), replaced_forward(head, _identity) if chunk else contextlib.nullcontext():
+    with strategy.autocast(), replaced_forward(head, _identity) if chunk or fused else contextlib.nullcontext():
         out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
     # The output layer is used after the model's forward: FSDP2 keeps the root's parameters (the
     # output layer's among them) gathered from its forward to its backward, so this is the same weight.
     logits, targets = out.logits, x["targets"]
     if split is None or split.rank == split.size - 1:  # a sequence's last position predicts nothing: its
         logits, targets = logits[:, :-1], targets[:, :-1]  # sums then add exactly the terms they always did
-    return (Hidden(logits, head, chunk, strategy.autocast) if chunk else logits), targets
+    return (Hidden(logits, head, chunk, strategy.autocast, fused) if chunk or fused else logits), targets
 
 
 def staged(strategy, mb: dict) -> dict:

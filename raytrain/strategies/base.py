@@ -50,6 +50,7 @@ class Strategy(ABC):
         self.sequence = ulysses.SequenceSplit.create(self.layout, self.rank, spec.model.attn_implementation)
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives/tokens.py); 0: the whole logits
+        self.fused_loss = None  # Liger's fused linear cross-entropy where it runs (kernels.fused_loss)
         self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
         # Two gloo groups, made at first use, each for collectives of one background thread: DCP's
         # async save plans in its own thread (`_save_group`), checkpoint.py signs in Ray's upload
@@ -79,7 +80,8 @@ class Strategy(ABC):
 
     def kernel_line(self) -> str:
         """What runs a step's hottest parts on this worker, for the start-up line and MLflow's tags."""
-        loss = f"cross-entropy in chunks of {self.loss_chunk} tokens" if self.loss_chunk else "cross-entropy"
+        loss = "Liger's fused linear cross-entropy" if self.fused_loss is not None else \
+            f"cross-entropy in chunks of {self.loss_chunk} tokens" if self.loss_chunk else "cross-entropy"
         return f"attention {self.attention_kernel}, loss {loss}, blocks {'compiled' if self.plan.compile else 'eager'}"
 
     def autocast(self):
@@ -162,6 +164,7 @@ class TorchStrategy(Strategy):
         self.on_phase("loaded")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_chunk = self.spec.loss_chunk_tokens(self.hf_model.config.to_dict())
+        self.fused_loss = kernels.fused_loss(self.spec, self.device)
         self.optimizer = adamw(self.params, self.spec)
         self.trainable = modeling.trainable_names(self.hf_model)
         if self.spec.reference_copy:

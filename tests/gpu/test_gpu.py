@@ -10,7 +10,8 @@ rows `open_data` reads from a prepared token store, in this process on a one-ran
 - a committed checkpoint restored into a fresh strategy gives the next step's loss bit for bit;
 - the in-job export and the offline export of the last checkpoint are the same tensors, and
   load with plain transformers / peft;
-- training.compile and training.chunked_loss give the eager losses; a DPO step starts at ln 2;
+- training.compile and training.chunked_loss give the eager losses, so does Liger's fused loss where
+  it is installed; sdpa's varlen kernel gives the masked kernel's values; a DPO step starts at ln 2;
 - QLoRA trains within 2% of LoRA over an NF4 base a quarter of bf16's bytes, resumes and exports;
 - masked attention's gradients are finite where cuDNN's are NaN (pytorch#196678);
 - with 2+ GPUs, a 2-rank fsdp2 run resumes bit for bit.
@@ -311,6 +312,29 @@ def test_chunked_loss_trains_with_the_whole_logits_losses(assets, storage, bf16_
 
 
 # ------------------------------------------------------------------ DPO
+@pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "ddp")))
+def test_liger_fused_loss_trains_with_the_unfused_losses(assets, storage, bf16_model, device, strategy_name, finetune):
+    """With liger-kernel installed (tests/gpu/wheels.sh carries it), training.chunked_loss auto on CUDA
+    takes Liger's fused linear cross-entropy (kernels.fused_loss), named in the kernel line: the whole
+    logits' losses to bf16 precision, step for step."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed here (tests/gpu/wheels.sh carries it)")
+    if not CUDA:
+        pytest.skip("Liger's kernels are Triton's: CUDA only")
+    losses = {}
+    for chunked in ("auto", False):
+        spec = job(assets, storage, bf16_model, f"liger-{chunked}-{strategy_name}-{finetune}", strategy_name,
+                   finetune, steps=3, training={"chunked_loss": chunked})
+        prepared = lr.prepare_data(spec)
+        strategy = build(spec, device)
+        assert ("Liger" in strategy.kernel_line()) == (chunked == "auto"), strategy.kernel_line()
+        losses[chunked] = lr.train(spec, strategy, prepared, checkpoints=False).losses
+        lr.release(strategy)
+        del strategy
+    print(f"\n[liger {strategy_name}/{finetune}] unfused {losses[False]}, Liger {losses['auto']}")
+    assert sorted(losses["auto"]) == [1, 2, 3] and finite(losses["auto"])
+    assert all(rel(losses["auto"][k], losses[False][k]) <= LOSS_RTOL for k in losses[False]), losses
+
+
 @pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "ddp", "zero3"), ("lora", "full")))
 def test_dpo_steps(assets, storage, bf16_model, device, strategy_name, finetune):
     """Two DPO steps on preference pairs. At step 1 the policy is its reference (LoRA: the adapter's

@@ -11,6 +11,8 @@
 #   torchao             training.finetune: qlora (its NF4Tensor)
 #   hjson, py-cpuinfo, msgpack, einops, ninja
 #                       DeepSpeed's own dependencies
+#   liger-kernel        its fused linear cross-entropy (kernels.fused_loss), at LIGER below: the
+#                       GPU image has triton with torch; nothing here installs it (it needs a GPU)
 #   trl, datasets, dill, multiprocess
 #                       benchmarks/gpu_trl.py: TRL's SFTTrainer, the side-by-side arm (the image has
 #                       accelerate, pandas, xxhash, fsspec and the rest of what they need)
@@ -24,6 +26,7 @@ PY=${PYTHON:-.venv/bin/python}
 OUT=${GPU_WHEELS:-.gpu-wheels}
 PYV=${GPU_PYTHON_VERSION:-3.12}  # the GPU machine's Python
 LIMIT_MIB=50
+LIGER=0.8.5  # liger-kernel's version (py3-none-any)
 BINARY=(pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson py-cpuinfo msgpack einops ninja
         trl datasets dill multiprocess)  # pure-Python ones (py3-none-any, py312-none-any) match these tags too
 
@@ -40,6 +43,8 @@ quiet "$PY" -m pip download --quiet --disable-pip-version-check --dest "$OUT" --
 quiet "$PY" -m pip download --quiet --disable-pip-version-check --dest "$OUT" --no-deps --only-binary=:all: \
   --python-version "$PYV" --implementation cp --abi abi3 --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_24_x86_64 "torchao==$(version torchao)"
+quiet "$PY" -m pip download --quiet --disable-pip-version-check --dest "$OUT" --no-deps --only-binary=:all: \
+  "liger-kernel==$LIGER"
 # DeepSpeed publishes a source distribution only: build it here, with no op compiled ahead
 # (DS_BUILD_OPS=0): a py3-none-any wheel that runs on any torch/CUDA and JIT-builds an op if one is used.
 DS_BUILD_OPS=0 quiet "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
@@ -47,8 +52,8 @@ DS_BUILD_OPS=0 quiet "$PY" -m pip wheel --quiet --disable-pip-version-check --no
 
 ls -1 "$OUT"
 count=$(ls "$OUT"/*.whl | wc -l)
-if [ "$count" -ne $(( ${#BINARY[@]} + 2 )) ]; then
-  echo "wheels.sh: expected $(( ${#BINARY[@]} + 2 )) wheels, got $count" >&2
+if [ "$count" -ne $(( ${#BINARY[@]} + 3 )) ]; then
+  echo "wheels.sh: expected $(( ${#BINARY[@]} + 3 )) wheels, got $count" >&2
   exit 1
 fi
 bytes=$(cat "$OUT"/*.whl | wc -c)
