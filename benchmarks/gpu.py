@@ -23,6 +23,7 @@ fresh process; after the warm-up steps it times the measured steps and prints:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -61,6 +62,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="model.attn_implementation (default sdpa, the product's)")
     p.add_argument("--detect-anomaly", action="store_true",
                    help="torch.autograd's anomaly mode: stop at the first backward op that returns NaN, naming its forward")
+    p.add_argument("--profile", action="store_true",
+                   help="torch's profiler over two steps after the warm-up: each case's 20 busiest ops (those steps are slower)")
     p.add_argument("--workdir", help="keep the generated model, data and token store here (default: a temp folder)")
     p.add_argument("--json", help="write every case's figures to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one case in this process
@@ -146,7 +149,7 @@ def job(a: argparse.Namespace, case: str, model: Path, data: Path, work: Path):
 
 # ------------------------------------------------------------------ one case (a child process)
 def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warmup: int, model: str,
-             detect_anomaly: bool = False) -> dict:
+             detect_anomaly: bool = False, profile: bool = False) -> dict:
     """On every rank: build the strategy, train warm-up + measured steps; rank 0's figures."""
     import torch
 
@@ -166,12 +169,21 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
     build_s = time.perf_counter() - started
     ends: list[float] = []
 
+    # --profile: the two steps after the warm-up under torch's profiler, its busiest ops in the output
+    # (what a step's time is made of, e.g. where zero3 LoRA's goes); those steps are slower.
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+        schedule=torch.profiler.schedule(wait=max(warmup - 1, 0), warmup=1, active=2, repeat=1)) if profile else None
+
     def on_step(state, batch) -> None:  # the loop already synced (its loss all-reduce); to be sure
         if cuda:
             torch.cuda.synchronize(device)
         ends.append(time.perf_counter())
+        if profiler is not None:
+            profiler.step()
 
-    trained = lr.train(spec, strategy, prepared, checkpoints=False, on_step=on_step)
+    with profiler if profiler is not None else contextlib.nullcontext():
+        trained = lr.train(spec, strategy, prepared, checkpoints=False, on_step=on_step)
     flops = telemetry.StepFlops(strategy.model, spec, device)
     steps = len(ends) - warmup
     seconds = ends[-1] - ends[warmup - 1]
@@ -192,6 +204,9 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
         "estimate_gib": estimate.total / 2**30, "estimate": estimate.arithmetic(),
         "losses": trained.losses, "kernels": strategy.kernel_line(),
     }
+    if profiler is not None:
+        out["profile"] = profiler.key_averages().table(
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20)
     if out["peak_allocated_gib"] is not None:
         out["measured_over_estimate"] = out["peak_allocated_gib"] / out["estimate_gib"]
     lr.release(strategy)
@@ -212,7 +227,7 @@ def child(a: argparse.Namespace) -> None:
         return
     spec = job(a, a.child, Path(meta["model"]), Path(meta["data"]), work)
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
-    args = (spec.model_dump_json(), meta["prepared"], a.warmup, meta["model"], a.detect_anomaly)
+    args = (spec.model_dump_json(), meta["prepared"], a.warmup, meta["model"], a.detect_anomaly, a.profile)
     if a.gpus == 1:
         with lr.process_group(device) as d:
             result = run_case(0, 1, d, *args)
@@ -303,6 +318,8 @@ def main(argv=None) -> int:
                 continue
             r = json.loads(out.read_text())
             results.append(r)
+            if "profile" in r:
+                print(f"[bench] {case}: the busiest ops of two steps\n{r['profile']}", flush=True)
             print(f"[bench] {case} ({r['kernels']}): {r['tokens_per_s']:,.0f} tokens/s, MFU {fmt(r['mfu'], '.1%')}, "
                   f"first step {r['first_step_s']:.1f} s, peak allocated {size(r['peak_allocated_gib'])} vs estimate "
                   f"{size(r['estimate_gib'])}: {r['estimate']}", flush=True)
@@ -325,7 +342,8 @@ def child_flags(a: argparse.Namespace) -> list[str]:
     flags = ["--gpus", a.gpus, "--seq-len", a.seq_len, "--global-batch", a.global_batch, "--micro-batch", a.micro_batch,
              "--warmup", a.warmup, "--steps", a.steps, "--lora-rank", a.lora_rank, "--attention", a.attention,
              "--compile", a.compile]
-    flags += [f"--{name.replace('_', '-')}" for name in ("cpu", "tiny", "activation_checkpointing", "detect_anomaly")
+    flags += [f"--{name.replace('_', '-')}" for name in ("cpu", "tiny", "activation_checkpointing", "detect_anomaly",
+                                                         "profile")
               if getattr(a, name)]
     return [str(f) for f in flags]
 
