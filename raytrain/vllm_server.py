@@ -50,6 +50,11 @@ def _generate(llm, lora, req: dict) -> dict:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    # Run by path, Python put this file's folder (raytrain/) first on sys.path, where raytrain's own
+    # modules shadow top-level packages of the same name: transformers imports `kernels` (the Hub's
+    # kernels package) when one is importable, and found raytrain/kernels.py. Only the package root.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, args["raytrain_root"])
     from raytrain import private_apis
 

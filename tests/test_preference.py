@@ -135,6 +135,7 @@ class _OneProcess:
         self.model, self._reference = copies[id(model)], copies.get(id(reference))
         self.spec, self.device, self.compute_bf16, self.attention_windows = spec, torch.device("cpu"), False, (None,)
         self.loss_chunk = 0  # the whole logits at once (training.chunked_loss has its own test)
+        self.attention_kernel, self.fused_loss = spec.model.attn_implementation, None  # as a CPU worker's
         self.sequence = split  # whole sequences unless a test plays one rank of a sequence-parallel group
 
     def autocast(self):
