@@ -8,27 +8,11 @@ bytes, and its time.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 from . import harness as h
 from . import memory as m
-
-
-def peak(run_dir: str, out: str, batch: int) -> dict:
-    code = ("import json, time\n"
-            "from raytrain import export\n"
-            "import transformers, torch, torch.distributed.checkpoint\n"
-            "def status(f):\n"
-            "    return int(next(l for l in open('/proc/self/status') if l.startswith(f + ':')).split()[1]) * 1024\n"
-            f"export.BATCH_BYTES = {batch}\n"
-            "base, began = status('VmRSS'), time.time()\n"
-            f"export.export_checkpoint({run_dir!r}, {out!r})\n"
-            "print(json.dumps({'base': base, 'peak': status('VmHWM'), 's': time.time() - began}))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str]) -> None:
@@ -45,7 +29,7 @@ def main(argv: list[str]) -> None:
         run_dir = m.full_checkpoint(spec, model, folder)
         model_bytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
         for mib in map(int, argv or ["256", "64", "0"]):
-            r = peak(run_dir, str(folder / f"export-{mib}"), mib << 20)
+            r = m.export_cli_peak(run_dir, str(folder / f"export-{mib}"), mib << 20)
             rise = r["peak"] - r["base"]
             print(f"M5 batch {mib} MiB: peak above the bare process {rise / 2**30:.3f} GiB / model "
                   f"{model_bytes / 2**30:.2f} GiB = {rise / model_bytes:.2f}, {r['s']:.1f} s", flush=True)

@@ -141,19 +141,21 @@ def smollm2_shape(s: h.Setting, tied: bool = True) -> Path:
     return out
 
 
-def export_cli_peak(run_dir: str, out: str) -> dict:
-    """`raytrain export` in a process of its own: its resident peak above the process after imports."""
+def export_cli_peak(run_dir: str, out: str, batch_bytes: int | None = None) -> dict:
+    """`raytrain export` in a process of its own: its resident peak above the process after imports,
+    and its seconds; `batch_bytes` sets `raytrain.export.BATCH_BYTES` there (else the product's)."""
     import json
     import subprocess
 
-    code = ("import json, sys\n"
+    code = ("import json, sys, time\n"
             "from raytrain import export, modeling\n"
             "import transformers, torch, torch.distributed.checkpoint\n"
             "def status(f):\n"
             "    return int(next(l for l in open('/proc/self/status') if l.startswith(f + ':')).split()[1]) * 1024\n"
-            "base = status('VmRSS')\n"
+            + (f"export.BATCH_BYTES = {batch_bytes}\n" if batch_bytes is not None else "") +
+            "base, began = status('VmRSS'), time.time()\n"
             f"export.export_checkpoint({run_dir!r}, {out!r})\n"
-            "print(json.dumps({'base': base, 'peak': status('VmHWM')}))\n")
+            "print(json.dumps({'base': base, 'peak': status('VmHWM'), 's': time.time() - began}))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -121,16 +121,14 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     groups = getattr(module, "num_key_value_groups", 1)
     if split is not None:
         query, key, value, groups = split.gather_positions(query, key, value, groups)
+    window = kwargs.get("sliding_window")  # this layer's; one as long as the rows cuts nothing
+    window = window if window is not None and window < query.shape[2] else None
     if varlen:
-        window = kwargs.get("sliding_window")
         out = kernels.varlen_attention(query, key, value, cu=kwargs["cu_seq_lens_q"], longest=kwargs["max_length_q"],
-                                       groups=groups, window=window if window is not None and window < query.shape[2]
-                                       else None, scale=kwargs.get("scaling"))
+                                       groups=groups, window=window, scale=kwargs.get("scaling"))
         return (split.scatter_positions(out) if split is not None else out), None
     mask = None
     if not flash:
-        window = kwargs.get("sliding_window")  # this layer's; one as long as the rows cuts nothing
-        window = window if window is not None and window < query.shape[2] else None
         if not given:  # a plain forward (an exported or loaded model outside training): each row one
             # document. Training never comes here: objectives.staged gives every forward its boundaries.
             one_each = Boundaries(torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device),

@@ -84,8 +84,7 @@ def varlen_attention(query, key, value, *, cu: torch.Tensor, longest: int, group
     than W positions back), flash's left bound W - 1."""
     b, h, s, d = query.shape
     found = varlen_kernel(query.device, query.dtype)
-    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value)]
-    q, k, v = flat
+    q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))
     keywords = {"window_size": (-1 if window is None else window - 1, 0)}
     if "enable_gqa" in found.keywords:
         keywords["enable_gqa"] = groups > 1
