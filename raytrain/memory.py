@@ -140,15 +140,23 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
             tp = plan.tensor_parallel  # a rank gathers its tp part of each layer
             layer, per_tp = facts.layer_params / tp, f" / {tp}" if tp > 1 else ""
             out.device.append(Term("gathered layers", f"2 × {_n(facts.layer_params)}{per_tp} × {g} B", 2 * layer * g))
-    if t.strategy == "fsdp2" and P > 1 and not spec.rl:
+    vocab, d = facts.dim("vocab_size", default=0), facts.dim("hidden_size", "n_embd", "d_model", default=0)
+    tied = facts.config.get("tie_word_embeddings", True)
+    table = "the output layer" + (", tied to the embedding" if tied else "")
+    # strategies/fsdp2.py keeps a frozen output layer whole on every rank, unsharded, where it computes
+    # in the dtype it is loaded in and is not offloaded: the other ranks' rows on top of its share.
+    whole_head = t.strategy == "fsdp2" and t.adapters and not spec.scores and (w == 2 or c == 4) and \
+        not (spec.scaling.use_gpu and (off.params or off.optimizer))
+    if whole_head and P > 1:
+        head = "frozen output layer" + (" (tied to the embedding)" if tied else "")
+        out.device.append(Term(f"{head} whole on every rank", f"{vocab}·{d} × {w} B × (1 - 1/{P})",
+                               vocab * d * w * (1 - 1 / P)))
+    elif t.strategy == "fsdp2" and P > 1 and not spec.rl:
         # The root unit (the output layer, a tied table with it, the last norm) is gathered at the
         # first forward and kept through the backward: the largest unit gathered at once, held at the
         # loss. An untied input embedding is a unit of its own, gathered only at the first forward
         # and the last backward, when nothing else is (strategies/fsdp2.py): not at the peak.
-        vocab, d = facts.dim("vocab_size", default=0), facts.dim("hidden_size", "n_embd", "d_model", default=0)
-        tied = facts.config.get("tie_word_embeddings", True)
-        root = "the output layer" + (", tied to the embedding" if tied else "")
-        out.device.append(Term(f"largest gathered unit: the root ({root})", f"{vocab}·{d} × {c} B", vocab * d * c))
+        out.device.append(Term(f"largest gathered unit: the root ({table})", f"{vocab}·{d} × {c} B", vocab * d * c))
         if t.finetune == "full":  # whole gradients at the backward's end: a tied table's two parts and their
             # sum (benchmarks/RESULTS.md, "A tied table's gradient"), or the output layer's and the embedding's
             tables = "tied table" if tied else "output layer and embedding"

@@ -222,6 +222,19 @@ def untied_input_embedding(model: nn.Module) -> nn.Module | None:
     return None if lookup is None or _tied(lookup, model.get_output_embeddings()) else lookup
 
 
+def frozen_output_weight(model: nn.Module) -> nn.Parameter | None:
+    """The output layer's weight when it does not train (LoRA, QLoRA), tied to the input embedding
+    or not: the chunked loss applies it after the model's forward and its backward needs it again,
+    so a sharded copy would be gathered for the whole step anyway (strategies/fsdp2.py keeps it whole)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    return weight if isinstance(weight, nn.Parameter) and not weight.requires_grad else None
+
+
+def tied(model: nn.Module) -> bool:
+    return _tied(model.get_input_embeddings(), model.get_output_embeddings())
+
+
 def sparse_tied_lookup(model: nn.Module, device: torch.device) -> bool:
     """Where the input embedding is the output layer's weight and trains (a full fine-tune of a tied
     model: SmolLM2, Qwen2.5 up to 3B, Llama 3.2 1B/3B, Gemma), look tokens up with a sparse gradient.

@@ -88,6 +88,9 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     batch = micro_batches([_Rows(rows)], [(0, r) for r in range(start, stop)], plan.accumulation_steps(strategy.world_size))
     objective = objectives.build(spec)
     losses, norms, rewards = [], [], []
+    head = getattr(strategy.hf_model.get_output_embeddings(), "weight", None)  # None: a reward model's
+    output_layer = head is not None and ("sharded" if hasattr(head, "device_mesh") else "whole",
+                                         head is strategy.hf_model.get_input_embeddings().weight)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set starts again from here
     before = _status_mb("VmRSS")
@@ -113,7 +116,7 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
         strategy.export(export_to, None)
         gathered = _gathered_to_writer_only(strategy)
     out = {"losses": losses, "grad_norms": norms, "rewards": rewards, "means": result.means,
-           "loaded_by": getattr(strategy, "loaded_by", "whole"), "step_peak_mb": peak, "gathered_to_writer_only": gathered}
+           "loaded_by": getattr(strategy, "loaded_by", "whole"), "output_layer": output_layer, "step_peak_mb": peak, "gathered_to_writer_only": gathered}
     if resume:  # the job's own commit and restore (tests/gpu/local_run.py), as a restarted worker group does
         from raytrain.checkpoint import TrainState
 

@@ -61,11 +61,23 @@ class FSDP2Strategy(TorchStrategy):
         dp_mesh, tp_mesh = self.device_meshes()
         if tp_mesh is not None:  # split each block's projections over tp first, then shard what each rank holds
             tensor_parallel.parallelize(modeling.decoder_blocks(model), tp_mesh)
+        # On one shard there is nothing to shard, and FSDP2 gathers a one-rank group's parameters as
+        # plain bytes, bypassing NF4's all-gather extension: the NF4 weights stay outside it there.
+        ignored = set(nf4) if dp_mesh.size(dp_mesh.ndim - 1) == 1 else set()
+        # A frozen output layer (LoRA; with a tied table, the lookup too) is whole on every rank. In
+        # the root it would be gathered from the first forward to the last backward anyway, through
+        # an all-gather buffer as large again, each step: whole, it costs only the other ranks' rows
+        # (tied SmolLM2 LoRA: a worker's peak 1,527 -> 1,331 MiB, benchmarks/RESULTS.md).
+        # (In the dtype it computes in: FSDP2 casts what it manages, not what it ignores.)
+        head = modeling.frozen_output_weight(model)
+        whole_head = head is not None and head not in ignored and not cpu_offload and \
+            (head.dtype == torch.bfloat16 or not self.compute_bf16)
+        retie = whole_head and modeling.tied(model)
+        if whole_head:
+            ignored.add(head)
         kwargs = dict(
             mesh=dp_mesh,
-            # On one shard there is nothing to shard, and FSDP2 gathers a one-rank group's parameters
-            # as plain bytes, bypassing NF4's all-gather extension: the NF4 weights stay outside it there.
-            ignored_params=nf4 if dp_mesh.size(dp_mesh.ndim - 1) == 1 else None,
+            ignored_params=ignored or None,
             # bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU.
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.compute_bf16 else None,
                                            reduce_dtype=torch.float32),
@@ -82,6 +94,8 @@ class FSDP2Strategy(TorchStrategy):
         fully_shard(model, **kwargs)
         self._reshard[model] = False  # the root: fully_shard keeps its parameters from forward to backward
         model.to_empty(device="cpu" if cpu_offload else self.device)
+        if retie:  # to_empty gave each end a table of its own (a meta tensor moves by a new Parameter)
+            model.get_output_embeddings().weight = model.get_input_embeddings().weight
         modeling.init_buffers(model)
         self.loaded_by = weights.fill(self.spec, model, adapters)
         return model
