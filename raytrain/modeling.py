@@ -173,7 +173,8 @@ def meta_base(model: nn.Module):
 def take_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
     """The real (adapter) weights of a model `load_model(on_meta=True)` built, by name; the whole
     model is on meta after, ready to be sharded."""
-    real = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    # No copy: `to("meta")` gives each parameter a new tensor, and these keep the old storage.
+    real = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}
     model.to("meta")
     return real
 
