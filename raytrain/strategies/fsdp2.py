@@ -6,7 +6,8 @@ gathered for its forward and again for its backward; an input embedding of its o
 one unit, gathered only at the first forward and the last backward, so its table is not held at
 the loss, where a step's memory peaks. The root keeps what is used outside a module's own call:
 the output layer (the chunked loss applies its weight after the model's forward, objectives/tokens)
-and with it a tied table (the same weight at both ends), the last norm, and nothing else. On an
+and with it a tied table (the same weight at both ends), the last norm, and nothing else; a frozen
+output layer (LoRA) is whole on every rank instead, outside FSDP2 (`_ignored`). On an
 accelerator the last block stays gathered from its forward to its backward, which follows at once
 (torchtitan's choice: FSDP would prefetch it straight back); on CPU workers, host memory is the
 limit and it reshards as every block does.
@@ -61,20 +62,7 @@ class FSDP2Strategy(TorchStrategy):
         dp_mesh, tp_mesh = self.device_meshes()
         if tp_mesh is not None:  # split each block's projections over tp first, then shard what each rank holds
             tensor_parallel.parallelize(modeling.decoder_blocks(model), tp_mesh)
-        # On one shard there is nothing to shard, and FSDP2 gathers a one-rank group's parameters as
-        # plain bytes, bypassing NF4's all-gather extension: the NF4 weights stay outside it there.
-        ignored = set(nf4) if dp_mesh.size(dp_mesh.ndim - 1) == 1 else set()
-        # A frozen output layer (LoRA; with a tied table, the lookup too) is whole on every rank. In
-        # the root it would be gathered from the first forward to the last backward anyway, through
-        # an all-gather buffer as large again, each step: whole, it costs only the other ranks' rows
-        # (tied SmolLM2 LoRA: a worker's peak 1,527 -> 1,331 MiB, benchmarks/RESULTS.md).
-        # (In the dtype it computes in: FSDP2 casts what it manages, not what it ignores.)
-        head = modeling.frozen_output_weight(model)
-        whole_head = head is not None and head not in ignored and not cpu_offload and \
-            (head.dtype == torch.bfloat16 or not self.compute_bf16)
-        retie = whole_head and modeling.tied(model)
-        if whole_head:
-            ignored.add(head)
+        ignored, retie = self._ignored(model, nf4, dp_mesh, cpu_offload)
         kwargs = dict(
             mesh=dp_mesh,
             ignored_params=ignored or None,
@@ -99,6 +87,24 @@ class FSDP2Strategy(TorchStrategy):
         modeling.init_buffers(model)
         self.loaded_by = weights.fill(self.spec, model, adapters)
         return model
+
+    def _ignored(self, model: torch.nn.Module, nf4, dp_mesh, cpu_offload: bool) -> tuple[set, bool]:
+        """The parameters FSDP2 leaves whole on every rank, and whether the output layer must be tied
+        to the input embedding again once materialized (`to_empty` gives each end a table of its own:
+        a meta tensor moves by a new Parameter).
+
+        On one shard there is nothing to shard, and FSDP2 gathers a one-rank group's parameters as
+        plain bytes, bypassing NF4's all-gather extension: the NF4 weights stay outside it there.
+        A frozen output layer (LoRA; with a tied table, the lookup too) is whole too: in the root it
+        would be gathered from the first forward to the last backward anyway, through an all-gather
+        buffer as large again, each step; whole, it costs only the other ranks' rows (tied SmolLM2
+        LoRA: a worker's peak 1,527 -> 1,331 MiB, benchmarks/RESULTS.md). Only in the dtype it
+        computes in: FSDP2 casts what it manages, not what it ignores."""
+        ignored = set(nf4) if dp_mesh.size(dp_mesh.ndim - 1) == 1 else set()
+        head = modeling.frozen_output_weight(model)
+        if head is None or head in ignored or cpu_offload or (self.compute_bf16 and head.dtype != torch.bfloat16):
+            return ignored, False
+        return ignored | {head}, modeling.tied(model)
 
     def device_meshes(self):
         """(FSDP2's mesh, the tp mesh or None) as `RunPlan.mesh_shape` lays the ranks out: one flat
