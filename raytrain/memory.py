@@ -144,8 +144,10 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     tied = facts.config.get("tie_word_embeddings", True)
     table = "the output layer" + (", tied to the embedding" if tied else "")
     # strategies/fsdp2.py keeps a frozen output layer whole on every rank, unsharded, where it computes
-    # in the dtype it is loaded in and is not offloaded: the other ranks' rows on top of its share.
-    whole_head = t.strategy == "fsdp2" and t.adapters and not spec.scores and (w == 2 or c == 4) and \
+    # in the dtype it is loaded in (bf16 compute: bf16 weights, not fp16) and is not offloaded: the
+    # other ranks' rows on top of its share (FSDP2Strategy._ignored).
+    whole_head = t.strategy == "fsdp2" and t.adapters and not spec.scores and \
+        (spec.model.dtype == "bfloat16" or c == 4) and \
         not (spec.scaling.use_gpu and (off.params or off.optimizer))
     if whole_head and P > 1:
         head = "frozen output layer" + (" (tied to the embedding)" if tied else "")
