@@ -17,6 +17,12 @@ The loss: where liger-kernel is installed on CUDA workers, its fused linear cros
 output layer and the per-token loss a chunk of tokens at a time in one kernel (no logits kept:
 Liger's reported +20% throughput, -60% memory on Llama-3-8B); else raytrain's own
 (objectives/tokens.py: whole logits, or chunks under training.chunked_loss).
+
+The blocks: compiled (training.compile, auto on GPU where it applies), inductor fuses each block's
+norms, SwiGLU and rotary embedding itself. Where they stay eager on CUDA (zero3, sequence
+parallelism, GRPO, QLoRA, `compile: false`), Liger's RMSNorm, SwiGLU and RoPE kernels take those
+ops when liger-kernel is installed, through Liger's own per-family patch of the model instance
+(`block_kernels`); not under tensor parallelism, whose norms are DTensors a Triton kernel cannot take.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from . import masks
 
 VARLEN_NAME = "sdpa varlen"  # the kernel's name in the start-up line and `attention_kernel`'s answer
+LIGER_BLOCKS = "Liger's RMSNorm, SwiGLU and RoPE"  # their name in the start-up line
 
 
 @dataclass(frozen=True)
@@ -111,3 +118,31 @@ def fused_loss(spec, device: torch.device) -> Callable | None:
     except ImportError:
         return None
     return liger_fused_linear_cross_entropy
+
+
+def liger_blocks_apply(spec, device: torch.device, compiled: bool) -> bool:
+    """Whether Liger's block kernels may replace the model's own (`block_kernels`): on CUDA, blocks
+    eager (compiled ones get the same fusions from inductor), no tensor parallelism."""
+    return device.type == "cuda" and not compiled and spec.scaling.tensor_parallel == 1
+
+
+def block_kernels(spec, device: torch.device, compiled: bool, model: torch.nn.Module) -> str | None:
+    """Put Liger's RMSNorm, SwiGLU and RoPE into `model`'s blocks where `liger_blocks_apply` allows,
+    liger-kernel imports and has a patch for the model's family; returns their name, or None.
+    Liger's `apply_liger_kernel_to_<family>(model=...)` rebinds the norms' and MLPs' forward on the
+    instance (their weights stay where FSDP2, DDP or ZeRO-3 put them) and the family's rotary
+    function in its modeling module (the whole worker process: the reference model too). Its loss
+    patches stay off: the objective applies the output layer itself (objectives/tokens.py)."""
+    if not liger_blocks_apply(spec, device, compiled):
+        return None
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper: the HF model
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(getattr(base.config, "model_type", None))
+    if apply is None:
+        return None
+    takes = inspect.signature(apply).parameters
+    apply(model=base, **{k: False for k in ("cross_entropy", "fused_linear_cross_entropy") if k in takes})
+    return LIGER_BLOCKS

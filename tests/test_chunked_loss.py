@@ -78,6 +78,24 @@ def test_liger_fused_loss_is_called_as_it_takes_its_arguments_and_only_on_cuda(a
     assert kernels.fused_loss(make_job(assets, tmp_path), torch.device("cpu")) is None
 
 
+def test_liger_block_kernels_run_only_where_cuda_blocks_stay_eager_and_whole(assets, tmp_path):
+    """Liger's RMSNorm, SwiGLU and RoPE (kernels.block_kernels) take a block's ops only on CUDA, only
+    where the blocks are not compiled (inductor fuses those ops itself) and not under tensor
+    parallelism (DTensor norms); a CPU worker's model is never patched."""
+    from conftest import make_job
+    from raytrain import kernels
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    spec = make_job(assets, tmp_path)
+    tp = spec.model_copy(update={"scaling": spec.scaling.model_copy(update={"tensor_parallel": 2})})
+    assert kernels.liger_blocks_apply(spec, cuda, compiled=False)
+    assert not kernels.liger_blocks_apply(spec, cuda, compiled=True)
+    assert not kernels.liger_blocks_apply(tp, cuda, compiled=False)
+    assert not kernels.liger_blocks_apply(spec, cpu, compiled=False)
+    model = torch.nn.Linear(2, 2)  # reached only past the rule: a CPU worker returns before any import
+    assert kernels.block_kernels(spec, cpu, False, model) is None
+
+
 def test_grpos_log_probs_at_a_temperature_are_the_whole_logits_ones_with_a_biased_output_layer():
     # GRPO scales the logits by 1/temperature (TRL's). The chunked path scaled the hidden states
     # instead, which is the same only for an output layer without a bias (seen: off by the bias's

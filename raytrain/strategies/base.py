@@ -51,6 +51,7 @@ class Strategy(ABC):
         self.model: torch.nn.Module  # what the loop calls forward on
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives/tokens.py); 0: the whole logits
         self.fused_loss = None  # Liger's fused linear cross-entropy where it runs (kernels.fused_loss)
+        self.block_kernels = None  # Liger's block kernels' name where they run (kernels.block_kernels)
         self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
         # Two gloo groups, made at first use, each for collectives of one background thread: DCP's
         # async save plans in its own thread (`_save_group`), checkpoint.py signs in Ray's upload
@@ -82,7 +83,14 @@ class Strategy(ABC):
         """What runs a step's hottest parts on this worker, for the start-up line and MLflow's tags."""
         loss = "Liger's fused linear cross-entropy" if self.fused_loss is not None else \
             f"cross-entropy in chunks of {self.loss_chunk} tokens" if self.loss_chunk else "cross-entropy"
-        return f"attention {self.attention_kernel}, loss {loss}, blocks {'compiled' if self.plan.compile else 'eager'}"
+        blocks = "compiled" if self.plan.compile else f"eager ({self.block_kernels})" if self.block_kernels else "eager"
+        return f"attention {self.attention_kernel}, loss {loss}, blocks {blocks}"
+
+    def with_block_kernels(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` with Liger's block kernels where they run here (kernels.block_kernels): the trained
+        model and a reference copy alike, so both compute the same way."""
+        self.block_kernels = kernels.block_kernels(self.spec, self.device, self.plan.compile, model)
+        return model
 
     def autocast(self):
         """Context for forward passes (strategies that cast inside the wrapper return a no-op)."""
@@ -158,8 +166,8 @@ class TorchStrategy(Strategy):
         """Return the parallel model."""
 
     def setup(self) -> None:
-        self.model = self.wrap(compile_blocks(self.plan.compile, enable_activation_checkpointing(self.spec, self.build_model()),
-                                              self.device))
+        hf_model = self.with_block_kernels(enable_activation_checkpointing(self.spec, self.build_model()))
+        self.model = self.wrap(compile_blocks(self.plan.compile, hf_model, self.device))
         modeling.sparse_tied_lookup(self.hf_model, self.device)
         self.on_phase("loaded")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -168,7 +176,7 @@ class TorchStrategy(Strategy):
         self.optimizer = adamw(self.params, self.spec)
         self.trainable = modeling.trainable_names(self.hf_model)
         if self.spec.reference_copy:
-            self.reference_model = self.build_reference()
+            self.reference_model = self.with_block_kernels(self.build_reference())
         if self.sequence:  # attention over whole sequences through the all-to-all
             self.sequence.use_for(self.hf_model)
             if self.spec.reference_copy:

@@ -71,7 +71,9 @@ class Zero3Strategy(Strategy):
             unset_hf_deepspeed_config()
             del hf_ds_config
         self.on_phase("loaded")
-        enable_activation_checkpointing(s, self.hf_model)
+        self.with_block_kernels(enable_activation_checkpointing(s, self.hf_model))
+        if reference is not None:
+            self.with_block_kernels(reference)
         params = [p for p in self.hf_model.parameters() if p.requires_grad]
         optimizer = None
         if deepspeed_config.uses_client_optimizer(self.ds_config):

@@ -11,7 +11,8 @@ rows `open_data` reads from a prepared token store, in this process on a one-ran
 - the in-job export and the offline export of the last checkpoint are the same tensors, and
   load with plain transformers / peft;
 - training.compile and training.chunked_loss give the eager losses, so does Liger's fused loss where
-  it is installed; sdpa's varlen kernel gives the masked kernel's values; a DPO step starts at ln 2;
+  it is installed, and Liger's RMSNorm, SwiGLU and RoPE in eager blocks; sdpa's varlen kernel gives
+  the masked kernel's values; a DPO step starts at ln 2;
 - QLoRA trains within 2% of LoRA over an NF4 base a quarter of bf16's bytes, resumes and exports;
 - masked attention's gradients are finite where cuDNN's are NaN (pytorch#196678);
 - with 2+ GPUs, a 2-rank fsdp2 run resumes bit for bit.
@@ -326,13 +327,47 @@ def test_liger_fused_loss_trains_with_the_unfused_losses(assets, storage, bf16_m
                    finetune, steps=3, training={"chunked_loss": chunked})
         prepared = lr.prepare_data(spec)
         strategy = build(spec, device)
-        assert ("Liger" in strategy.kernel_line()) == (chunked == "auto"), strategy.kernel_line()
+        assert ("Liger's fused linear cross-entropy" in strategy.kernel_line()) == (chunked == "auto"), \
+            strategy.kernel_line()
         losses[chunked] = lr.train(spec, strategy, prepared, checkpoints=False).losses
         lr.release(strategy)
         del strategy
     print(f"\n[liger {strategy_name}/{finetune}] unfused {losses[False]}, Liger {losses['auto']}")
     assert sorted(losses["auto"]) == [1, 2, 3] and finite(losses["auto"])
     assert all(rel(losses["auto"][k], losses[False][k]) <= LOSS_RTOL for k in losses[False]), losses
+
+
+@pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "zero3"), ("lora",)))
+def test_liger_block_kernels_train_with_the_models_own(assets, storage, bf16_model, device, strategy_name, finetune,
+                                                       monkeypatch):
+    """Blocks left eager on CUDA (`compile: false` here; zero3, sp, GRPO, QLoRA by the plan) take
+    Liger's RMSNorm, SwiGLU and RoPE where liger-kernel is installed (kernels.block_kernels), named
+    in the kernel line: the model's own ops' losses to bf16 precision, step for step."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed here (tests/gpu/wheels.sh carries it)")
+    if not CUDA:
+        pytest.skip("Liger's kernels are Triton's: CUDA only")
+    from transformers.models.llama import modeling_llama
+
+    from raytrain import kernels
+
+    # Liger's RoPE patch replaces the family's function for the whole process: put it back after.
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    losses = {}
+    for liger in (False, True):  # the model's own ops first: nothing of Liger's is in place yet
+        with monkeypatch.context() as m:
+            if not liger:
+                m.setattr(kernels, "liger_blocks_apply", lambda *a: False)
+            spec = job(assets, storage, bf16_model, f"liger-blocks-{liger}-{strategy_name}-{finetune}", strategy_name,
+                       finetune, steps=3, training={"compile": False})
+            prepared = lr.prepare_data(spec)
+            strategy = build(spec, device)
+            assert (kernels.LIGER_BLOCKS in strategy.kernel_line()) == liger, strategy.kernel_line()
+            losses[liger] = lr.train(spec, strategy, prepared, checkpoints=False).losses
+            lr.release(strategy)
+            del strategy
+    print(f"\n[liger blocks {strategy_name}/{finetune}] own {losses[False]}, Liger {losses[True]}")
+    assert sorted(losses[True]) == [1, 2, 3] and finite(losses[True])
+    assert all(rel(losses[True][k], losses[False][k]) <= LOSS_RTOL for k in losses[False]), losses
 
 
 @pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "ddp", "zero3"), ("lora", "full")))
