@@ -89,8 +89,10 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     objective = objectives.build(spec)
     losses, norms, rewards = [], [], []
     head = getattr(strategy.hf_model.get_output_embeddings(), "weight", None)  # None: a reward model's
-    output_layer = head is not None and ("sharded" if hasattr(head, "device_mesh") else "whole",
-                                         head is strategy.hf_model.get_input_embeddings().weight)
+    from raytrain.strategies import vocab_parallel
+
+    layout = "rows" if vocab_parallel.is_split(strategy.hf_model) else "sharded" if hasattr(head, "device_mesh") else "whole"
+    output_layer = head is not None and (layout, head is strategy.hf_model.get_input_embeddings().weight)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set starts again from here
     before = _status_mb("VmRSS")

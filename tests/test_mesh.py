@@ -98,10 +98,14 @@ def test_a_mesh_trains_with_data_parallelisms_losses_and_gradients(results, name
         assert rel(case["means"], base["means"]) <= 1e-4, (case["means"], base["means"])
     if "strategy" not in CASES[name][0]:
         assert case["loaded_by"] == "sharded"  # tp-split and FSDP-sharded: each rank read only its slices
-        # The demo model's output layer is its input embedding. Frozen (LoRA), fsdp2 keeps it whole on
-        # every rank, still one table; trained, it is sharded (a DTensor).
+        # The demo model's output layer is its input embedding. Frozen (LoRA), fsdp2 splits it by rows
+        # over the ranks, still one table at both ends (vocab_parallel.py), where there is no tensor
+        # parallelism, and keeps it whole on every rank where there is; trained, FSDP2 shards it. So
+        # "lora tp=2" checks the split table (its baseline, dp=4) against the whole one.
         lora = CASES[name][0].get("finetune") == "lora"
         assert case["output_layer"] == ["whole" if lora else "sharded", True], case["output_layer"]
+        if lora:
+            assert base["output_layer"] == ["rows", True], base["output_layer"]
 
 
 def test_an_export_gathers_each_weight_to_its_writer_only(results):

@@ -571,8 +571,10 @@ def test_valid_job_exits_0_and_shows_the_memory_arithmetic(assets, tmp_path):
     assert "valid (fsdp2, lora, workers 2..2, accumulation 2..2; survives 3 worker failures, preemptions not counted)" in out
     memory_note = next(ln for ln in err.splitlines() if ln.startswith("  note: scaling.accelerator_memory_gb"))
     assert "frozen weights 4 B × 123K params / 2" in memory_note and "safetensors headers" in memory_note  # tied: one table
-    # fsdp2 keeps a LoRA job's frozen output layer whole on every rank, not in a gathered root unit.
-    assert "frozen output layer (tied to the embedding) whole on every rank 384·64 × 4 B × (1 - 1/2)" in memory_note
+    # fsdp2 splits a LoRA job's frozen output layer by rows over the ranks: no gathered root unit, no
+    # other ranks' rows (strategies/vocab_parallel.py).
+    assert "frozen output layer (tied to the embedding) split by rows over the ranks 384·64 × 4 B / 2" in memory_note
+    assert "whole on every rank" not in memory_note
     assert "gathered unit" not in memory_note
     assert "Traceback" not in out + err
 

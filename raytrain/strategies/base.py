@@ -28,7 +28,7 @@ from ..config import JobSpec
 from ..plan import RunPlan
 from ..errors import JobError
 from ..signing import SignedCheckpoint
-from . import hf_files, ulysses
+from . import hf_files, ulysses, vocab_parallel
 from .dcp_files import SplitWriter, read_checkpoint
 from .hf_files import export_entries, write_full_export, write_hf_export
 
@@ -81,7 +81,8 @@ class Strategy(ABC):
 
     def kernel_line(self) -> str:
         """What runs a step's hottest parts on this worker, for the start-up line and MLflow's tags."""
-        loss = "Liger's fused linear cross-entropy" if self.fused_loss is not None else \
+        loss = "cross-entropy over the vocabulary's rows split across ranks" if isinstance(
+            self.fused_loss, vocab_parallel.Loss) else "Liger's fused linear cross-entropy" if self.fused_loss is not None else \
             f"cross-entropy in chunks of {self.loss_chunk} tokens" if self.loss_chunk else "cross-entropy"
         blocks = "compiled" if self.plan.compile else f"eager ({self.block_kernels})" if self.block_kernels else "eager"
         return f"attention {self.attention_kernel}, loss {loss}, blocks {blocks}"
@@ -172,7 +173,8 @@ class TorchStrategy(Strategy):
         self.on_phase("loaded")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_chunk = self.spec.loss_chunk_tokens(self.hf_model.config.to_dict())
-        self.fused_loss = kernels.fused_loss(self.spec, self.device)
+        self.fused_loss = vocab_parallel.Loss(self.loss_chunk) if vocab_parallel.is_split(self.hf_model) else \
+            kernels.fused_loss(self.spec, self.device)
         self.optimizer = adamw(self.params, self.spec)
         self.trainable = modeling.trainable_names(self.hf_model)
         if self.spec.reference_copy:

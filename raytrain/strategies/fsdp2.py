@@ -7,7 +7,8 @@ one unit, gathered only at the first forward and the last backward, so its table
 the loss, where a step's memory peaks. The root keeps what is used outside a module's own call:
 the output layer (the chunked loss applies its weight after the model's forward, objectives/tokens)
 and with it a tied table (the same weight at both ends), the last norm, and nothing else; a frozen
-output layer (LoRA) is whole on every rank instead, outside FSDP2 (`_ignored`). On an
+output layer (LoRA) is outside FSDP2 instead (`_ignored`): split by rows over the ranks with the
+lookup tied to it (vocab_parallel.py), or whole on every rank where the job rules that out. On an
 accelerator the last block stays gathered from its forward to its backward, which follows at once
 (torchtitan's choice: FSDP would prefetch it straight back); on CPU workers, host memory is the
 limit and it reshards as every block does.
@@ -27,7 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .. import modeling, qlora
-from . import tensor_parallel, weights
+from ..plan import splits_vocabulary
+from . import tensor_parallel, vocab_parallel, weights
 from .base import TorchStrategy, needs_fp32_master, to_fp32_master
 
 
@@ -76,7 +78,7 @@ class FSDP2Strategy(TorchStrategy):
             self._reshard[block] = block is not blocks[-1] or self.device.type == "cpu"
             fully_shard(block, reshard_after_forward=self._reshard[block], **kwargs)
         embedding = modeling.untied_input_embedding(model)
-        if embedding is not None:
+        if embedding is not None and not getattr(embedding, "vocab_split", False):
             self._reshard[embedding] = True
             fully_shard(embedding, **kwargs)
         fully_shard(model, **kwargs)
@@ -99,11 +101,15 @@ class FSDP2Strategy(TorchStrategy):
         would be gathered from the first forward to the last backward anyway, through an all-gather
         buffer as large again, each step; whole, it costs only the other ranks' rows (tied SmolLM2
         LoRA: a worker's peak 1,527 -> 1,331 MiB, benchmarks/RESULTS.md). Only in the dtype it
-        computes in: FSDP2 casts what it manages, not what it ignores."""
+        computes in: FSDP2 casts what it manages, not what it ignores. Where the job allows
+        (plan.splits_vocabulary) it is split by rows over the ranks instead, with the lookup tied to
+        it or frozen beside it (vocab_parallel.py): 1/N of the table a rank, none of it gathered."""
         ignored = set(nf4) if dp_mesh.size(dp_mesh.ndim - 1) == 1 else set()
         head = modeling.frozen_output_weight(model)
         if head is None or head in ignored or cpu_offload or (self.compute_bf16 and head.dtype != torch.bfloat16):
             return ignored, False
+        if splits_vocabulary(self.spec, self.world_size) and vocab_parallel.tables(model):
+            return ignored | vocab_parallel.split(model, dp_mesh), modeling.tied(model)
         return ignored | {head}, modeling.tied(model)
 
     def device_meshes(self):

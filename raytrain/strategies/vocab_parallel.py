@@ -1,0 +1,197 @@
+"""A frozen vocabulary table split by rows over the data-parallel ranks, used so at both ends.
+
+Under LoRA (QLoRA, DoRA) the output layer does not train, and on a tied model (SmolLM2, Qwen2.5 up
+to 3B, Llama 3.2 1B/3B) it is the input embedding too. As one of FSDP2's units it would be gathered
+from the first forward to the last backward, through an all-gather buffer as large; kept whole on
+every rank it costs each the other ranks' rows (a tied SmolLM2's table is 42% of the model). Here
+each rank keeps only rows [lo, lo + n) (torch.chunk's cut, a DTensor Shard(0) outside FSDP2, so the
+weight files fill just those rows), and no rank ever holds the whole table:
+
+- the lookup: every rank's token ids are gathered; each rank looks up those that fall in its rows
+  (zeros for the rest), and a reduce-scatter sums the parts back to each rank's own tokens;
+- the loss (objectives/tokens.py's fused hook, in Liger's calling convention): every rank's last
+  hidden states are gathered; each rank computes its rows' logits for all of them, a chunk of tokens
+  at a time; the log-sum-exp and the target's logit are summed over ranks; the backward recomputes
+  each chunk and reduce-scatters the hidden states' gradients back to their ranks.
+
+That is Megatron's vocabulary-parallel embedding and cross-entropy over the data-parallel group
+instead of a tensor-parallel one. A rank holds as many logits as before (every rank's tokens x its
+rows) and 1/N of the table. Every rank calls the lookup and the loss the same number of times with
+the same number of chunks (the gathered tokens are padded to the longest rank's), as their
+collectives need. `plan.splits_vocabulary` is the job's rule (memory.py's estimate reads it too),
+`tables` the model's; `split` runs on meta before FSDP2 shards the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import modeling
+from ..data import IGNORE
+
+
+def tables(model: nn.Module) -> list[nn.Embedding | nn.Linear]:
+    """The modules whose frozen table is split: the output layer (no bias) and the input embedding
+    when it is a plain lookup, tied to the output layer or frozen on its own; [] where the model's
+    output layer is not such a table (then FSDP2Strategy keeps it whole, as before)."""
+    head, lookup = model.get_output_embeddings(), model.get_input_embeddings()
+    weight = modeling.frozen_output_weight(model)
+    if weight is None or getattr(head, "bias", None) is not None or weight.dim() != 2:
+        return []
+    if type(lookup) is not nn.Embedding or lookup.max_norm is not None:  # a scaled or normed lookup: its own math
+        return [] if modeling.tied(model) else [head]
+    return [head] if lookup.weight.requires_grad else [lookup, head]
+
+
+def rows(vocab: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) of `rank`'s part of a `vocab`-row table, as torch.chunk (and Shard(0)) cut it."""
+    per = math.ceil(vocab / ranks)
+    first = min(vocab, per * rank)
+    return first, min(vocab, first + per) - first
+
+
+def split(model: nn.Module, mesh) -> set[nn.Parameter]:
+    """Replace the tables of `tables(model)` (on meta) by row-split DTensors over `mesh` (1-D), one
+    Parameter where they were tied; returns the new parameters, for FSDP2 to leave alone. The
+    lookup's forward becomes `lookup`; the loss is `Loss`."""
+    found = tables(model)
+    new: dict[int, nn.Parameter] = {}
+    for module in found:
+        w = module.weight
+        if id(w) not in new:
+            first, n = rows(w.shape[0], mesh.size(), mesh.get_local_rank())
+            local = torch.empty(n, w.shape[1], dtype=w.dtype, device="meta")
+            new[id(w)] = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape,
+                                                         stride=w.stride()), requires_grad=False)
+        module.weight = new[id(w)]
+        module.vocab_split = True
+        if isinstance(module, nn.Embedding):
+            module.forward = functools.partial(lookup, module)
+    return set(new.values())
+
+
+def is_split(model: nn.Module) -> bool:
+    """Whether `split` split this model's output layer (its module keeps the mark through to_empty)."""
+    return getattr(model.get_output_embeddings(), "vocab_split", False)
+
+
+def _local(weight: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGroup]:
+    """(this rank's rows, the first one's index, the group the table is split over)."""
+    mesh = weight.device_mesh
+    first, _ = rows(weight.shape[0], mesh.size(), mesh.get_local_rank())
+    return weight.to_local(), first, mesh.get_group()
+
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn); the GPU image's 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather(x: torch.Tensor, group, pad_value=0) -> tuple[torch.Tensor, int, int]:
+    """Every rank's `x` (rows of dim 0) stacked rank by rank, each padded to the longest: (the
+    stack, that length, this rank's own length)."""
+    n = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.empty_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, n, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, longest - x.shape[0]), value=pad_value) if longest > x.shape[0] else x
+    out = x.new_empty((longest * len(sizes), *x.shape[1:]))
+    _all_gather(out, padded.contiguous(), group=group)
+    return out, longest, x.shape[0]
+
+
+def _scatter_sum(parts: torch.Tensor, longest: int, own: int, group) -> torch.Tensor:
+    """Sum every rank's `parts` (rank-by-rank blocks of `longest` rows) and keep this rank's block."""
+    out = parts.new_empty((longest, *parts.shape[1:]))
+    _reduce_scatter(out, parts.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out[:own]
+
+
+def lookup(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of `ids` from rows split over the ranks (a collective: every rank calls it)."""
+    table, first, group = _local(module.weight)
+    every, longest, own = _gather(ids.reshape(-1), group, pad_value=-1)
+    inside = (every >= first) & (every < first + table.shape[0])
+    index = torch.where(inside, every - first, 0)
+    found = F.embedding(index, table) if table.shape[0] else table.new_zeros(len(every), table.shape[1])
+    found = found * inside.unsqueeze(-1).to(found.dtype)
+    return _scatter_sum(found, longest, own, group).view(*ids.shape, table.shape[1])
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of this rank's hidden states against the whole vocabulary, from
+    rows split over the ranks (a collective in forward and in backward)."""
+
+    @staticmethod
+    def forward(ctx, states, weight, labels, chunk):
+        table, first, group = _local(weight)
+        every, longest, own = _gather(states.detach(), group)
+        every_labels, _, _ = _gather(labels, group, pad_value=IGNORE)
+        chunk = chunk * dist.get_world_size(group) if chunk else len(every)  # as many logits a chunk as unsplit
+        lse = torch.empty(len(every), dtype=torch.float32, device=states.device)
+        target = torch.empty_like(lse)
+        for i in range(0, len(every), chunk):
+            logits = _logits(every[i:i + chunk], table)
+            top = logits.amax(-1) if table.shape[0] else logits.new_full((len(logits),), -math.inf)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # every row is some rank's: finite
+            mine, index = _own_labels(every_labels[i:i + chunk], first, table.shape[0])
+            picked = logits.gather(-1, index[:, None]).squeeze(-1) if table.shape[0] else top
+            sums = torch.stack([(logits - top[:, None]).exp().sum(-1), torch.where(mine, picked, 0.0)])
+            dist.all_reduce(sums, group=group)
+            lse[i:i + chunk], target[i:i + chunk] = sums[0].log() + top, sums[1]
+        # One chunk (training.chunked_loss off): keep its softmax for the backward, as the whole
+        # logits' cross-entropy keeps its own, instead of computing the logits again there.
+        ctx.probs = logits.sub_(lse[:, None]).exp_() if chunk >= len(every) and ctx.needs_input_grad[0] else None
+        loss = torch.where(every_labels == IGNORE, 0.0, lse - target)
+        ctx.save_for_backward(every, every_labels, lse)
+        ctx.weight, ctx.chunk, ctx.longest, ctx.own = weight, chunk, longest, own
+        start = dist.get_rank(group) * longest
+        return loss[start:start + own]
+
+    @staticmethod
+    def backward(ctx, grad):
+        every, every_labels, lse = ctx.saved_tensors
+        table, first, group = _local(ctx.weight)
+        grads, _, _ = _gather(grad.float().contiguous(), group)
+        grads = torch.where(every_labels == IGNORE, 0.0, grads)
+        d_states = torch.zeros(every.shape, dtype=torch.float32, device=every.device)
+        if table.shape[0]:
+            for i in range(0, len(every), ctx.chunk):
+                probs = ctx.probs if ctx.probs is not None else \
+                    (_logits(every[i:i + ctx.chunk], table) - lse[i:i + ctx.chunk, None]).exp()
+                mine, index = _own_labels(every_labels[i:i + ctx.chunk], first, table.shape[0])
+                probs[mine, index[mine]] -= 1.0
+                d_states[i:i + ctx.chunk] = (probs * grads[i:i + ctx.chunk, None]).to(table.dtype).matmul(table).float()
+        ctx.probs = None
+        own = _scatter_sum(d_states, ctx.longest, ctx.own, group)
+        return own.to(every.dtype), None, None, None
+
+
+def _logits(states: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return F.linear(states.to(table.dtype), table).float()
+
+
+def _own_labels(labels: torch.Tensor, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which labels fall in this rank's rows, their index there; 0 elsewhere)."""
+    mine = (labels >= first) & (labels < first + n)
+    return mine, torch.where(mine, labels - first, 0)
+
+
+class Loss:
+    """objectives/tokens.py's fused loss hook (Liger's calling convention) over the split table:
+    per-token cross-entropy; `chunk` (training.chunked_loss's tokens, 0: all at once) x N gathered
+    tokens' logits a chunk, as many as `chunk` tokens' whole logits."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+
+    def __call__(self, states, weight, target, bias=None, ignore_index=IGNORE, reduction="none"):
+        assert bias is None and ignore_index == IGNORE and reduction == "none"
+        return _CrossEntropy.apply(states, weight, target, self.chunk)
