@@ -107,7 +107,7 @@ def fused_loss(spec, device: torch.device) -> Callable | None:
     """Liger's `liger_fused_linear_cross_entropy`, or None (raytrain's own loss). Taken under
     training.chunked_loss auto (true or a number asks for raytrain's chunks) where the output layer is
     whole at the loss (fsdp2 or ddp without tensor parallelism: objectives/tokens.py applies it after
-    the forward) and the objective scores vocabulary logits at temperature 1 (not a reward model's one
+    the forward; where fsdp2 split a frozen one by rows, strategies/vocab_parallel.py's loss runs) and the objective scores vocabulary logits at temperature 1 (not a reward model's one
     score, not GRPO's tempered log-probs)."""
     t = spec.training
     if device.type != "cuda" or t.chunked_loss != "auto" or t.strategy == "zero3" or spec.scaling.tensor_parallel > 1 \
