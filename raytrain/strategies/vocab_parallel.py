@@ -94,17 +94,20 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _gather(x: torch.Tensor, group, pad_value=0) -> tuple[torch.Tensor, int, int]:
-    """Every rank's `x` (rows of dim 0) stacked rank by rank, each padded to the longest: (the
-    stack, that length, this rank's own length)."""
-    n = torch.tensor([x.shape[0]], device=x.device)
-    sizes = [torch.empty_like(n) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, n, group=group)
-    longest = int(max(s.item() for s in sizes))
+def most_rows(n: int, device: torch.device, group) -> int:
+    """The most rows any rank has (this rank has `n`): one small all-gather, read on the host."""
+    count = torch.tensor([n], device=device)
+    sizes = torch.empty(dist.get_world_size(group), dtype=count.dtype, device=device)
+    _all_gather(sizes, count, group=group)
+    return int(sizes.max().item())  # host: the padded length sizes the next tensors (once a lookup, once a loss)
+
+
+def _gather(x: torch.Tensor, longest: int, group, pad_value=0) -> torch.Tensor:
+    """Every rank's `x` (rows of dim 0) stacked rank by rank, each padded to `longest` rows."""
     padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, longest - x.shape[0]), value=pad_value) if longest > x.shape[0] else x
-    out = x.new_empty((longest * len(sizes), *x.shape[1:]))
+    out = x.new_empty((longest * dist.get_world_size(group), *x.shape[1:]))
     _all_gather(out, padded.contiguous(), group=group)
-    return out, longest, x.shape[0]
+    return out
 
 
 def _scatter_sum(parts: torch.Tensor, longest: int, own: int, group) -> torch.Tensor:
@@ -117,12 +120,14 @@ def _scatter_sum(parts: torch.Tensor, longest: int, own: int, group) -> torch.Te
 def lookup(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """The embedding of `ids` from rows split over the ranks (a collective: every rank calls it)."""
     table, first, group = _local(module.weight)
-    every, longest, own = _gather(ids.reshape(-1), group, pad_value=-1)
+    ids_ = ids.reshape(-1)
+    most = most_rows(len(ids_), ids.device, group)
+    every = _gather(ids_, most, group, pad_value=-1)
     inside = (every >= first) & (every < first + table.shape[0])
     index = torch.where(inside, every - first, 0)
     found = F.embedding(index, table) if table.shape[0] else table.new_zeros(len(every), table.shape[1])
     found = found * inside.unsqueeze(-1).to(found.dtype)
-    return _scatter_sum(found, longest, own, group).view(*ids.shape, table.shape[1])
+    return _scatter_sum(found, most, len(ids_), group).view(*ids.shape, table.shape[1])
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -132,8 +137,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states, weight, labels, chunk):
         table, first, group = _local(weight)
-        every, longest, own = _gather(states.detach(), group)
-        every_labels, _, _ = _gather(labels, group, pad_value=IGNORE)
+        most, own = most_rows(len(states), states.device, group), len(states)
+        every, every_labels = _gather(states.detach(), most, group), _gather(labels, most, group, pad_value=IGNORE)
         chunk = chunk * dist.get_world_size(group) if chunk else len(every)  # as many logits a chunk as unsplit
         lse = torch.empty(len(every), dtype=torch.float32, device=states.device)
         target = torch.empty_like(lse)
@@ -151,15 +156,15 @@ class _CrossEntropy(torch.autograd.Function):
         ctx.probs = logits.sub_(lse[:, None]).exp_() if chunk >= len(every) and ctx.needs_input_grad[0] else None
         loss = torch.where(every_labels == IGNORE, 0.0, lse - target)
         ctx.save_for_backward(every, every_labels, lse)
-        ctx.weight, ctx.chunk, ctx.longest, ctx.own = weight, chunk, longest, own
-        start = dist.get_rank(group) * longest
+        ctx.weight, ctx.chunk, ctx.longest, ctx.own = weight, chunk, most, own
+        start = dist.get_rank(group) * most
         return loss[start:start + own]
 
     @staticmethod
     def backward(ctx, grad):
         every, every_labels, lse = ctx.saved_tensors
         table, first, group = _local(ctx.weight)
-        grads, _, _ = _gather(grad.float().contiguous(), group)
+        grads = _gather(grad.float().contiguous(), ctx.longest, group)
         grads = torch.where(every_labels == IGNORE, 0.0, grads)
         d_states = torch.zeros(every.shape, dtype=torch.float32, device=every.device)
         if table.shape[0]:
