@@ -28,7 +28,7 @@ from pathlib import Path
 from . import masks, nf4_layout
 from .config import JobSpec
 from .model_facts import DTYPE_BYTES, ModelFacts, read_facts
-from .plan import RunPlan, splits_vocabulary
+from .plan import RunPlan, frozen_head_apart, splits_vocabulary
 from .rl.spec import ENGINE_RUNTIME_CPU_GIB, engine_kv_bytes, reward_model_base, reward_model_bytes
 from .strategies import deepspeed_config
 
@@ -143,14 +143,10 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     vocab, d = facts.dim("vocab_size", default=0), facts.dim("hidden_size", "n_embd", "d_model", default=0)
     tied = facts.config.get("tie_word_embeddings", True)
     table = "the output layer" + (", tied to the embedding" if tied else "")
-    # strategies/fsdp2.py keeps a frozen output layer outside FSDP2 where it computes in the dtype it is
-    # loaded in (bf16 compute: bf16 weights, not fp16) and is not offloaded (FSDP2Strategy._ignored):
-    # split by rows over the ranks where plan.splits_vocabulary allows, else whole on every rank (the
-    # other ranks' rows on top of its share).
-    whole_head = t.strategy == "fsdp2" and t.adapters and not spec.scores and \
-        (spec.model.dtype == "bfloat16" or c == 4) and \
-        not (spec.scaling.use_gpu and (off.params or off.optimizer))
-    if whole_head and P > 1:
+    # strategies/fsdp2.py keeps a frozen output layer outside FSDP2 (plan.frozen_head_apart): split by
+    # rows over the ranks where plan.splits_vocabulary allows, else whole on every rank (the other
+    # ranks' rows on top of its share).
+    if frozen_head_apart(spec) and P > 1:
         head = "frozen output layer" + (" (tied to the embedding)" if tied else "")
         if splits_vocabulary(spec, workers):  # strategies/vocab_parallel.py: each rank its rows, none gathered
             out.device.append(Term(f"{head} split by rows over the ranks", f"{vocab}·{d} × {w} B / {P}, in the "

@@ -148,18 +148,24 @@ def compiles(spec: JobSpec) -> bool:
     return t.strategy != "zero3" and spec.scaling.model_parallel == 1 and not spec.rl and t.finetune != "qlora"
 
 
-def splits_vocabulary(spec: JobSpec, workers: int) -> bool:
-    """Where fsdp2 splits a frozen output layer (and the lookup tied to it) by rows over the ranks
-    (strategies/vocab_parallel.py) rather than keeping it whole on each: adapters (the layer does not
-    train) on one flat mesh of more than one rank, no tensor parallelism, the loss through the
-    token objectives at temperature 1 (not a reward model's score head, not GRPO's rollouts), the
-    table computing in the dtype it is loaded in (FSDP2 casts only what it manages) and not
-    offloaded. The model may still decline (`vocab_parallel.tables`: a bias, a scaled lookup)."""
+def frozen_head_apart(spec: JobSpec) -> bool:
+    """Where fsdp2 keeps a frozen output layer outside its units (FSDP2Strategy._ignored reads the same
+    of the model): adapters (the layer does not train; not a reward model's score head), the table
+    computing in the dtype it is loaded in (FSDP2 casts only what it manages), not offloaded."""
     t, plan = spec.training, RunPlan.of(spec)
-    shape = plan.mesh_shape(workers) if t.strategy == "fsdp2" else (1,)
-    return (t.strategy == "fsdp2" and t.adapters and len(shape) == 1 and shape[0] > 1 and plan.tensor_parallel == 1
-            and not spec.scores and not spec.rl and (not plan.bf16 or spec.model.dtype == "bfloat16")
+    return (t.strategy == "fsdp2" and t.adapters and not spec.scores and (not plan.bf16 or spec.model.dtype == "bfloat16")
             and not (spec.scaling.use_gpu and (t.offload.params or t.offload.optimizer)))
+
+
+def splits_vocabulary(spec: JobSpec, workers: int) -> bool:
+    """Where that frozen output layer (and the lookup tied to it) is split by rows over the ranks
+    (strategies/vocab_parallel.py) rather than kept whole on each: one flat mesh of more than one
+    rank, no tensor parallelism, the loss through the token objectives at temperature 1 (not GRPO's
+    rollouts and tempered log-probs). The model may still decline (`vocab_parallel.tables`: a bias, a
+    scaled lookup)."""
+    plan = RunPlan.of(spec)
+    shape = plan.mesh_shape(workers) if spec.training.strategy == "fsdp2" else (1,)
+    return frozen_head_apart(spec) and len(shape) == 1 and shape[0] > 1 and plan.tensor_parallel == 1 and not spec.rl
 
 
 def model_parallel_problems(config: dict, sp: int, tp: int) -> list[tuple[str, str, str]]:

@@ -77,7 +77,7 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     from raytrain.data.order import rank_slice
     from raytrain.plan import RunPlan
     from raytrain.preemption import StopSignals
-    from raytrain.strategies import build_strategy
+    from raytrain.strategies import build_strategy, vocab_parallel
 
     torch.manual_seed(0)
     plan = RunPlan.of(spec)
@@ -89,8 +89,6 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     objective = objectives.build(spec)
     losses, norms, rewards = [], [], []
     head = getattr(strategy.hf_model.get_output_embeddings(), "weight", None)  # None: a reward model's
-    from raytrain.strategies import vocab_parallel
-
     layout = "rows" if vocab_parallel.is_split(strategy.hf_model) else "sharded" if hasattr(head, "device_mesh") else "whole"
     output_layer = head is not None and (layout, head is strategy.hf_model.get_input_embeddings().weight)
     with open("/proc/self/clear_refs", "w") as f:

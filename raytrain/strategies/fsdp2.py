@@ -108,9 +108,8 @@ class FSDP2Strategy(TorchStrategy):
         head = modeling.frozen_output_weight(model)
         if head is None or head in ignored or cpu_offload or (self.compute_bf16 and head.dtype != torch.bfloat16):
             return ignored, False
-        if splits_vocabulary(self.spec, self.world_size) and vocab_parallel.tables(model):
-            return ignored | vocab_parallel.split(model, dp_mesh), modeling.tied(model)
-        return ignored | {head}, modeling.tied(model)
+        split = vocab_parallel.split(model, dp_mesh) if splits_vocabulary(self.spec, self.world_size) else set()
+        return ignored | (split or {head}), modeling.tied(model)
 
     def device_meshes(self):
         """(FSDP2's mesh, the tp mesh or None) as `RunPlan.mesh_shape` lays the ranks out: one flat

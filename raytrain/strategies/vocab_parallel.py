@@ -59,14 +59,13 @@ def rows(vocab: int, ranks: int, rank: int) -> tuple[int, int]:
 
 def split(model: nn.Module, mesh) -> set[nn.Parameter]:
     """Replace the tables of `tables(model)` (on meta) by row-split DTensors over `mesh` (1-D), one
-    Parameter where they were tied; returns the new parameters, for FSDP2 to leave alone. The
-    lookup's forward becomes `lookup`; the loss is `Loss`."""
-    found = tables(model)
+    Parameter where they were tied; returns the new parameters, for FSDP2 to leave alone (none where
+    the model declines). The lookup's forward becomes `lookup`; the loss is `Loss`."""
     new: dict[int, nn.Parameter] = {}
-    for module in found:
+    for module in tables(model):
         w = module.weight
         if id(w) not in new:
-            first, n = rows(w.shape[0], mesh.size(), mesh.get_local_rank())
+            _, n = rows(w.shape[0], mesh.size(), mesh.get_local_rank())
             local = torch.empty(n, w.shape[1], dtype=w.dtype, device="meta")
             new[id(w)] = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape,
                                                          stride=w.stride()), requires_grad=False)
