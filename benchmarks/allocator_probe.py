@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 def rss() -> tuple[int, int]:
     """(resident, peak resident) MiB of this process, as the product's start-up record reads them."""
-    from raytrain.timeline import host_memory_mb
+    from raytrain.tracking.timeline import host_memory_mb
 
     return tuple(round(x) for x in host_memory_mb())
 
@@ -36,11 +36,13 @@ def case(rank: int, world: int, device, job_json: str) -> list[dict]:
     import mesh_cases
     import torch.distributed as dist
 
-    from raytrain import loop, modeling, objectives
-    from raytrain.config import JobSpec
+    from raytrain.train import loop
+    from raytrain.model import modeling
+    from raytrain import objectives
+    from raytrain.job.spec import JobSpec
     from raytrain.data.batches import micro_batches
-    from raytrain.plan import RunPlan
-    from raytrain.preemption import StopSignals
+    from raytrain.job.plan import RunPlan
+    from raytrain.train.preemption import StopSignals
     from raytrain.strategies import build_strategy
 
     torch.set_num_threads(1)
@@ -75,7 +77,7 @@ if __name__ == "__main__":
     import local_run
 
     from benchmarks import allocator_probe
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
 
     data = ROOT / "benchmarks" / ".cache" / "base-8000" / "text.jsonl"
     spec = JobSpec.model_validate({

@@ -30,7 +30,7 @@ def make_train_func(ckpt: str | None, ckpt_log: str | None, probe_log: str | Non
         import ray.train
         import torch
 
-        from raytrain import worker
+        from raytrain.train import worker
 
         if torch_threads:  # after raytrain's own sizing (worker.train_func) would be too late: patch it
             torch.set_num_threads = lambda _n, _set=torch.set_num_threads: _set(torch_threads)
@@ -63,13 +63,13 @@ def main() -> None:
         import cloudpickle
 
         from benchmarks import ckpt_timing, probe
-        from raytrain import worker
+        from raytrain.train import entry
 
         # Shipped to the workers by value: they need not find the benchmarks folder on their path.
         for module in (ckpt_timing, probe):
             cloudpickle.register_pickle_by_value(module)
-        worker.train_func = make_train_func(args.ckpt, args.ckpt_log, args.probe_log, args.blocking_check,
-                                            args.torch_threads)  # read by launcher.build_trainer
+        entry.train_func = entry.with_secrets(make_train_func(args.ckpt, args.ckpt_log, args.probe_log,
+                                                              args.blocking_check, args.torch_threads))  # read by build_trainer
     from raytrain.cli import entry
 
     step_log = os.environ.get("BENCH_STEP_LOG")  # harness.run_arm: the steps are timed from raytrain's sample log

@@ -19,7 +19,7 @@ import time
 
 
 def install(mode: str, log_dir: str) -> None:
-    import raytrain.checkpoint as ck
+    import raytrain.rundir.checkpoints as ck
 
     assert mode == "timed", mode
     timings: dict[str, float] = {}

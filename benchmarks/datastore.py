@@ -29,14 +29,15 @@ def _read_bytes() -> int:
 def d(s: h.Setting) -> dict:
     import ray
 
-    from raytrain.config import JobSpec
-    from raytrain.data import DataPosition, encode_row
+    from raytrain.job.spec import JobSpec
+    from raytrain.data import encode_row
+    from raytrain.rundir.checkpoints import DataPosition
     from raytrain.data.batches import open_data
     from raytrain.data.prepare import ensure_store
     from raytrain.data.sources import list_sources, plan_units, read_unit
     from raytrain.demo_assets import text_rows, write_jsonl
-    from raytrain.modeling import load_tokenizer
-    from raytrain.plan import RunPlan
+    from raytrain.model.hub import load_tokenizer
+    from raytrain.job.plan import RunPlan
 
     h.header("D token store: reads per rank, re-tokenization, resume seek, prepare throughput", s)
     model, _ = h.assets(s)

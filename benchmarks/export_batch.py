@@ -16,8 +16,8 @@ from . import memory as m
 
 
 def main(argv: list[str]) -> None:
-    from raytrain import signing
-    from raytrain.config import JobSpec
+    from raytrain.rundir import signing
+    from raytrain.job.spec import JobSpec
 
     s = h.SETTINGS["quick"]
     model, (_, data) = m.smollm2_shape(s), h.assets(s)

@@ -27,10 +27,11 @@ def _checkpoint(root: Path, hidden: int, layers: int, vocab: int, split: bool) -
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from raytrain import demo_assets, signing, storage
-    from raytrain.checkpoint import RAY_SNAPSHOT, STATE_FILE
-    from raytrain.config import JobSpec
-    from raytrain.export import write_job_file
+    from raytrain import demo_assets
+    from raytrain.rundir import signing, storage
+    from raytrain.rundir.checkpoints import RAY_SNAPSHOT, STATE_FILE
+    from raytrain.job.spec import JobSpec
+    from raytrain.rundir.job_file import write_job_file
     from raytrain.strategies.dcp_files import SplitWriter
 
     model_dir = root / "model"
@@ -60,7 +61,8 @@ def _checkpoint(root: Path, hidden: int, layers: int, vocab: int, split: bool) -
 
 def _export_before(spec, checkpoint, directory: str) -> None:
     """e098762^'s write_full_from_checkpoint: a DCP load (and a metadata parse) per tensor."""
-    from raytrain import modeling
+    from raytrain.model import modeling
+    from raytrain.model import hub
     from raytrain.strategies import hf_files
     from raytrain.strategies.dcp_files import read_checkpoint
     from raytrain.strategies.hf_files import export_entries, write_full_export
@@ -74,12 +76,13 @@ def _export_before(spec, checkpoint, directory: str) -> None:
             read_checkpoint({"model": {key: value}}, checkpoint)  # a new reader each time, as before
             yield key, value
 
-    write_full_export(spec, model, one_at_a_time(), entries, directory, modeling.load_tokenizer(spec), rank=0,
+    write_full_export(spec, model, one_at_a_time(), entries, directory, hub.load_tokenizer(spec), rank=0,
                       world_size=1)
 
 
 def _measure(spec, step: Path, arm: str) -> tuple[float, int]:
-    from raytrain import export, signing
+    from raytrain.train import export
+    from raytrain.rundir import signing
 
     with tempfile.TemporaryDirectory() as out, signing.SignedCheckpoint(str(step), spec.run_dir, step.name) as ckpt:
         start = time.perf_counter()

@@ -114,7 +114,7 @@ def make_assets(a: argparse.Namespace, work: Path, device) -> tuple[Path, Path]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the cases' processes get the whole GPU
         tmp.rename(model)
-        from raytrain.memory import size as memory_size
+        from raytrain.validate.memory import size as memory_size
 
         print(f"[bench] generated {model.name}: {memory_size(sum(f.stat().st_size for f in model.glob('*.safetensors')))} "
               f"of bf16 safetensors in {time.perf_counter() - started:.0f}s", flush=True)
@@ -127,7 +127,7 @@ def make_assets(a: argparse.Namespace, work: Path, device) -> tuple[Path, Path]:
 
 
 def job(a: argparse.Namespace, case: str, model: Path, data: Path, work: Path):
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
 
     strategy, finetune = case.split("-")
     gpu = not a.cpu
@@ -154,8 +154,10 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
     import torch
 
     import local_run as lr
-    from raytrain import memory, model_facts, telemetry
-    from raytrain.config import JobSpec
+    from raytrain.validate import memory
+    from raytrain.model.facts import read_facts
+    from raytrain.train import telemetry
+    from raytrain.job.spec import JobSpec
     from raytrain.strategies import build_strategy
 
     spec = JobSpec.model_validate_json(spec_json)
@@ -189,7 +191,7 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
     seconds = ends[-1] - ends[warmup - 1]
     tokens_per_s = steps * spec.training.global_batch_size * spec.sequences_per_row * spec.data.seq_len / seconds
     peak = flops.peak
-    estimate = memory.estimate(spec, model_facts.read_facts(Path(model)), world)
+    estimate = memory.estimate(spec, read_facts(Path(model)), world)
     out = {
         "case": f"{spec.training.strategy}-{spec.training.finetune}", "world": world,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -242,7 +244,7 @@ def fmt(v, spec: str, none: str = "n/a") -> str:
 
 
 def size(gib: float | None) -> str:
-    from raytrain.memory import size as memory_size
+    from raytrain.validate.memory import size as memory_size
 
     return "n/a" if gib is None else memory_size(gib * 2**30)
 

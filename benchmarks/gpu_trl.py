@@ -33,7 +33,7 @@ def run(a, case: str, model: Path, data: Path, work: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from raytrain import telemetry
+    from raytrain.train import telemetry
 
     finetune = case.split("-", 1)[1]
     cuda = not a.cpu

@@ -62,8 +62,8 @@ def estimate_mb(job_folder: Path) -> dict:
     worker: its host memory, the process itself included)."""
     import yaml
 
-    from raytrain import memory, preflight
-    from raytrain.config import JobSpec
+    from raytrain.validate import memory, preflight
+    from raytrain.job.spec import JobSpec
 
     spec = JobSpec.model_validate(yaml.safe_load((job_folder / "job.yaml").read_text()))
     est = memory.estimate(spec, preflight.model_facts(spec), spec.scaling.num_workers)
@@ -76,8 +76,8 @@ def dpo(real: Path, folder: Path, env: dict) -> None:
     estimate (goal 0.8 to 1.2)."""
     import yaml
 
-    from raytrain import memory, preflight
-    from raytrain.config import JobSpec
+    from raytrain.validate import memory, preflight
+    from raytrain.job.spec import JobSpec
 
     r = run_job("dpo-smollm2", real, h.CACHE / "base-8000" / "pairs.jsonl", "lora", env, folder, objective="dpo",
                 seq_len=1024, steps=2)

@@ -124,7 +124,7 @@ def committed_folders(folder: Path) -> list[str]:
     both ranks' shards, train_state.json, and registered in Ray Train's run snapshot."""
     import json
 
-    from raytrain.checkpoint import RAY_SNAPSHOT
+    from raytrain.rundir.checkpoints import RAY_SNAPSHOT
 
     out = []
     for step in sorted((folder / "runs").glob("*/step_*")):
@@ -141,8 +141,9 @@ def committed_folders(folder: Path) -> list[str]:
 # ---------------------------------------------------------------- P6
 def p6(s: h.Setting) -> dict:
     h.header("P6 peak memory per rank / raytrain.memory formula", s)
-    from raytrain import memory, model_facts
-    from raytrain.config import JobSpec
+    from raytrain.validate import memory
+    from raytrain.model.facts import read_facts
+    from raytrain.job.spec import JobSpec
 
     s = h.with_overrides(s, steps=3, warmup=0)
     # A model 8x P1's, so that its weights show above the runtime; on CPU each mode also runs a
@@ -158,7 +159,7 @@ def p6(s: h.Setting) -> dict:
         over = {"training": {"finetune": mode, "lora": {"rank": 8, "alpha": 16}}}
         r = raytrain_arm(s, f"p6-{arm}", path, data, probe=True, **over)
         spec = JobSpec.model_validate(h.job(s, "p6", Path("/tmp"), path, data, **over))
-        estimate[arm] = memory.estimate(spec, model_facts.read_facts(path), s.workers)
+        estimate[arm] = memory.estimate(spec, read_facts(path), s.workers)
         ranks = {rank: p[key] * 2**30 for rank, p in sorted(r["probe"].items())}
         measured[arm].append(ranks)
         print(f"    {arm}: peak {'allocated' if s.gpu else 'RSS'} per rank " +

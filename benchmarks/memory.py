@@ -57,8 +57,8 @@ def measure(config: dict) -> None:
     import ray.train
     import torch
 
-    from raytrain import modeling
-    from raytrain.config import JobSpec
+    from raytrain.model import modeling
+    from raytrain.job.spec import JobSpec
     from raytrain.strategies import build_strategy
 
     torch.set_num_threads(1)
@@ -104,14 +104,14 @@ def export_peak(config: dict) -> None:
     import ray.train
     import torch
 
-    from raytrain import modeling
-    from raytrain.config import JobSpec
+    from raytrain.model import hub
+    from raytrain.job.spec import JobSpec
     from raytrain.strategies import build_strategy
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate(config["job"])
     strategy = build_strategy(spec, torch.device("cpu"))
-    tokenizer = modeling.load_tokenizer(spec) if strategy.rank == 0 else None  # as worker.export: rank 0's
+    tokenizer = hub.load_tokenizer(spec) if strategy.rank == 0 else None  # as worker.export: rank 0's
     with tempfile.TemporaryDirectory() as tmp:
         before = _reset_peak()
         strategy.export(tmp, tokenizer)
@@ -151,13 +151,15 @@ def export_cli_peak(run_dir: str, out: str, batch_bytes: int | None = None) -> d
     import subprocess
 
     code = ("import json, sys, time\n"
-            "from raytrain import export, modeling\n"
+            "from raytrain.model import modeling\n"
+            "from raytrain.rundir.job_file import read_job_file\n"
+            "from raytrain.train import export\n"
             "import transformers, torch, torch.distributed.checkpoint\n"
             "def status(f):\n"
             "    return int(next(l for l in open('/proc/self/status') if l.startswith(f + ':')).split()[1]) * 1024\n"
             + (f"export.BATCH_BYTES = {batch_bytes}\n" if batch_bytes is not None else "") +
             "bare = status('VmRSS')\n"
-            f"modeling.load_model(export.read_job_file({run_dir!r}), on_meta=True)\n"
+            f"modeling.load_model(read_job_file({run_dir!r}), on_meta=True)\n"
             "base, began = status('VmRSS'), time.time()\n"
             f"export.export_checkpoint({run_dir!r}, {out!r})\n"
             "print(json.dumps({'bare': bare, 'base': base, 'peak': status('VmHWM'), 's': time.time() - began}))\n")
@@ -171,9 +173,9 @@ def full_checkpoint(spec, model: Path, folder: Path) -> str:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from raytrain import signing
-    from raytrain.checkpoint import RAY_SNAPSHOT, STATE_FILE
-    from raytrain.export import write_job_file
+    from raytrain.rundir import signing
+    from raytrain.rundir.checkpoints import RAY_SNAPSHOT, STATE_FILE
+    from raytrain.rundir.job_file import write_job_file
 
     write_job_file(spec)
     step = Path(spec.run_dir) / "step_00000001"
@@ -200,8 +202,8 @@ def m1u_m5(s: h.Setting) -> dict:
     gib, result = 1 << 30, {}
     try:
         ray.init(address="local", num_cpus=s.workers + 1, include_dashboard=False, log_to_driver=False)
-        from raytrain import signing
-        from raytrain.config import JobSpec
+        from raytrain.rundir import signing
+        from raytrain.job.spec import JobSpec
 
         signing.ensure_key()
         for name, model in models.items():
@@ -252,9 +254,9 @@ def restore_reads(config: dict) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from raytrain import signing
-    from raytrain.checkpoint import sign
-    from raytrain.config import JobSpec
+    from raytrain.rundir import signing
+    from raytrain.train.checkpoint import sign
+    from raytrain.job.spec import JobSpec
     from raytrain.strategies import build_strategy
 
     torch.set_num_threads(1)
@@ -289,8 +291,9 @@ def zero3_load(spec, how: str) -> dict:
     from transformers import AutoConfig
     from transformers.integrations import HfDeepSpeedConfig
 
-    from raytrain import modeling
-    from raytrain.strategies import deepspeed_config, zero3
+    from raytrain.model import modeling
+    from raytrain.job import deepspeed_config
+    from raytrain.strategies import zero3
 
     zero3.init_deepspeed_comm()
     hidden = AutoConfig.from_pretrained(spec.model.path).hidden_size
@@ -379,9 +382,9 @@ def m(s: h.Setting) -> dict:
                   f"with 1 {worst['step_peak_1'] / gib:.2f} GiB = ratio {ratio:.3f} (the step's own rise: "
                   f"{worst['step_rise_4'] / gib:.2f} vs {worst['step_rise_1'] / gib:.2f} GiB)")
 
-        from raytrain.config import JobSpec
-        from raytrain.memory import RUNTIME_CPU, estimate
-        from raytrain.model_facts import read_facts
+        from raytrain.job.spec import JobSpec
+        from raytrain.validate.memory import RUNTIME_CPU, estimate
+        from raytrain.model.facts import read_facts
 
         for strategy, finetune in (("fsdp2", "lora"), ("fsdp2", "full"), ("zero3", "lora"), ("zero3", "full")):
             job = h.job(s, f"m3-{strategy}-{finetune}", folder / "runs", model, data,
@@ -395,7 +398,7 @@ def m(s: h.Setting) -> dict:
             print(f"M3 {strategy} {finetune:4s}: measured peak of a step above the bare process {measured / gib:.2f} GiB "
                   f"/ estimate {predicted.total / gib:.2f} GiB = {ratio:.2f}  ({predicted.arithmetic()})")
 
-        from raytrain import signing
+        from raytrain.rundir import signing
 
         signing.ensure_key()  # as `raytrain run` does: the workers here sign and verify with the key file
         small, _ = h.assets(s, hidden=hidden // 2, layers=layers)  # a full checkpoint is 12 B a parameter

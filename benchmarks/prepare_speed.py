@@ -30,8 +30,8 @@ SOURCE_ROWS = 200_000
 CPUS = 2
 QUICKSTART = """
 import json, sys, time, yaml, ray
-import raytrain.launcher  # what the driver of `raytrain run` has imported when it prepares (torch among it)
-from raytrain.config import JobSpec
+import raytrain.driver.launcher  # what the driver of `raytrain run` has imported when it prepares
+from raytrain.job.spec import JobSpec
 from raytrain.data.prepare import ensure_inputs
 raw = yaml.safe_load(open(sys.argv[1]))
 raw["model"]["path"], raw["data"]["path"] = sys.argv[2] + "/model", sys.argv[2] + "/text.jsonl"
@@ -102,11 +102,11 @@ def plain_and_batch(spec, data: Path, out: Path, tok) -> tuple[float, int, dict,
 def s5(s: h.Setting) -> dict:
     import ray
 
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
     from raytrain.data import prepare
     from raytrain.data.prepare import ensure_store
     from raytrain.demo_assets import make_all, text_rows, write_jsonl
-    from raytrain.modeling import load_tokenizer
+    from raytrain.model.hub import load_tokenizer
 
     h.header("S5 prepare speed: tokens/s per CPU vs the tokenizer's batch encoding; D5; the quickstart's prepare", s)
     rows = s.data_rows if s.name == "smoke" else int(os.environ.get("BENCH_PREPARE_ROWS", SOURCE_ROWS))

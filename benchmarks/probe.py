@@ -30,7 +30,7 @@ def _timed(fn, key: str):
 
 
 def install() -> None:
-    from raytrain import preemption
+    from raytrain.train import preemption
 
     # The loop holds the class; local() looks _local_preemption_info up on the module at each call.
     preemption.StopSignals.local = _timed(preemption.StopSignals.local, "stop_check_s")
@@ -59,7 +59,7 @@ def install_blocking_check() -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain import preemption
+    from raytrain.train import preemption
 
     def step_done(self, step, step_time, rank):
         flags = 0

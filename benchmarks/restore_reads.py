@@ -62,7 +62,7 @@ def _checkpoint(signing, root: Path, ranks: int, run_dir: str, before: bool) -> 
 
 
 def requests(signing, root: Path, ranks: int, before: bool) -> dict[str, int]:
-    from raytrain import storage
+    from raytrain.rundir import storage
 
     run_dir = str(root / "run")
     step = _checkpoint(signing, root, ranks, run_dir, before)
@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     ranks = sorted({4, 16, *args.ranks})
 
-    from raytrain import signing
+    from raytrain.rundir import signing
 
     os.environ[signing.KEY_ENV] = "benchmarks/restore_reads.py: a key for this process only"
     arms = {"before": _signing_before(), "after": signing}

@@ -179,7 +179,7 @@ def rollout_probe(argv: list[str]) -> None:
     import yaml
     from torch.distributed.fsdp import FSDPModule
 
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
     from raytrain.rl import sampling
     from raytrain.strategies import build_strategy
 
@@ -235,10 +235,10 @@ def rollout_probe(argv: list[str]) -> None:
     # loss, FSDP2's backward, clipping and AdamW; the rollout (`begin`) left out.
     import torch.nn.functional as F
 
-    from raytrain import loop
+    from raytrain.train import loop
     from raytrain.data import IGNORE
     from raytrain.objectives.grpo import GRPO
-    from raytrain.preemption import StopSignals
+    from raytrain.train.preemption import StopSignals
 
     grpo, width = GRPO(spec), spec.data.seq_len
     first = len(prompts[0])

@@ -115,7 +115,7 @@ def main() -> None:
 
     import ray
 
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
     from raytrain.data.prepare import ensure_inputs, ensure_store
     from raytrain.demo_assets import preference_rows, text_rows, write_jsonl
 

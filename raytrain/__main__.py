@@ -1,3 +1,3 @@
-from .cli import entry
+from raytrain.cli import entry
 
 entry()

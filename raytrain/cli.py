@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import preflight
-from .plan import RunPlan
-from .errors import JobError, user_message
+from raytrain.validate import preflight
+from raytrain.job.plan import RunPlan
+from raytrain.errors import JobError, user_message
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 # The checkout's jobs/ folder (setup-local.sh installs raytrain editable from it), found from the
@@ -98,7 +98,7 @@ def cmd_run(args) -> int:
     if code != EXIT_OK:
         return code
     spec, _ = preflight.check_job(args.job, args.overrides, probes=False)
-    from . import launcher
+    from raytrain.driver import launcher
 
     try:
         result = launcher.run(spec, address=getattr(args, "address", None), takeover=getattr(args, "takeover", False))
@@ -127,7 +127,7 @@ def cmd_prepare(args) -> int:
     if code != EXIT_OK:
         return code
     spec, _ = preflight.check_job(args.job, args.overrides, probes=False)
-    from . import launcher
+    from raytrain.driver import launcher
 
     try:
         prepared = launcher.prepare_data(spec, address=args.address)
@@ -140,7 +140,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from .demo_assets import make_all
+    from raytrain.demo_assets import make_all
 
     if not QUICKSTART_JOB.is_file():
         print(f"raytrain quickstart: {QUICKSTART_JOB} is not there: the quickstart runs from a checkout of raytrain "
@@ -153,7 +153,7 @@ def cmd_quickstart(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export_checkpoint
+    from raytrain.train.export import export_checkpoint
 
     try:
         used = export_checkpoint(args.run_dir, args.out, args.checkpoint)
@@ -165,7 +165,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_sync_metrics(args) -> int:
-    from .launcher import sync_metrics
+    from raytrain.driver.launcher import sync_metrics
 
     try:
         written, run_id = sync_metrics(args.run_dir)
@@ -189,7 +189,7 @@ def cmd_sync_metrics(args) -> int:
 
 
 def cmd_key(args) -> int:
-    from . import signing
+    from raytrain.rundir import signing
 
     signing.ensure_key()
     where = f"${signing.KEY_ENV}" if os.environ.get(signing.KEY_ENV) else signing.KEY_FILE
@@ -199,7 +199,7 @@ def cmd_key(args) -> int:
 
 
 def cmd_k8s(args) -> int:
-    from . import k8s
+    from raytrain.deploy import k8s
 
     return k8s.cmd_render(args)
 

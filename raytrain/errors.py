@@ -70,7 +70,7 @@ def forward_worker_stdout_only() -> None:
 
     if os.environ.get("RAYTRAIN_WORKER_STDERR") == "1":
         return
-    from .private_apis import stdstream_dispatcher
+    from raytrain.private_apis import stdstream_dispatcher
 
     dispatcher = stdstream_dispatcher()
     if dispatcher is None:  # another Ray layout: its default forwarding stays

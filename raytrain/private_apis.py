@@ -162,3 +162,40 @@ def _attribute_as(owner, name: str, value):
         yield
     finally:
         setattr(owner, name, saved)
+
+
+# --- Ray Train's trainer, built in a driver without torch -----------------------------------
+def torch_backend():
+    """Ray Train's torch process-group setup (`ray.train.torch.config._TorchBackend`), which its
+    public TorchConfig names: imported where it runs (the controller), never in the driver, for
+    `ray.train.torch` imports torch."""
+    from ray.train.torch.config import _TorchBackend
+
+    return _TorchBackend
+
+
+def torch_train_func_context():
+    """TorchConfig's context around the train function on each worker (it sets the CUDA device)."""
+    from ray.train.torch.config import TorchConfigContextManager
+
+    return TorchConfigContextManager
+
+
+def torch_framework():
+    """The framework Ray Train's state export names for TorchConfig."""
+    from ray.train.v2._internal.util import TrainingFramework
+
+    return TrainingFramework.TORCH
+
+
+def trainer_without_datasets(**kwargs):
+    """Ray Train v2's DataParallelTrainer less its datasets callback: Ray starts a DatasetManager actor
+    for every trainer, datasets or none, and a job that reads its token store itself has none."""
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    class Trainer(DataParallelTrainer):
+        def _create_default_callbacks(self):
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, DatasetsCallback)]
+
+    return Trainer(**kwargs)

@@ -96,7 +96,7 @@ def _throttle(seconds: float) -> None:
 
 def _run_logged(spec, log_dir: Path):
     from conftest import metric_history
-    from raytrain import launcher
+    from raytrain.driver import launcher
 
     spec = spec.model_copy(update={"data": spec.data.model_copy(update={"sample_log": str(log_dir)})})
     result = launcher.run(spec)
@@ -162,7 +162,7 @@ def _drain(cluster_address: str, node_id: str, deadline_s: int) -> None:
 
 def _latest_commit(spec) -> int | None:
     """The step of the latest committed checkpoint (raytrain's own definition), None before the first."""
-    from raytrain.export import latest_checkpoint
+    from raytrain.train.export import latest_checkpoint
 
     try:
         return int(Path(latest_checkpoint(spec.run_dir)).name.split("_")[-1])
@@ -310,8 +310,8 @@ def chaos_soak(args, root: Path, assets: Path) -> dict:
     from mlflow.tracking import MlflowClient
     from ray.cluster_utils import Cluster
 
-    from raytrain.control import actor_name
-    from raytrain.tracking import tracking_uri
+    from raytrain.driver.control import actor_name
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"  # see chaos_spot
     global _CLUSTER

@@ -49,7 +49,7 @@ FIELDS = {"sequence_parallel": "scaling.sequence_parallel", "tensor_parallel": "
 
 
 def options() -> dict[str, tuple]:
-    from raytrain.config import ModelSpec, TrainingSpec
+    from raytrain.job.spec import ModelSpec, TrainingSpec
 
     out: dict[str, tuple] = {}
     for name, field in TrainingSpec.model_fields.items():
@@ -111,8 +111,8 @@ def refusal(case: dict, models: dict, configs: dict) -> str | None:
     model's mesh rule: what `raytrain validate` says before its probes of the world."""
     from pydantic import ValidationError
 
-    from raytrain.config import JobSpec
-    from raytrain.plan import model_parallel_problems
+    from raytrain.job.spec import JobSpec
+    from raytrain.job.plan import model_parallel_problems
 
     try:
         JobSpec.model_validate(job(case, models, "/tmp/unused"))
@@ -244,7 +244,7 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
     import torch
     import varlen
 
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
 
     varlen.install()  # flash_attention_2 through transformers' integration, flash-attn's kernels in torch
     out = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raytrain.config import JobSpec
+from raytrain.job.spec import JobSpec
 from raytrain.demo_assets import make_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,7 +231,7 @@ def without_checkpoint(run_dir, step: int):
 def metric_history(spec: JobSpec, run_id: str, key: str = "loss") -> dict[int, float]:
     from mlflow.tracking import MlflowClient
 
-    from raytrain.tracking import tracking_uri
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     history = MlflowClient(tracking_uri(spec)).get_metric_history(run_id, key)
     return {m.step: m.value for m in history}

@@ -72,11 +72,12 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     checkpoint is committed after the last step, one more step is taken (`continued`), and a fresh
     strategy and objective restored from that checkpoint take the same step (`resumed`): each its
     (loss, grad norm)."""
-    from raytrain import loop, objectives
+    from raytrain.train import loop
+    from raytrain import objectives
     from raytrain.data.batches import micro_batches
     from raytrain.data.order import rank_slice
-    from raytrain.plan import RunPlan
-    from raytrain.preemption import StopSignals
+    from raytrain.job.plan import RunPlan
+    from raytrain.train.preemption import StopSignals
     from raytrain.strategies import build_strategy, vocab_parallel
 
     torch.manual_seed(0)
@@ -118,7 +119,7 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     out = {"losses": losses, "grad_norms": norms, "rewards": rewards, "means": result.means,
            "loaded_by": getattr(strategy, "loaded_by", "whole"), "output_layer": output_layer, "step_peak_mb": peak, "gathered_to_writer_only": gathered}
     if resume:  # the job's own commit and restore (tests/gpu/local_run.py), as a restarted worker group does
-        from raytrain.checkpoint import TrainState
+        from raytrain.rundir.checkpoints import TrainState
 
         local_run.commit_here(strategy, TrainState(step=steps, model_commit=spec.model.revision), {})
         continued = take(strategy, objective, steps)
@@ -176,7 +177,7 @@ def grpo_rows(model: str, rows: int, seq: int = SEQ) -> np.ndarray:
     """GRPO's rows as the store gives them: the demo prompts and their columns (data/prompts.py)."""
     from transformers import AutoTokenizer
 
-    from raytrain.config import DataSpec
+    from raytrain.job.spec import DataSpec
     from raytrain.data.prompts import encode_prompts
     from raytrain.demo_assets import prompt_rows
 
@@ -194,7 +195,7 @@ def grpo_rows(model: str, rows: int, seq: int = SEQ) -> np.ndarray:
 def job(model: str, storage: str, sp: int = 1, tp: int = 1, finetune: str = "full", objective: str = "sft",
         workers: int = 4, attn: str = "sdpa", strategy: str = "fsdp2", seq: int = SEQ, batch: int = 8,
         grpo: dict | None = None):
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
 
     rl = {"grpo": {**GRPO, **(grpo or {})}} if objective == "grpo" else {}
     return JobSpec.model_validate({

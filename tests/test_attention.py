@@ -17,7 +17,8 @@ import torch
 
 import families
 import varlen
-from raytrain import attention, kernels, masks
+from raytrain.model import attention, kernels
+from raytrain.job import masks
 
 varlen.install()
 IMPLEMENTATIONS = masks.IMPLEMENTATIONS
@@ -154,7 +155,7 @@ def test_flash_on_a_worker_without_flash_attn_is_one_clear_error(assets, tmp_pat
     from transformers.modeling_utils import PreTrainedModel
 
     from conftest import make_job
-    from raytrain import modeling
+    from raytrain.model import modeling
     from raytrain.errors import JobError
 
     monkeypatch.setattr(PreTrainedModel, "_flash_attn_can_dispatch", varlen.dispatch_check())

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import metric_history
-from raytrain.config import JobSpec
+from raytrain.job.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

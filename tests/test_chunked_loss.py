@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from raytrain.config import JobSpec
+from raytrain.job.spec import JobSpec
 from raytrain.data import IGNORE
 from raytrain.objectives import Hidden, sequence_logps, targets_of, token_loss
 
@@ -65,7 +65,7 @@ def test_liger_fused_loss_is_called_as_it_takes_its_arguments_and_only_on_cuda(a
     states and the output layer as its function takes them: the whole logits' losses, gradients and
     per-sequence log-probs. Never on CPU workers."""
     from conftest import make_job
-    from raytrain import kernels
+    from raytrain.model import kernels
 
     states, head, labels = problem()
     targets = targets_of(labels)
@@ -83,7 +83,7 @@ def test_liger_block_kernels_run_only_where_cuda_blocks_stay_eager_and_whole(ass
     where the blocks are not compiled (inductor fuses those ops itself) and not under tensor
     parallelism (DTensor norms); a CPU worker's model is never patched."""
     from conftest import make_job
-    from raytrain import kernels
+    from raytrain.model import kernels
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     spec = make_job(assets, tmp_path)
@@ -172,7 +172,7 @@ def test_a_tied_table_trains_with_one_table_sized_tensor_less():
     alive at the backward's peak (torch's own allocations, from the profiler)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raytrain import modeling
+    from raytrain.model import modeling
 
     config = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)

@@ -20,7 +20,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from conftest import REPO
-from raytrain.config import JobSpec
+from raytrain.job.spec import JobSpec
 
 CONFIGS = {"aws": REPO / "cluster" / "aws.yaml", "gcp": REPO / "cluster" / "gcp.yaml"}
 RAY_SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())

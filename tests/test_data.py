@@ -7,8 +7,8 @@ import pytest
 
 from conftest import make_job
 from raytrain.data import IGNORE, encode_chat, encode_text, pack, pad_rows
-from raytrain.loop import lr_at
-from raytrain.modeling import load_tokenizer
+from raytrain.train.loop import lr_at
+from raytrain.model.hub import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_a_batch_gives_each_row_exactly_what_encoding_it_alone_gives(tok, pack):
     # must be what encode_row / encode_pair give it alone, whatever the batch around it.
     from copy import copy
 
-    from raytrain.config import DataSpec
+    from raytrain.job.spec import DataSpec
     from raytrain.data.pairs import encode_pair, encode_pairs
     from raytrain.data.records import encode_rows
     from raytrain.data import encode_row

@@ -10,10 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import REPO, make_job
-from raytrain import cli, preflight
-from raytrain.config import JobSpec, load_yaml
-from raytrain.plan import RunPlan
-from raytrain.strategies import deepspeed_config as dsc
+from raytrain import cli
+from raytrain.validate import preflight
+from raytrain.job.spec import JobSpec, load_yaml
+from raytrain.job.plan import RunPlan
+from raytrain.job import deepspeed_config as dsc
 
 GPU_JOB = REPO / "jobs" / "qwen-7b-full-zero3.yaml"
 QWEN_7B_HIDDEN = 3584  # Qwen/Qwen2.5-7B config.json hidden_size

@@ -287,7 +287,10 @@ def test_a_node_that_joins_after_the_submit_gets_the_secrets_it_lacks_from_the_d
     MLflow login, no S3 keys): the job's worker runs there (only that node has the resource it
     asks for), gets what the node lacks from the driver as it starts, says so by name, and its
     checkpoints verify with the driver's key. No secret value is in the job's runtime_env."""
-    from raytrain import cli, signing, worker_env
+    from raytrain import cli
+    from raytrain.rundir import signing
+    from raytrain.driver import worker_env
+    from raytrain.train import entry
 
     s3_env, client = s3
     if "Contents" not in client.list_objects_v2(Bucket=BUCKET, Prefix="data/text.jsonl"):
@@ -330,7 +333,7 @@ def test_a_node_that_joins_after_the_submit_gets_the_secrets_it_lacks_from_the_d
         assert "RayTrainWorker" in late_logs and said in late_logs
         # No value in the workers' runtime_env (Ray's state API and dashboard show it), nor in the log.
         shown = cluster.ray("list", "tasks", "--filter", "name=RayTrainWorker.__init__", "--detail", "--format", "json")
-        assert worker_env.WANTED_ENV in shown and "runtime_env" in shown, shown[-3000:]
+        assert entry.WANTED_ENV in shown and "runtime_env" in shown, shown[-3000:]
         for name in secrets_here:
             value = cluster.env[name]
             assert len(value) < 12 or (value not in shown and value not in logs), name  # S3's dummy "testing" is no secret

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from stand_in_device import DEVICE, FakeAccelerator
 from conftest import REPO, free_port, make_job
 
-from raytrain import modeling
+from raytrain.model import modeling
+
+from raytrain.model import hub
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def test_rank0_fallback_and_restore_fill_device_models(group, assets, split_mode
     # reads a signed checkpoint into the device state. Both into device tensors.
     import torch.distributed.checkpoint as dcp
 
-    from raytrain import signing
+    from raytrain.rundir import signing
     from raytrain.strategies import weights
     from raytrain.strategies.dcp_files import read_checkpoint
 
@@ -110,7 +112,7 @@ class DeviceStrategy:
 
     @staticmethod
     def build(spec, device):
-        from raytrain.plan import RunPlan
+        from raytrain.job.plan import RunPlan
         from raytrain.strategies.base import TorchStrategy, to_fp32_master
 
         class Plain(TorchStrategy):
@@ -131,7 +133,7 @@ def test_a_step_syncs_the_host_once_and_matches_the_cpu_step(group, assets, tmp_
     # Each micro-batch used to read its loss and metrics with float(): a host sync per micro-batch
     # (and one for the batch's units, one for the grad norm). Now one per optimizer step, and the
     # values are the CPU run's.
-    from raytrain.loop import train_step
+    from raytrain.train.loop import train_step
 
     data = {"path": str(assets / "pairs.jsonl")} if objective == "dpo" else {}
     spec = make_job(assets, tmp_path, data=data, training={"finetune": "full", "objective": objective,
@@ -165,7 +167,7 @@ def test_a_grpo_step_rolls_out_scores_and_trains_on_the_device_as_on_the_cpu(gro
     import mesh_cases
 
     from raytrain.data.batches import micro_batches as product_micro_batches
-    from raytrain.loop import train_step
+    from raytrain.train.loop import train_step
 
     spec = make_job(assets, tmp_path, data={"path": str(assets / "prompts.jsonl"), "format": "prompt", "seq_len": 64},
                     training={"objective": "grpo", "finetune": "full", "precision": "fp32", "micro_batch_size": 2,
@@ -204,8 +206,8 @@ def test_a_step_with_non_finite_gradients_changes_nothing(group, assets, tmp_pat
     # and trained NaN from then on. Now such a step is skipped: afterwards the model and AdamW are
     # exactly a run that never saw it, and the step still syncs the host once.
     from raytrain import objectives
-    from raytrain.loop import train_step
-    from raytrain.preemption import StopSignals
+    from raytrain.train.loop import train_step
+    from raytrain.train.preemption import StopSignals
 
     spec = make_job(assets, tmp_path, training={"finetune": "full", "precision": "fp32", "micro_batch_size": 2})
     bad, good = micro_batches(spec, 2), micro_batches(spec, 4)[2:]
@@ -236,7 +238,7 @@ def test_a_step_with_non_finite_gradients_changes_nothing(group, assets, tmp_pat
 
 def test_skipped_updates_stop_the_job_at_the_limit():
     from raytrain.errors import JobError
-    from raytrain.loop import SkippedUpdates
+    from raytrain.train.loop import SkippedUpdates
 
     policy = SkippedUpdates()
     for step in range(1, 20):  # a skipped step now and then never stops it
@@ -264,7 +266,7 @@ def test_evaluation_syncs_once(group, assets, tmp_path):
 
 
 def test_telemetry_reads_the_accelerator_without_a_sync(group, assets, tmp_path):
-    from raytrain import telemetry
+    from raytrain.train import telemetry
 
     spec = make_job(assets, tmp_path, training={"finetune": "full"})
     with FakeAccelerator() as accel:
@@ -288,7 +290,7 @@ def test_full_export_from_device_weights_loads_with_from_pretrained(group, asset
             for p in strategy.model.parameters():
                 p.add_(0.01)  # "trained": fp32 masters that bf16 must round
         expected = {k: v.cpu() for k, v in strategy.hf_model.state_dict().items()}
-        strategy.export(str(tmp_path / "out"), modeling.load_tokenizer(spec))
+        strategy.export(str(tmp_path / "out"), hub.load_tokenizer(spec))
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert exported.dtype == torch.bfloat16 and exported.config.tie_word_embeddings == strategy.hf_model.config.tie_word_embeddings
     got = exported.state_dict()
@@ -321,7 +323,7 @@ def micro_batches(spec, count: int) -> list[dict]:
 
     g = torch.Generator().manual_seed(1)
     rows = spec.training.micro_batch_size * spec.sequences_per_row
-    n, vocab = spec.data.seq_len, modeling.load_tokenizer(spec).vocab_size
+    n, vocab = spec.data.seq_len, hub.load_tokenizer(spec).vocab_size
     out = []
     for _ in range(count):
         ids = torch.randint(0, vocab, (rows, n), generator=g)
@@ -335,7 +337,7 @@ def on_cpu_and_device(spec, run) -> tuple[dict, dict]:
     """`run(strategy, objective, stops)` on the CPU and on the stand-in device, each from seed 0 with
     the product's strategy and objective: ({where: its result}, {where: the host syncs it made})."""
     from raytrain import objectives
-    from raytrain.preemption import StopSignals
+    from raytrain.train.preemption import StopSignals
 
     results, syncs = {}, {}
     for where in ("cpu", "device"):

@@ -66,7 +66,7 @@ def test_an_elastic_restart_waits_briefly_for_the_old_size_and_the_submitters_se
     # The policy behind chaos.py spot's reclaim: Ray counts a draining node's resources as ready,
     # so an elastic restart must not wait Ray's full 60 s for a group of the old size.
     from conftest import make_job
-    from raytrain import worker_env
+    from raytrain.driver import worker_env
 
     elastic = make_job(assets, tmp_path, scaling={"num_workers": None, "min_workers": 1, "max_workers": 2})
     fixed = make_job(assets, tmp_path)

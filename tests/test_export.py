@@ -28,7 +28,9 @@ def test_full_export_of_a_model_with_its_own_code(assets, tmp_path):
     # It used to rebuild the plain copy without trust_remote_code and fail after training.
     from transformers import AutoModelForCausalLM
 
-    from raytrain import modeling
+    from raytrain.model import modeling
+
+    from raytrain.model import hub
     from raytrain.strategies.hf_files import write_hf_export
 
     folder = tmp_path / "custom"
@@ -42,7 +44,7 @@ def test_full_export_of_a_model_with_its_own_code(assets, tmp_path):
                     training={"finetune": "full"})
     model = modeling.load_model(spec)
     assert type(model).__name__ == "TinyForCausalLM"
-    write_hf_export(spec, model, model.state_dict(), str(tmp_path / "out"), modeling.load_tokenizer(spec))
+    write_hf_export(spec, model, model.state_dict(), str(tmp_path / "out"), hub.load_tokenizer(spec))
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True).eval()
     assert type(exported).__name__ == "TinyForCausalLM"
     probe = torch.tensor([[5, 17, 42, 9, 33]])
@@ -55,9 +57,9 @@ def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4, opt
     the files training writes."""
     import torch.distributed.checkpoint as dcp
 
-    from raytrain import signing, storage
-    from raytrain.checkpoint import RAY_SNAPSHOT, STATE_FILE  # Ray Train's controller registers it there
-    from raytrain.export import write_job_file
+    from raytrain.rundir import signing, storage
+    from raytrain.rundir.checkpoints import RAY_SNAPSHOT, STATE_FILE  # Ray Train's controller registers it there
+    from raytrain.rundir.job_file import write_job_file
     from raytrain.strategies.dcp_files import SplitWriter
 
     write_job_file(spec)
@@ -75,9 +77,9 @@ def test_export_refuses_a_checkpoint_whose_weights_do_not_match_the_model(assets
     # export looked fine. Now the mismatch is named; the frozen LoRA base stays the one absence.
     import pytest
 
-    from raytrain import modeling
+    from raytrain.model import modeling
     from raytrain.errors import JobError
-    from raytrain.export import export_checkpoint
+    from raytrain.train.export import export_checkpoint
 
     spec = make_job(assets, tmp_path / "runs", name="renamed", training={"finetune": "full"})
     state = modeling.load_model(spec).state_dict()
@@ -104,8 +106,9 @@ def test_export_reads_a_run_directory_on_s3(assets, tmp_path, s3_server, monkeyp
     # The shipped GPU jobs checkpoint to S3; export used to read local run directories only.
     from safetensors.torch import load_file
 
-    from raytrain import modeling, storage
-    from raytrain.export import export_checkpoint
+    from raytrain.model import modeling
+    from raytrain.rundir import storage
+    from raytrain.train.export import export_checkpoint
 
     env, client = s3_server
     for key, value in env.items():
@@ -131,8 +134,8 @@ def test_raytrain_export_of_a_full_checkpoint_loads_with_from_pretrained(assets,
     # folder from_pretrained reads holds the checkpoint's weights, rounded to model.dtype.
     from transformers import AutoModelForCausalLM
 
-    from raytrain import modeling
-    from raytrain.export import export_checkpoint
+    from raytrain.model import modeling
+    from raytrain.train.export import export_checkpoint
 
     spec = make_job(assets, tmp_path / "runs", name="full", training={"finetune": "full"}, model={"dtype": "bfloat16"})
     with torch.no_grad():
@@ -149,7 +152,8 @@ def test_raytrain_export_of_a_full_checkpoint_loads_with_from_pretrained(assets,
     # What it read: the metadata and the model's files, none of the optimizer's (twice the model
     # again under AdamW; export used to fetch each rank's one file of both), in loads small
     # enough that many share one parse of the metadata.
-    from raytrain import export, signing
+    from raytrain.train import export
+    from raytrain.rundir import signing
 
     export.BATCH_BYTES = 64 << 10  # several loads of this tiny model through one reader
     with signing.SignedCheckpoint(str(step), spec.run_dir, step.name) as checkpoint:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_job, metric_history
-from raytrain import launcher
+from raytrain.driver import launcher
 from raytrain.errors import JobError
-from raytrain.export import export_checkpoint, latest_checkpoint
+from raytrain.train.export import export_checkpoint, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY = 12, 4
@@ -85,7 +85,7 @@ def test_async_checkpoints_torn_by_a_kill_stay_invisible_and_committed_ones_are_
 def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, inject_faults, tmp_path, assets):
     from mlflow.tracking import MlflowClient
 
-    from raytrain.tracking import tracking_uri
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     inject_faults([{"at": "step", "step": 6, "rank": 0, "action": "exit"}])
     spec = job(assets, tmp_path / "runs", "exhausted", failure={"max_failures": 0})
@@ -111,8 +111,8 @@ def test_a_failure_before_training_leaves_no_run_open_and_the_run_directory_free
     # naming it, no MLflow run is left RUNNING forever, and its lease is given back.
     from mlflow.tracking import MlflowClient
 
-    from raytrain import control
-    from raytrain.tracking import tracking_uri
+    from raytrain.driver import control
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     spec = job(assets, tmp_path / "runs", "blocked")
     (tmp_path / "runs").mkdir()
@@ -137,7 +137,7 @@ def test_ctrl_c_on_the_driver_checkpoints_and_ends_the_run_killed(ray_address, a
     import yaml
     from mlflow.tracking import MlflowClient
 
-    from raytrain.tracking import tracking_uri
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     spec = make_job(assets, tmp_path / "runs", name="ctrl-c", training={"max_steps": 400},
                     checkpoint={"every_n_steps": 1000, "export_final": False})

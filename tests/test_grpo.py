@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from raytrain.config import DataSpec
+from raytrain.job.spec import DataSpec
 from raytrain.data.prompts import columns_of, encode_prompts, stored_columns, to_prompt
 from raytrain.errors import JobError
 from raytrain.rl.losses import advantages, summed_loss, token_terms, units_of
 from raytrain.rl.rewards import Reward, RewardError, answer_of, same_answer, score
 from raytrain.rl.sampling import completion_key, sample, uniforms
-from raytrain.rl.spec import RewardSpec
+from raytrain.job.grpo import RewardSpec
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ LOSSES = [(t, level) for t in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type,level", LOSSES)
 def test_the_loss_and_its_gradient_equal_trls_for_each_loss_type(loss_type, level, beta):
-    from raytrain.rl.spec import GRPOSpec
+    from raytrain.job.grpo import GRPOSpec
 
     g = GRPOSpec(loss_type=loss_type, importance_sampling_level=level, beta=beta,
                  epsilon_high=1.1 if loss_type == "cispo" else 0.28)
@@ -115,7 +115,7 @@ def test_the_loss_and_its_gradient_equal_trls_for_each_loss_type(loss_type, leve
 
 
 def test_equal_rewards_in_a_group_give_zero_gradient():
-    from raytrain.rl.spec import GRPOSpec
+    from raytrain.job.grpo import GRPOSpec
 
     # num_iterations 1: the loop passes old = logps.detach(), so the ratio is exactly 1 and nothing is clipped;
     # a completion with advantage 0 (its group's rewards all equal) must not move the policy at all.
@@ -160,7 +160,7 @@ def test_the_engine_mismatch_correction_equals_trls(mode):
     """engine: vllm's truncated importance sampling: TRL's ratio (its code) in each mode, bounds on
     both sides, and the loss it weights equal to TRL's _compute_loss with the correction on."""
     from raytrain.rl.losses import importance_ratio
-    from raytrain.rl.spec import GRPOSpec
+    from raytrain.job.grpo import GRPOSpec
 
     g = GRPOSpec(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,
                  vllm_importance_sampling_clip_max=1.5, loss_type="dapo")

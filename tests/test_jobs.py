@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raytrain import storage
-from raytrain.config import DataSpec
-from raytrain.plan import RunPlan
+from raytrain.rundir import storage
+from raytrain.job.spec import DataSpec
+from raytrain.job.plan import RunPlan
 from conftest import KNOWN_CONFIGS, hub_cache
 from test_validate import cli
 
@@ -69,7 +69,7 @@ def test_hub_model_job_fits_its_declared_memory_and_less_is_refused(job, workdir
     says (counted here from the model's config: the trained weights' fp32 masters, gradients and
     AdamW moments, or a LoRA job's frozen base, over the shard group), and validate refuses the
     same job with less than that, naming the field: a job that cannot fit is rejected in seconds."""
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
 
     raw = yaml.safe_load(job.read_text())
     hub_id = raw["model"]["path"]

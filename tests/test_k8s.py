@@ -26,8 +26,11 @@ import pytest
 import yaml
 
 from conftest import KNOWN_CONFIGS, REPO, hub_cache
-from raytrain import cli, k8s, memory, model_facts, pod_sizing, preflight
-from raytrain.config import JobSpec
+from raytrain import cli
+from raytrain.deploy import k8s, pod_sizing
+from raytrain.validate import memory, preflight
+from raytrain.model.facts import DTYPE_BYTES, ModelFacts, layout_from_config
+from raytrain.job.spec import JobSpec
 
 SCHEMAS = REPO.parent / "shared" / "schemas" / "kuberay"
 CRDS = {("ray.io/v1", "RayJob"): "ray.io_rayjobs.yaml", ("ray.io/v1", "RayCluster"): "ray.io_rayclusters.yaml"}
@@ -283,13 +286,13 @@ def test_worker_pods_are_whole_nodes_sized_from_the_job(job, assets):
     shm, tmp = gib(volumes["dshm"]["emptyDir"]["sizeLimit"]), gib(volumes["tmp"]["emptyDir"]["sizeLimit"])
     assert tmp == gib(res["ephemeral-storage"])  # the kubelet evicts at the volume's limit: they agree
     facts = preflight.model_facts(spec) if not hub else \
-        model_facts.ModelFacts(KNOWN_CONFIGS[spec.model.path],
-                               model_facts.layout_from_config(KNOWN_CONFIGS[spec.model.path]), "config", False)
+        ModelFacts(KNOWN_CONFIGS[spec.model.path],
+                               layout_from_config(KNOWN_CONFIGS[spec.model.path]), "config", False)
     # What must fit, counted here independently of pod_sizing: the full copies a load holds
     # (one per rank under ddp; fsdp2 and zero3 read shards / one module at a time), a process per
     # rank, /dev/shm (memory-backed);
     # on disk the model's download and one whole checkpoint (a restart downloads it).
-    model = facts.n_params * model_facts.DTYPE_BYTES[spec.model.dtype] / memory.GiB
+    model = facts.n_params * DTYPE_BYTES[spec.model.dtype] / memory.GiB
     copies = per if spec.training.strategy == "ddp" else 0
     assert gib(res["memory"]) >= copies * model + per * 3 + shm
     assert gib(res["ephemeral-storage"]) >= model + memory.checkpoint_bytes(spec, facts) / memory.GiB
@@ -314,8 +317,8 @@ def test_a_model_not_readable_here_keeps_the_template_sizes_and_says_how_to_size
 
 
 def test_sizing_counts_each_workers_share_per_node():
-    facts = model_facts.ModelFacts(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"],
-                                   model_facts.layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]), "config", False)
+    facts = ModelFacts(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"],
+                                   layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]), "config", False)
     base = spec_of(JOBS[-1])  # qwen full zero3, 8 workers
     one = pod_sizing.size_pods(base.model_copy(update={"scaling": base.scaling.model_copy(update={"workers_per_node": 1})}), facts)
     eight = pod_sizing.size_pods(base, facts)
@@ -498,10 +501,11 @@ def test_spot_workers_drain_on_termination_within_the_grace_period(job):
     # SIGKILLs it terminationGracePeriodSeconds after the start. The worker's own timer (the
     # checkpoint deadline raytrain gives it in its runtime_env) must fit between the latest
     # moment the drain notice can land and that SIGKILL, and preStop must end before it.
-    from raytrain import preemption, worker_env
+    from raytrain.train import entry
+    from raytrain.driver import worker_env
 
     spec = spec_of(job)
-    worker_deadline = float(worker_env.runtime_env(spec, [])["env_vars"][preemption.GRACE_ENV])
+    worker_deadline = float(worker_env.runtime_env(spec, [])["env_vars"][entry.GRACE_ENV])
     rayjob = by_kind(rendered(str(job)))["RayJob"]
     for pod in ray_pods(rayjob):
         grace = pod["spec"]["terminationGracePeriodSeconds"]

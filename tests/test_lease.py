@@ -1,5 +1,5 @@
-"""The run directory's lease as a lock, at the level where it lives (raytrain/lease.py on
-raytrain/versioned.py), on both kinds of storage it runs on: a local file system and S3 (moto's
+"""The run directory's lease as a lock, at the level where it lives (raytrain/rundir/lease.py on
+raytrain/rundir/versioned.py), on both kinds of storage it runs on: a local file system and S3 (moto's
 server on loopback, with its real conditional writes). Two drivers are two threads or two
 records here; the same lease between two Ray clusters, with a hung first driver fenced out, is
 test_operations.py's.
@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from raytrain import lease, versioned
+from raytrain.rundir import lease, versioned
 from raytrain.errors import JobError
 
 ME = {"host": "elsewhere", "pid": 1, "job_id": "01000000", "submission_id": None, "since": time.time()}
@@ -148,7 +148,7 @@ def test_a_holder_is_this_processes_neighbour_only_in_the_same_boot_and_pid_name
 
 
 def test_a_run_directory_without_conditional_writes_is_refused_at_validate():
-    from raytrain.config import CheckpointSpec
+    from raytrain.job.spec import CheckpointSpec
 
     for uri in ("gs://bucket/runs", "hdfs://namenode/runs", "abfs://container/runs"):
         with pytest.raises(ValueError, match=f"storage_path='{uri}'.*conditional writes.*use an s3:// bucket.*shared file system"):

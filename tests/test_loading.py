@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import make_job
-from raytrain import modeling
+from raytrain.model import modeling
 from raytrain.strategies.base import to_fp32_master
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def load_and_gather(config: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
     from raytrain.strategies import build_strategy
     from raytrain.strategies.zero3 import gathered_state_dict
 

@@ -23,8 +23,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import make_job, metric_history, without_checkpoint
-from raytrain import launcher
-from raytrain.export import latest_checkpoint
+from raytrain.driver import launcher
+from raytrain.train.export import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY = 8, 2

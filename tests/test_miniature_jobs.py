@@ -125,7 +125,7 @@ def train_and_restore(rank: int, world: int, device, jobs: dict[str, tuple[str, 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import varlen
 
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
     from raytrain.strategies import build_strategy
 
     varlen.install()
@@ -151,8 +151,8 @@ def train_and_restore(rank: int, world: int, device, jobs: dict[str, tuple[str, 
 def miniatures(assets, tmp_path_factory) -> dict:
     """Each shipped job in miniature, validated as `raytrain validate` checks it, its stores prepared;
     then all trained and restored by one spawned group of WORLD ranks."""
-    from raytrain import preflight
-    from raytrain.config import JobSpec
+    from raytrain.validate import preflight
+    from raytrain.job.spec import JobSpec
 
     specs, jobs = {}, {}
     for job in JOBS:

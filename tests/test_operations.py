@@ -103,7 +103,7 @@ def history(server: MlflowServer, experiment: str):
 
 
 def run_in_thread(spec):
-    from raytrain import launcher
+    from raytrain.driver import launcher
 
     box: dict = {}
 
@@ -125,7 +125,8 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     import ray
     from mlflow.tracking import MlflowClient
 
-    from raytrain import cli, control
+    from raytrain import cli
+    from raytrain.driver import control
 
     inject_faults([{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": 0.3}])
     spec = make_job(assets, tmp_path / "runs", name="outage", training={"max_steps": 400},
@@ -165,8 +166,8 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     # file of their own (which rank 0 and the driver read; train_state.json, which every rank of a
     # restore reads, stays small), those of earlier checkpoints in the run directory's backlog.
     # Before, every checkpoint rewrote all the outage's steps.
-    from raytrain.checkpoint import METRICS_FILE, STATE_FILE, latest_checkpoint
-    from raytrain.metrics_backlog import FOLDER
+    from raytrain.rundir.checkpoints import METRICS_FILE, STATE_FILE, latest_checkpoint
+    from raytrain.rundir.metrics_backlog import FOLDER
 
     last = Path(latest_checkpoint(spec.run_dir))
     assert "metrics" not in json.loads((last / STATE_FILE).read_text())
@@ -195,7 +196,7 @@ def test_which_steps_mlflow_has_is_one_read_of_the_run_not_its_history(tmp_path)
 
     from mlflow.tracking import MlflowClient
 
-    from raytrain import tracking
+    from raytrain.tracking import mlflow_run
 
     class Counting(MlflowClient):  # the real client, counting the history reads it is asked for
         histories = 0
@@ -204,16 +205,16 @@ def test_which_steps_mlflow_has_is_one_read_of_the_run_not_its_history(tmp_path)
             Counting.histories += 1
             return super().get_metric_history(*args, **kwargs)
 
-    shutil.copyfile(tracking._template(metadata.version("mlflow")), tmp_path / "mlflow.db")
+    shutil.copyfile(mlflow_run._template(metadata.version("mlflow")), tmp_path / "mlflow.db")
     client = Counting(f"sqlite:///{tmp_path}/mlflow.db")
     run_id = client.create_run(client.create_experiment("watermark")).info.run_id
     steps = [(s, {"loss": 1 / s, "lr": 0.1, "grad_norm": 2.0}) for s in range(1, 1201)]  # 4 requests' worth
-    assert tracking.log_missing(client, run_id, steps[:700]) == 700
-    assert tracking.log_missing(client, run_id, steps) == 500  # the first 700 landed: only the rest
-    assert tracking.log_missing(client, run_id, steps) == 0
+    assert mlflow_run.log_missing(client, run_id, steps[:700]) == 700
+    assert mlflow_run.log_missing(client, run_id, steps) == 500  # the first 700 landed: only the rest
+    assert mlflow_run.log_missing(client, run_id, steps) == 0
     assert Counting.histories == 0
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 1201))  # each once
-    assert client.get_run(run_id).data.metrics[tracking.LOGGED_THROUGH] == 1200
+    assert client.get_run(run_id).data.metrics[mlflow_run.LOGGED_THROUGH] == 1200
 
     # A server that dies inside a request: MLflow commits log_batch's metrics in one transaction
     # and its tags in another, so a request can land without its tags (CI saw 12 steps twice when
@@ -224,10 +225,10 @@ def test_which_steps_mlflow_has_is_one_read_of_the_run_not_its_history(tmp_path)
             raise ConnectionError("the server died before the request's tags")  # ... then the server dies
 
     run_id = client.create_run(client.get_experiment_by_name("watermark").experiment_id).info.run_id
-    assert tracking.log_missing(client, run_id, steps[:5]) == 5
+    assert mlflow_run.log_missing(client, run_id, steps[:5]) == 5
     with pytest.raises(ConnectionError):
-        tracking.log_missing(Dying(client.tracking_uri), run_id, steps[:10])
-    assert tracking.log_missing(client, run_id, steps[:20]) == 10  # what landed is not written again
+        mlflow_run.log_missing(Dying(client.tracking_uri), run_id, steps[:10])
+    assert mlflow_run.log_missing(client, run_id, steps[:20]) == 10  # what landed is not written again
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 21))
 
 
@@ -285,7 +286,7 @@ def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_wor
     # marker that Ray's pruning could leave on no folder, while the workers restored Ray's latest.
     from mlflow.tracking import MlflowClient
 
-    from raytrain.tracking import tracking_uri
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     steps = 24
     spec, job_file, logs = slow_job(inject_faults, assets, tmp_path, "lease", steps, keep_last=1)
@@ -335,8 +336,8 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     import psutil
     from mlflow.tracking import MlflowClient
 
-    from raytrain.signing import MANIFEST
-    from raytrain.tracking import tracking_uri
+    from raytrain.rundir.signing import MANIFEST
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     steps = 30
     run_dir = tmp_path / "runs" / "fence"

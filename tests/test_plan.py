@@ -8,7 +8,8 @@ import pytest
 
 from conftest import make_job
 from raytrain.errors import JobError
-from raytrain.plan import RunPlan
+from raytrain.job.plan import RunPlan
+from raytrain.rundir.job_file import sign_plan, verify_plan
 
 
 def test_the_plan_resolves_each_rule_once(assets, tmp_path):
@@ -30,15 +31,15 @@ def test_workers_act_only_on_the_job_and_plan_the_driver_signed(assets, tmp_path
     # trust_remote_code, ...) was not: a changed one was acted on. Now they are one document.
     spec = make_job(assets, tmp_path)
     stores = {"train": ["/data/a"], "weights": [1.0], "eval": None, "key": "k"}
-    doc = RunPlan.of(spec, stores).signed(spec)
-    assert RunPlan.verified(doc) == (spec, RunPlan.of(spec, stores))
+    doc = sign_plan(RunPlan.of(spec, stores), spec)
+    assert verify_plan(doc) == (spec, RunPlan.of(spec, stores))
     changed = [{**doc, "bf16": True},
                {**doc, "spec": {**doc["spec"], "model": {**doc["spec"]["model"], "path": "/elsewhere/model"}}},
                {**doc, "spec": {**doc["spec"], "model": {**doc["spec"]["model"], "trust_remote_code": True}}},
                {k: v for k, v in doc.items() if k != "spec"}]
     for tampered in changed:
         with pytest.raises(JobError, match="refusing the run plan: its signature is wrong"):
-            RunPlan.verified(tampered)
+            verify_plan(tampered)
 
 
 def test_the_mesh_rule_places_sequence_and_tensor_ranks_and_resizes_only_data_parallel_ones(assets, tmp_path):
@@ -61,7 +62,7 @@ def test_the_mesh_rule_places_sequence_and_tensor_ranks_and_resizes_only_data_pa
 
 
 def test_model_parallel_limits_name_the_heads_and_the_fix():
-    from raytrain.plan import model_parallel_problems
+    from raytrain.job.plan import model_parallel_problems
 
     llama = {"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336}
     assert model_parallel_problems(llama, 8, 1) == [] and model_parallel_problems(llama, 4, 2) == []

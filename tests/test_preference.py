@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain.config import DataSpec, JobSpec
+from raytrain.job.spec import DataSpec, JobSpec
 from raytrain.data import IGNORE
 from raytrain.data.batches import micro_batches
 from raytrain.data.pairs import encode_pair
@@ -127,7 +127,7 @@ class _OneProcess:
     def __init__(self, model, reference, spec, split=None):
         import copy
 
-        from raytrain import attention
+        from raytrain.model import attention
 
         copies = {id(m): copy.deepcopy(m) for m in (model, reference) if m is not None}
         for m in copies.values():
@@ -546,7 +546,7 @@ def reward_margin(i: int) -> dict:
 def runs(ray_address, assets, tmp_path_factory):
     from conftest import metric_history
 
-    from raytrain import launcher
+    from raytrain.driver import launcher
 
     # DPO's strategy parity through `raytrain run` is full fine-tuning's, fsdp2 against zero3 (each
     # with its frozen reference copy, sharded its own way, and the evaluation); LoRA's and the other

@@ -1,4 +1,4 @@
-"""QLoRA (raytrain/qlora.py): the NF4 base each rank quantizes from its own rows against torchao's
+"""QLoRA (raytrain/model/qlora.py): the NF4 base each rank quantizes from its own rows against torchao's
 quantizer of the whole weight (the same bytes for any number of ranks); then the product's runs on
 Ray: 30 steps against LoRA's on the same rows, a resume at another worker count, the exported
 adapter on the original base, and the share of the 4-bit base a rank holds."""
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain import nf4_layout, qlora
+from raytrain.job import nf4_layout
+from raytrain.model import qlora
 
 nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
 
@@ -79,7 +80,7 @@ def qjob(assets, storage, finetune, name, **over):
 def runs(ray_address, assets, tmp_path_factory):
     """The demo model trained 30 steps on the same rows with LoRA and with QLoRA (fsdp2, 2 workers)."""
     from conftest import metric_history
-    from raytrain import launcher
+    from raytrain.driver import launcher
 
     out = {}
     for finetune in ("lora", "qlora"):
@@ -118,7 +119,7 @@ def test_qlora_resumes_at_another_worker_count_on_the_same_base(runs, assets):
     (test_each_ranks_rows_quantize_to_the_bytes_of_the_whole_weight), so steps 21-30 are the
     uninterrupted run's, to the reduction order's rounding (as a LoRA resize)."""
     from conftest import metric_history, without_checkpoint
-    from raytrain import launcher
+    from raytrain.driver import launcher
 
     spec, reference = runs["qlora"]
     with without_checkpoint(spec.run_dir, STEPS) as storage:
@@ -132,7 +133,7 @@ def test_qlora_resumes_at_another_worker_count_on_the_same_base(runs, assets):
 
 def _held(rank, world, device, assets, storage):
     from conftest import make_job
-    from raytrain import qlora
+    from raytrain.model import qlora
     from raytrain.strategies import build_strategy
 
     spec = make_job(Path(assets), Path(storage), training={"finetune": "qlora"})

@@ -30,8 +30,8 @@ import pytest
 
 from chaos import final_lineage
 from conftest import altered, metric_history, shipped_grpo_job
-from raytrain import launcher
-from raytrain.config import JobSpec
+from raytrain.driver import launcher
+from raytrain.job.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 REWARD_RISE = 0.2  # the demo rises ~0.5 -> ~0.95 in 12 steps (seed 0); a drift this large by chance is not seen
@@ -65,7 +65,7 @@ def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inver
     from mlflow.tracking import MlflowClient
 
     from raytrain.demo_assets import lipogram
-    from raytrain.tracking import tracking_uri
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     table = json.loads(Path(MlflowClient(tracking_uri(a_spec)).download_artifacts(
         a_run.run_id, "samples/step_00000010.json", str(tmp_path))).read_text())

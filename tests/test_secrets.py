@@ -10,7 +10,9 @@ import io
 import json
 import os
 
-from raytrain import signing, worker_env
+from raytrain.rundir import signing
+from raytrain.driver import worker_env
+from raytrain.train import entry
 
 OTHER_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_USERNAME",
                  "MLFLOW_TRACKING_PASSWORD")
@@ -31,7 +33,7 @@ def _start_worker(train_func, config: dict) -> tuple[dict, str]:
     wrapped as the launcher wraps it): what it saw and what it printed."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        seen = worker_env.with_secrets(train_func)(config)
+        seen = entry.with_secrets(train_func)(config)
     return seen, out.getvalue()
 
 
@@ -42,7 +44,7 @@ def _run_on_a_worker(runtime_env: dict, relay=None) -> tuple[dict, str]:
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test file
     task = ray.remote(num_cpus=0)(_start_worker).options(runtime_env=runtime_env)
-    config = {"step": 1, **({worker_env.RELAY_CONFIG: relay} if relay is not None else {})}
+    config = {"step": 1, **({entry.RELAY_CONFIG: relay} if relay is not None else {})}
     return ray.get(task.remote(_probe, config), timeout=120)
 
 
@@ -59,9 +61,9 @@ def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_e
     env = worker_env.runtime_env(spec, relay.env)
     text = json.dumps(env)
     assert "hf_only_in_this_shell" not in text and os.environ[signing.KEY_ENV] not in text
-    assert env["env_vars"][worker_env.WANTED_ENV] == f"HF_TOKEN,{signing.KEY_ENV}"
-    salt, key_id = env["env_vars"][worker_env.KEY_ID_ENV].split(":")  # a fresh salt each job, an HMAC under the key
-    assert key_id == signing.key_id(salt) != signing.key_id() and salt not in worker_env.start_relay().env[worker_env.KEY_ID_ENV]
+    assert env["env_vars"][entry.WANTED_ENV] == f"HF_TOKEN,{signing.KEY_ENV}"
+    salt, key_id = env["env_vars"][entry.KEY_ID_ENV].split(":")  # a fresh salt each job, an HMAC under the key
+    assert key_id == signing.key_id(salt) != signing.key_id() and salt not in worker_env.start_relay().env[entry.KEY_ID_ENV]
     assert import_hashlib_sha256_prefix() not in text  # not the unsalted hash of the key it was before
 
     seen, printed = _run_on_a_worker(env, relay.actor)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from raytrain import signing, worker_env
+from raytrain.rundir import signing
+from raytrain.train import entry
 
 
 def test_the_key_is_generated_once_private_and_the_environment_wins(tmp_path, monkeypatch):
@@ -28,8 +29,8 @@ def test_the_key_is_generated_once_private_and_the_environment_wins(tmp_path, mo
     except signing.JobError as exc:
         assert "doc: its signature is wrong" in str(exc)
     # A node with the same key has it (nothing forwarded); a node with another key lacks it.
-    assert worker_env._present([signing.KEY_ENV], signing.key_id()) == [signing.KEY_ENV]
-    assert worker_env._present([signing.KEY_ENV], first) == []
+    assert entry._present([signing.KEY_ENV], signing.key_id()) == [signing.KEY_ENV]
+    assert entry._present([signing.KEY_ENV], first) == []
 
 
 def test_a_rank_fetches_only_its_files_from_s3_each_verified_before_it_is_read(tmp_path, s3_server, monkeypatch):
@@ -40,7 +41,7 @@ def test_a_rank_fetches_only_its_files_from_s3_each_verified_before_it_is_read(t
 
     import pytest
 
-    from raytrain import storage
+    from raytrain.rundir import storage
 
     env, client = s3_server
     for k, v in env.items():
@@ -85,7 +86,7 @@ def test_a_snapshot_rolled_back_behind_the_signed_record_is_refused_and_a_delete
 
     import pytest
 
-    from raytrain.checkpoint import LATEST_FILE, RAY_SNAPSHOT, latest_checkpoint, record_latest
+    from raytrain.rundir.checkpoints import LATEST_FILE, RAY_SNAPSHOT, latest_checkpoint, record_latest
     from raytrain.errors import JobError
 
     run_dir = tmp_path / "runs" / "job"
@@ -122,7 +123,7 @@ def test_a_restore_reads_one_manifest_whatever_the_world_size_and_refuses_one_it
 
     import pytest
 
-    from raytrain import storage
+    from raytrain.rundir import storage
 
     monkeypatch.setenv(signing.KEY_ENV, "the cluster's secret")
     run_dir = str(tmp_path / "run")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import file_hashes, make_job, metric_history
-from raytrain import launcher
-from raytrain.export import export_checkpoint, latest_checkpoint
+from raytrain.driver import launcher
+from raytrain.train.export import export_checkpoint, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 PROBE = torch.tensor([[5, 17, 42, 9, 33, 120, 7, 64, 1, 200, 88, 13]])
@@ -27,7 +27,7 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from raytrain.tracking import tracking_uri
+    from raytrain.tracking.mlflow_run import tracking_uri
 
     spec = make_job(assets, tmp_path / "runs", training={"max_steps": 20}, optimizer={"lr": 1e-2})
     result = launcher.run(spec)
@@ -98,11 +98,11 @@ def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_sto
 
     from mlflow.tracking import MlflowClient
 
-    from raytrain import tracking
+    from raytrain.tracking import mlflow_run
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = make_job(assets, tmp_path / "a", name="first")
-    run_id = tracking.start_run(first)  # makes the template, then this store from it
+    run_id = mlflow_run.start_run(first)  # makes the template, then this store from it
     [template] = (tmp_path / "cache" / "raytrain").glob("mlflow-*.db")
     MlflowClient(f"sqlite:///{tmp_path / 'own.db'}").search_experiments()  # a store MLflow migrates itself
 
@@ -117,9 +117,9 @@ def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_sto
         (f"{tmp_path / 'a'}/mlartifacts/0",)]
     made = template.stat().st_mtime_ns
     second = make_job(assets, tmp_path / "b", name="second")
-    assert tracking.start_run(second) != run_id and template.stat().st_mtime_ns == made  # made once
-    assert tracking.start_run(first) == run_id  # the unfinished run continues: its store was kept
+    assert mlflow_run.start_run(second) != run_id and template.stat().st_mtime_ns == made  # made once
+    assert mlflow_run.start_run(first) == run_id  # the unfinished run continues: its store was kept
     # A cache that cannot be written (here a file where the folder should be) costs the migrations, not the job.
     monkeypatch.setenv("XDG_CACHE_HOME", str(template))
     third = make_job(assets, tmp_path / "c", name="third")
-    assert tracking.start_run(third) and query(tmp_path / "c" / "mlflow.db", "SELECT version_num FROM alembic_version")
+    assert mlflow_run.start_run(third) and query(tmp_path / "c" / "mlflow.db", "SELECT version_num FROM alembic_version")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from raytrain.preemption import DRIVER_STOP, RAY_NOTICE, StopSignals
+from raytrain.train.preemption import DRIVER_STOP, RAY_NOTICE, StopSignals
 
 
 def test_a_driver_stop_lands_although_the_actor_answers_slower_than_a_step(ray_address):
@@ -51,7 +51,7 @@ def test_each_new_preemption_notice_is_acted_on_once():
 def test_a_group_that_dies_while_loading_counts_against_the_failure_budget():
     # A group that failed before its first step (model load, OOM while sharding) was never on
     # record: the budget never ran out and Ray restarted it forever (seen: 96 restarts).
-    from raytrain.control import JobControl
+    from raytrain.driver.control import JobControl
 
     control = JobControl(max_failures=2)
     for error in ("OutOfMemoryError: CUDA out of memory", "DistBackendError: NCCL timeout", "OutOfMemoryError: host"):
@@ -65,7 +65,7 @@ def test_a_group_that_dies_while_loading_counts_against_the_failure_budget():
 def test_the_same_error_twice_at_the_same_step_ends_the_job_before_its_budget():
     # The shipped long-context job (sp + activation checkpointing) raised the same RuntimeError at
     # step 1 four times, spending failure.max_failures on an error no restart could mend.
-    from raytrain.control import JobControl
+    from raytrain.driver.control import JobControl
 
     control = JobControl(max_failures=10)
     error = "RuntimeError: sequence-parallel attention called outside SequenceSplit.attending"
@@ -110,7 +110,7 @@ def test_the_same_error_twice_at_the_same_step_ends_the_job_before_its_budget():
 def test_goodput_counts_the_kept_steps_in_bounded_memory():
     # The control actor kept every step's time for the whole run (a dict of 100k entries on a long
     # job); now only the steps a restart can still roll back, the rest summed.
-    from raytrain.control import JobControl
+    from raytrain.driver.control import JobControl
 
     control = JobControl(window=30)  # every_n_steps 10, keep_last 2
     control.may_start(2)
@@ -128,7 +128,7 @@ def test_goodput_counts_the_kept_steps_in_bounded_memory():
 def test_a_recovery_interrupted_by_another_failure_ends_where_the_next_begins():
     # Seen in a soak: a node lost while the group was still loading after an earlier loss gave
     # the earlier failure a 614 s recovery (counted to the end of the job) in a 644 s run.
-    from raytrain.control import Attempt, JobControl
+    from raytrain.driver.control import Attempt, JobControl
 
     control = JobControl()
     control.started = 0.0
@@ -147,7 +147,7 @@ def test_ranks_waiting_for_the_data_are_woken_by_the_drivers_word_and_never_hold
     # methods free, and the driver's word (prepared, a failed prepare, a stop) ends them all.
     import ray
 
-    from raytrain import control
+    from raytrain.driver import control
 
     for ending in ("prepared", "failed", "stopped"):
         run_dir = str(tmp_path / ending)

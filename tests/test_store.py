@@ -15,14 +15,15 @@ import pytest
 
 from chaos import final_lineage
 from conftest import make_job, metric_history
-from raytrain.data import DataPosition, GlobalOrder, rank_slice
+from raytrain.data import GlobalOrder, rank_slice
+from raytrain.rundir.checkpoints import DataPosition
 from raytrain.data.batches import GlobalBatches
 from raytrain.data.order import Stream
 from raytrain.data.prepare import ensure_store, prepare_unit as _prepare_unit
 from raytrain.data.sources import owned_lines
 from raytrain.data.store import MANIFEST, TokenStore
 from raytrain.errors import JobError
-from raytrain.plan import RunPlan
+from raytrain.job.plan import RunPlan
 
 
 # ---------------------------------------------------------------- pure: order, slices, line ownership
@@ -401,7 +402,7 @@ def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_ac
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain import launcher
+    from raytrain.driver import launcher
     from raytrain.data.order import HeldOut
     from raytrain.data.prepare import ensure_inputs
     from raytrain.errors import JobError

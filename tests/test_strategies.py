@@ -30,9 +30,9 @@ import pytest
 import torch
 
 from conftest import altered, file_hashes, make_job, metric_history, without_checkpoint
-from raytrain import launcher
-from raytrain.checkpoint import RAY_SNAPSHOT
-from raytrain.export import export_checkpoint, latest_checkpoint
+from raytrain.driver import launcher
+from raytrain.rundir.checkpoints import RAY_SNAPSHOT
+from raytrain.train.export import export_checkpoint, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 STRATEGIES = ("fsdp2", "zero3", "ddp")
@@ -309,7 +309,7 @@ def _master_steps(rank: int, world: int, device, model: str, storage: str) -> di
     sys.path.insert(0, str(Path(__file__).parent))
     import mesh_cases
 
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
 
     out = {}
     for dtype in ("float32", "bfloat16"):

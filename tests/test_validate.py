@@ -733,7 +733,7 @@ def test_the_estimate_divides_by_the_shard_group_of_the_mesh(assets, tmp_path, h
 
 
 def test_unreachable_hosts_are_notes_for_validate_and_errors_for_run(assets, tmp_path):
-    from raytrain import preflight
+    from raytrain.validate import preflight
 
     job = base_job(assets, tmp_path)
     job["tracking"]["uri"] = "http://mlflow.invalid:5000"  # .invalid never resolves (RFC 2606)
@@ -747,9 +747,9 @@ def test_unreachable_hosts_are_notes_for_validate_and_errors_for_run(assets, tmp
 def test_compile_auto_is_resolved_where_it_applies_and_zero3_lora_on_gpus_is_told_its_cost(assets, tmp_path):
     """training.compile: auto (the default) compiles on GPU workers where `true` is allowed and is
     never refused; a GPU job of LoRA under zero3 validates with a note of what it measured to cost."""
-    from raytrain import preflight
-    from raytrain.config import JobSpec
-    from raytrain.plan import RunPlan
+    from raytrain.validate import preflight
+    from raytrain.job.spec import JobSpec
+    from raytrain.job.plan import RunPlan
 
     def plan(training=None, scaling=None, data=None):
         job = base_job(assets, tmp_path)
@@ -831,7 +831,7 @@ def test_a_live_mlflow_server_passes(assets, tmp_path):
 def test_parameter_count_and_names_match_torch(assets):
     from transformers import AutoModelForCausalLM
 
-    from raytrain.model_facts import layout_from_config, read_facts
+    from raytrain.model.facts import layout_from_config, read_facts
 
     facts = read_facts(assets / "model")
     model = AutoModelForCausalLM.from_pretrained(str(assets / "model"))
@@ -844,7 +844,7 @@ def test_lora_parameter_count_matches_peft(assets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from raytrain.model_facts import read_facts
+    from raytrain.model.facts import read_facts
 
     targets = ["q_proj", "v_proj", "down_proj"]
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(assets / "model")),
@@ -854,7 +854,7 @@ def test_lora_parameter_count_matches_peft(assets):
 
 
 def test_llama_8b_from_config_is_8_03b_parameters():
-    from raytrain.model_facts import ModelFacts, layout_from_config
+    from raytrain.model.facts import ModelFacts, layout_from_config
 
     facts = ModelFacts(LLAMA_31_8B, layout_from_config(LLAMA_31_8B), "config", False)
     assert facts.n_params == 8_030_261_248  # the published count
@@ -863,8 +863,8 @@ def test_llama_8b_from_config_is_8_03b_parameters():
 
 def test_the_suggested_change_fits_and_the_job_did_not(assets, tmp_path):
     from conftest import make_job
-    from raytrain.memory import GiB, estimate, smallest_fix
-    from raytrain.model_facts import ModelFacts, layout_from_config
+    from raytrain.validate.memory import GiB, estimate, smallest_fix
+    from raytrain.model.facts import ModelFacts, layout_from_config
 
     facts = ModelFacts(LLAMA_31_8B, layout_from_config(LLAMA_31_8B), "config", False)
     for budget_gb, over in ((80, {"finetune": "full", "micro_batch_size": 8}), (24, {"finetune": "full"}),

@@ -30,9 +30,9 @@ import pytest
 
 from chaos import final_lineage
 from conftest import altered, metric_history, shipped_grpo_job
-from raytrain import launcher
-from raytrain.config import JobSpec
-from raytrain.rl.spec import vllm_python
+from raytrain.driver import launcher
+from raytrain.job.spec import JobSpec
+from raytrain.job.grpo import vllm_python
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -102,7 +102,7 @@ def test_validates_list_of_what_vllm_runs_is_the_installed_registrys():
     the file is the installed engine's registry."""
     import subprocess
 
-    from raytrain.rl.spec import vllm_architectures
+    from raytrain.job.grpo import vllm_architectures
 
     code = ("from vllm.model_executor.models import ModelRegistry; print(' '.join(a for a in "
             "ModelRegistry.get_supported_archs() if a.endswith(('ForCausalLM', 'LMHeadModel'))))")

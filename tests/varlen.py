@@ -105,7 +105,7 @@ def install_torch_varlen(on: bool = True) -> None:
     """sdpa on this CPU (fp32) through raytrain's varlen path, as on a GPU (kernels.VARLEN); off: masks."""
     import torch
 
-    from raytrain import kernels
+    from raytrain.model import kernels
 
     if on:
         kernels.VARLEN["cpu"] = kernels.kernel(torch_varlen_attn, (torch.float32, torch.bfloat16))

@@ -11,10 +11,9 @@ batches  this rank's micro-batches of each global batch, prefetched (training wo
 Importing this package loads neither torch nor Ray: `raytrain validate` uses it.
 """
 
-from .order import DataPosition, GlobalOrder, rank_slice
-from .records import (CHAT_ROLES, IGNORE, check_record, encode_chat, encode_row, encode_text, pack, pad_rows, parse_record,
-                      to_value)
-from .sources import FILE_EXTENSIONS
+from raytrain.data.order import GlobalOrder, rank_slice
+from raytrain.data.records import CHAT_ROLES, IGNORE, check_record, encode_chat, encode_row, encode_text, pack, pad_rows, parse_record, to_value
+from raytrain.data.sources import FILE_EXTENSIONS
 
-__all__ = ["CHAT_ROLES", "DataPosition", "check_record", "FILE_EXTENSIONS", "GlobalOrder", "IGNORE", "encode_chat", "encode_row",
+__all__ = ["CHAT_ROLES", "check_record", "FILE_EXTENSIONS", "GlobalOrder", "IGNORE", "encode_chat", "encode_row",
            "encode_text", "pack", "pad_rows", "parse_record", "rank_slice", "to_value"]

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..config import JobSpec
-from ..plan import RunPlan
-from ..errors import JobError
-from .order import DataPosition, EvalSet, HeldOut, Stream, rank_slice
-from .records import IGNORE
-from .store import PLANES, TokenStore
+from raytrain.job.spec import JobSpec
+from raytrain.job.plan import RunPlan
+from raytrain.errors import JobError
+from raytrain.data.order import EvalSet, HeldOut, Stream, rank_slice
+from raytrain.rundir.checkpoints import DataPosition
+from raytrain.data.records import IGNORE
+from raytrain.data.store import PLANES, TokenStore
 
 
 @dataclass

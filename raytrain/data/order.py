@@ -28,21 +28,10 @@ evaluation rows (`EvalSet`) are at most `data.eval.max_rows` of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 BLOCK_ROWS = 64
 HELD_OUT_SEED = 0x5EED  # every job on a store holds out the same rows, whatever its training.seed
-
-
-@dataclass
-class DataPosition:
-    """Where the run stands: rows of the stream consumed (over all epochs and sources), and
-    the stores they come from (a resume against other stores is refused). One counter."""
-
-    consumed: int = 0
-    store: str = ""
 
 
 def rank_slice(global_batch: int, world: int, rank: int) -> tuple[int, int]:

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import struct
 
-from .spec import DataSpec
-from .records import IGNORE, _alpaca, _turns, chat_steps, check_messages, decode_line, run_batch, run_one
+from raytrain.job.data import DataSpec
+from raytrain.data.records import IGNORE, alpaca_messages, turn_messages, chat_steps, check_messages, decode_line, run_batch, run_one
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
@@ -41,11 +41,11 @@ def to_pair(data: DataSpec, row) -> tuple[str | list, object, object]:
             raise ValueError(f"no {data.column(name)!r} column ({name} response of a preference pair; "
                              f"data.columns.{name} maps another name)")
     if data.format == "text":
-        return text_prompt(data, record), _text(chosen, data.column("chosen")), _text(rejected, data.column("rejected"))
+        return text_prompt(data, record), text_column(chosen, data.column("chosen")), text_column(rejected, data.column("rejected"))
     if data.format == "chat" and data.column("prompt") not in record:
         record, chosen, rejected = _implicit_prompt(data, record, chosen, rejected)
-    prompt = _prompt_messages(data, record)
-    return prompt, _response(data, chosen, "chosen"), _response(data, rejected, "rejected")
+    prompt = prompt_messages(data, record)
+    return prompt, response_messages(data, chosen, "chosen"), response_messages(data, rejected, "rejected")
 
 
 def record_of(row) -> dict:
@@ -75,19 +75,19 @@ def _implicit_prompt(data: DataSpec, record: dict, chosen, rejected):
     return {**record, data.column("prompt"): chosen[:shared]}, chosen[shared:], rejected[shared:]
 
 
-def _text(value, column: str) -> str:
+def text_column(value, column: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"column {column!r} must be a non-empty string, got {str(value)[:60]!r}")
     return value
 
 
-def _prompt_messages(data: DataSpec, record: dict) -> list[dict]:
+def prompt_messages(data: DataSpec, record: dict) -> list[dict]:
     if data.format == "alpaca":
-        messages = _alpaca(data, {**record, data.column("response"): ""})[:-1]  # the pair's responses come after
+        messages = alpaca_messages(data, {**record, data.column("response"): ""})[:-1]  # the pair's responses come after
     elif data.format == "sharegpt":
-        messages = _turns(data, record)
+        messages = turn_messages(data, record)
     else:  # chat: TRL's conversational `prompt` column
-        messages = _turns(data.model_copy(update={"columns": data.columns.model_copy(
+        messages = turn_messages(data.model_copy(update={"columns": data.columns.model_copy(
             update={"messages": data.column("prompt")})}), record)
     system = record.get(data.column("system")) if data.column("system") else None
     if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
@@ -97,14 +97,14 @@ def _prompt_messages(data: DataSpec, record: dict) -> list[dict]:
     return messages
 
 
-def _response(data: DataSpec, value, name: str) -> list[dict]:
+def response_messages(data: DataSpec, value, name: str) -> list[dict]:
     """A response as assistant messages: a string, one turn, or a list of turns."""
     if isinstance(value, str):
         turns = [{"role": "assistant", "content": value}]
     else:
         items = value if isinstance(value, list) else [value]
         column = data.column(name)
-        turns = _turns(data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}),
+        turns = turn_messages(data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}),
                        {column: items})
     if not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
         raise ValueError(f"the {name} response has no assistant text")

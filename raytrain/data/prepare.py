@@ -23,17 +23,17 @@ from functools import partial
 from itertools import islice
 from pathlib import Path
 
-from .. import storage
-from ..config import JobSpec
-from ..errors import BadRowError, JobError
-from .pairs import encode_pairs
-from .records import encode_rows
-from .prompts import encode_prompts
-from .spec import DataSpec
-from .unpaired import encode_unpaired
-from .sources import Source, Unit, list_sources, plan_units, read_unit
-from .store import TokenStore, shard_name, token_dtype
-from .store_writer import shard_rows, write_manifest, write_shard
+from raytrain.rundir import storage
+from raytrain.job.spec import JobSpec
+from raytrain.errors import BadRowError, JobError
+from raytrain.data.pairs import encode_pairs
+from raytrain.data.records import encode_rows
+from raytrain.data.prompts import encode_prompts
+from raytrain.job.data import DataSpec
+from raytrain.data.unpaired import encode_unpaired
+from raytrain.data.sources import Source, Unit, list_sources, plan_units, read_unit
+from raytrain.data.store import TokenStore, shard_name, token_dtype
+from raytrain.data.store_writer import shard_rows, write_manifest, write_shard
 
 PACKER_VERSION = 4  # 2: units sized from the file; 3: positions per document, chat labels from one rendering; 4: store format 4
 UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
@@ -178,7 +178,7 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
     """One unit -> one shard file (a Ray Data task, or a call in the driver). Bad rows are counted
     and the first few kept (by row number within the unit: the driver numbers them within the file).
     `one_core`: a task holds one CPU, so the tokenizer's batches stay on one thread."""
-    from ..modeling import load_tokenizer  # torch-free callers (validate) never reach this
+    from raytrain.model.hub import load_tokenizer  # torch-free callers (validate) never reach this
 
     job, d = JobSpec.model_validate(spec), DataSpec.model_validate(data)
     tok_key = json.dumps(spec["model"], sort_keys=True)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 
-from .spec import DataSpec
-from .pairs import record_of
-from .records import _turns, check_record
+from raytrain.job.data import DataSpec
+from raytrain.data.pairs import record_of
+from raytrain.data.records import turn_messages, check_record
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
@@ -40,7 +40,7 @@ def to_prompt(data: DataSpec, row) -> tuple[str | list[dict], dict]:
             raise ValueError(f"column {column!r} (the prompt) is empty")
         prompt = value
     elif isinstance(value, list):
-        prompt = _turns(data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}),
+        prompt = turn_messages(data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}),
                         {column: value})
         if prompt[-1]["role"] == "assistant":
             raise ValueError("the prompt must end with a user (or tool) turn: the completion answers it")

@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from .spec import DataSpec
+from raytrain.job.data import DataSpec
 
 IGNORE = -100
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -58,7 +58,7 @@ def check_record(data: DataSpec, record) -> str | list:
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if data.format == "text":
         return check_text(record.get(data.column("text")), data.column("text"))
-    messages = {"chat": _turns, "sharegpt": _turns, "alpaca": _alpaca}[data.format](data, record)
+    messages = {"chat": turn_messages, "sharegpt": turn_messages, "alpaca": alpaca_messages}[data.format](data, record)
     system = record.get(data.column("system")) if data.column("system") else None
     if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
@@ -74,7 +74,7 @@ def _string(record: dict, column: str | None, what: str, required: bool = True) 
     return value
 
 
-def _alpaca(data: DataSpec, record: dict) -> list[dict]:
+def alpaca_messages(data: DataSpec, record: dict) -> list[dict]:
     """instruction (+ "\\n" + input) -> user, output -> assistant, after the history pairs."""
     messages = []
     history = record.get(data.column("history")) or []
@@ -89,7 +89,7 @@ def _alpaca(data: DataSpec, record: dict) -> list[dict]:
     return messages
 
 
-def _turns(data: DataSpec, record: dict) -> list[dict]:
+def turn_messages(data: DataSpec, record: dict) -> list[dict]:
     """chat / sharegpt turns -> messages with the template's roles (system, user, assistant, tool)."""
     column, role_key, content_key = data.column("messages"), data.tag("role_tag"), data.tag("content_tag")
     turns = record.get(column)

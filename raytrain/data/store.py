@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.fs as pafs
 
-from .. import signing, storage
-from ..errors import JobError
-from .records import IGNORE
+from raytrain.rundir import signing, storage
+from raytrain.errors import JobError
+from raytrain.data.records import IGNORE
 
 OPEN_FILES = 32  # shard files a reader keeps open at once (TokenStore._file)
 

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pyarrow.fs as pafs
 
-from .. import signing
-from .records import IGNORE, document_positions
-from .store import BLOCK_ENTRY, DIGEST, FORMAT_VERSION, MANIFEST, RECORD, TABLE, flags, shard_name
+from raytrain.rundir import signing
+from raytrain.data.records import IGNORE, document_positions
+from raytrain.data.store import BLOCK_ENTRY, DIGEST, FORMAT_VERSION, MANIFEST, RECORD, TABLE, flags, shard_name
 
 TABLE_BLOCK = 1024  # shards a block of the table: what a reader reads and checks at once (56 KiB; the manifest says)
 

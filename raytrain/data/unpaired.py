@@ -22,9 +22,9 @@ Pure functions, like records.py and pairs.py.
 
 from __future__ import annotations
 
-from .spec import DataSpec
-from .pairs import _prompt_messages, _response, _text, record_of, text_prompt
-from .records import IGNORE, _turns, chat_steps, check_messages, run_batch
+from raytrain.job.data import DataSpec
+from raytrain.data.pairs import prompt_messages, response_messages, text_column, record_of, text_prompt
+from raytrain.data.records import IGNORE, turn_messages, chat_steps, check_messages, run_batch
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
@@ -37,13 +37,13 @@ def to_unpaired(data: DataSpec, row) -> tuple[str | list, str | list, bool]:
         raise ValueError(f"column {data.column('label')!r} (the row's label) must be true (desirable) or false "
                          f"(undesirable), got {str(label)[:40]!r}; data.columns.label maps another name")
     if data.format == "text":
-        return text_prompt(data, record), _text(record.get(data.column("completion")), data.column("completion")), label
+        return text_prompt(data, record), text_column(record.get(data.column("completion")), data.column("completion")), label
     if data.format == "chat" and data.column("completion") in record:  # TRL's conversational shape
-        return _prompt_messages(data, record), _response(data, record[data.column("completion")], "completion"), label
+        return prompt_messages(data, record), response_messages(data, record[data.column("completion")], "completion"), label
     if data.format == "alpaca":
-        prompt = _prompt_messages(data, record)
-        return prompt, _response(data, record.get(data.column("response")) or "", "response"), label
-    turns = _turns(data, record)  # chat's `messages` / sharegpt's `conversations`: the last turn is the completion
+        prompt = prompt_messages(data, record)
+        return prompt, response_messages(data, record.get(data.column("response")) or "", "response"), label
+    turns = turn_messages(data, record)  # chat's `messages` / sharegpt's `conversations`: the last turn is the completion
     if turns[-1]["role"] != "assistant":
         raise ValueError("the last turn must be the assistant's: it is the completion the label judges")
     return turns[:-1], turns[-1:], label

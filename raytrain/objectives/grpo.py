@@ -25,15 +25,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .. import attention
-from ..config import JobSpec
-from ..data import IGNORE
-from ..data.prompts import columns_of
-from ..rl import rewards as rewards_module
-from ..rl.losses import advantages, importance_ratio, nanstd, summed_loss, token_terms, units_of
-from ..rl.sampling import completion_key, rollout
-from ..rl.spec import reward_model_bytes
-from .tokens import Hidden, chunked_cross_entropy, forward
+from raytrain.model import attention
+from raytrain.job.spec import JobSpec
+from raytrain.data import IGNORE
+from raytrain.data.prompts import columns_of
+from raytrain.rl import rewards as rewards_module
+from raytrain.rl.losses import advantages, importance_ratio, nanstd, summed_loss, token_terms, units_of
+from raytrain.rl.sampling import completion_key, rollout
+from raytrain.job.grpo import reward_model_bytes
+from raytrain.objectives.tokens import Hidden, chunked_cross_entropy, forward
 
 def token_logps(out, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """Each target token's log-probability under logits / temperature (TRL's), 0 where unlabelled."""
@@ -72,7 +72,7 @@ class GRPO:
 
     def _setup(self, device: torch.device) -> None:
         if self.rewards is None:
-            from ..modeling import load_tokenizer
+            from raytrain.model.hub import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.spec)
             dtype = torch.bfloat16 if reward_model_bytes(self.spec) == 2 else torch.float32  # a reward model's
@@ -102,7 +102,7 @@ class GRPO:
         t0, engine_logps, host = time.perf_counter(), None, {}
         if g.engine == "vllm":  # one request for the rank's whole step, after the sync of this step's weights
             if self.engine is None:
-                from ..rl.engine import VLLMEngine
+                from raytrain.rl.engine import VLLMEngine
 
                 self.engine = VLLMEngine(self.spec, strategy.device, sum(len(a[3]) for a in asks))
                 atexit.register(self.engine.close)

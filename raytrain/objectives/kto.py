@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import JobSpec
-from ..data import IGNORE
-from .tokens import forward, sequence_logps, staged, unstage
+from raytrain.job.spec import JobSpec
+from raytrain.data import IGNORE
+from raytrain.objectives.tokens import forward, sequence_logps, staged, unstage
 
 
 class KTO:

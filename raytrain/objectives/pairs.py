@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import JobSpec, PreferenceSpec
-from ..data.pairs import MARGIN_TAG_BITS
-from ..modeling import SCORE_HEAD
-from .tokens import forward, real_pairs, replaced_forward, sequence_logps, staged, unwrapped
+from raytrain.job.spec import JobSpec, PreferenceSpec
+from raytrain.data.pairs import MARGIN_TAG_BITS
+from raytrain.model.facts import SCORE_HEAD
+from raytrain.objectives.tokens import forward, real_pairs, replaced_forward, sequence_logps, staged, unwrapped
 
 
 def pair_losses(objective: str, p: PreferenceSpec, chosen: torch.Tensor, rejected: torch.Tensor,

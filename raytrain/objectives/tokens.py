@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .. import attention
-from ..data import IGNORE
+from raytrain.model import attention
+from raytrain.data import IGNORE
 
 
 @dataclass

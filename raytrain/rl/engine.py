@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from .. import private_apis
-from ..errors import JobError
-from .spec import engine_kv_bytes, vllm_python
+from raytrain import private_apis
+from raytrain.errors import JobError
+from raytrain.job.grpo import engine_kv_bytes, vllm_python
 
 SERVER = Path(__file__).resolve().parents[1] / "vllm_server.py"
 SHARD_BYTES = 256 << 20  # a full sync's file size: what a rank holds beyond its shards at once

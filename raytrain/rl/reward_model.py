@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .spec import reward_model_base
+from raytrain.job.grpo import reward_model_base
 
 
 class RewardModel:

@@ -15,8 +15,8 @@ import math
 import re
 import sys
 
-from ..errors import JobError
-from .spec import RewardSpec
+from raytrain.errors import JobError
+from raytrain.job.grpo import RewardSpec
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 
@@ -77,7 +77,7 @@ class Reward:
         self.function = _import(spec.function) if spec.function else None
         self.model = None
         if spec.model:  # torch and transformers only where a reward model is asked for
-            from .reward_model import RewardModel
+            from raytrain.rl.reward_model import RewardModel
 
             try:
                 self.model = RewardModel(spec.model, device or "cpu", dtype)

@@ -18,7 +18,7 @@ import hashlib
 
 import torch
 
-from .. import private_apis
+from raytrain import private_apis
 
 
 CHECK = 8  # tokens between the ranks' "all ended?" agreement: at most CHECK - 1 idle forwards

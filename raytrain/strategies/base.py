@@ -23,14 +23,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import kernels, masks, modeling
-from ..config import JobSpec
-from ..plan import RunPlan
-from ..errors import JobError
-from ..signing import SignedCheckpoint
-from . import hf_files, ulysses, vocab_parallel
-from .dcp_files import SplitWriter, read_checkpoint
-from .hf_files import export_entries, write_full_export, write_hf_export
+from raytrain.model import kernels, modeling
+from raytrain.job import masks
+from raytrain.job.spec import JobSpec
+from raytrain.job.plan import RunPlan
+from raytrain.errors import JobError
+from raytrain.rundir.signing import SignedCheckpoint
+from raytrain.strategies import hf_files, ulysses, vocab_parallel
+from raytrain.strategies.dcp_files import SplitWriter, read_checkpoint
+from raytrain.strategies.hf_files import export_entries, write_full_export, write_hf_export
 
 
 class Strategy(ABC):
@@ -54,7 +55,7 @@ class Strategy(ABC):
         self.block_kernels = None  # Liger's block kernels' name where they run (kernels.block_kernels)
         self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
         # Two gloo groups, made at first use, each for collectives of one background thread: DCP's
-        # async save plans in its own thread (`_save_group`), checkpoint.py signs in Ray's upload
+        # async save plans in its own thread (`_save_group`), train/checkpoint.py signs in Ray's upload
         # thread (`upload_group`). One group shared by two threads would pair one thread's call on
         # one rank with the other thread's on another.
         self._save_group = None

@@ -15,9 +15,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from .. import private_apis
-from ..errors import JobError
-from ..signing import SignedCheckpoint
+from raytrain import private_apis
+from raytrain.errors import JobError
+from raytrain.rundir.signing import SignedCheckpoint
 
 
 def read_checkpoint(state: dict, checkpoint: SignedCheckpoint, reader: "SignedReader | None" = None) -> None:

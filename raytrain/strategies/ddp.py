@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import TorchStrategy, to_fp32_master
+from raytrain.strategies.base import TorchStrategy, to_fp32_master
 
 
 class DDPStrategy(TorchStrategy):

@@ -27,10 +27,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .. import modeling, qlora
-from ..plan import splits_vocabulary
-from . import tensor_parallel, vocab_parallel, weights
-from .base import TorchStrategy, needs_fp32_master, to_fp32_master
+from raytrain.model import modeling, qlora
+from raytrain.job.plan import splits_vocabulary
+from raytrain.strategies import tensor_parallel, vocab_parallel, weights
+from raytrain.strategies.base import TorchStrategy, needs_fp32_master, to_fp32_master
 
 
 class FSDP2Strategy(TorchStrategy):

@@ -22,8 +22,11 @@ from typing import Iterable
 
 import torch
 
-from .. import modeling, private_apis
-from ..config import JobSpec
+from raytrain.model import modeling
+
+from raytrain.model import hub
+from raytrain import private_apis
+from raytrain.job.spec import JobSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
@@ -210,5 +213,5 @@ def write_export_files(spec: JobSpec, directory: str, tokenizer) -> None:
         tokenizer.save_pretrained(str(out))
     meta = {"job": spec.name, "finetune": spec.training.finetune, "base_model": spec.model.path}
     if spec.training.adapters:
-        meta["base_files"] = modeling.base_files(spec)  # the base this adapter was trained on, file by file
+        meta["base_files"] = hub.base_files(spec)  # the base this adapter was trained on, file by file
     (out / "raytrain.json").write_text(json.dumps(meta, indent=2))

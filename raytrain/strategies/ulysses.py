@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import attention
+from raytrain.model import attention
 
 
 class _AllToAll(torch.autograd.Function):

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import modeling
-from ..data import IGNORE
+from raytrain.model import modeling
+from raytrain.data import IGNORE
 
 
 def tables(model: nn.Module) -> list[nn.Embedding | nn.Linear]:

@@ -23,17 +23,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.futures import Future
 
-from .. import modeling, qlora
-from ..config import JobSpec
-from ..errors import JobError
-from .hf_files import SAFETENSORS_DTYPES
+from raytrain.model import hub, modeling, qlora
+from raytrain.job.spec import JobSpec
+from raytrain.errors import JobError
+from raytrain.strategies.hf_files import SAFETENSORS_DTYPES
 
 # The floating dtypes a weight file's header may name, read as rows (the names are the writer's).
 FILE_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items() if dtype.is_floating_point}
 
 
 def safetensors_folder(spec: JobSpec) -> Path | None:
-    folder = modeling.model_folder(spec, download=True)
+    folder = hub.model_folder(spec, download=True)
     return folder if folder and any(folder.glob("*.safetensors")) else None
 
 

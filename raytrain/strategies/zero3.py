@@ -32,13 +32,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import modeling, private_apis
-from ..errors import JobError
-from . import deepspeed_config, hf_files, weights
-from ..signing import SignedCheckpoint
-from .base import Strategy, adamw, enable_activation_checkpointing
-from .dcp_files import fetch_on_every_rank
-from .hf_files import export_entries, write_full_export, write_hf_export
+from raytrain.model import modeling
+from raytrain import private_apis
+from raytrain.errors import JobError
+from raytrain.job import deepspeed_config
+from raytrain.strategies import hf_files, weights
+from raytrain.rundir.signing import SignedCheckpoint
+from raytrain.strategies.base import Strategy, adamw, enable_activation_checkpointing
+from raytrain.strategies.dcp_files import fetch_on_every_rank
+from raytrain.strategies.hf_files import export_entries, write_full_export, write_hf_export
 
 TAG = "ds"  # the checkpoint's subfolder; fixed, so every committed step_* folder has the same layout
 SHM_OP = "deepspeed_shm_comm"

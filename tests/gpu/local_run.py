@@ -1,6 +1,6 @@
 """raytrain's worker path in plain processes, without Ray: what the GPU suite and benchmarks/gpu.py run.
 
-A Ray Train worker (raytrain/worker.py) builds its strategy, restores, opens its rows of the token
+A Ray Train worker (raytrain/train/worker.py) builds its strategy, restores, opens its rows of the token
 store, runs `loop.fit` and exports. Here the same product code runs in this process (or in one
 process per device, spawned), on a process group made with torch.distributed itself (NCCL on GPUs,
 gloo on CPU, a FileStore rendezvous). Ray appears in exactly three places of that path, and each is
@@ -168,7 +168,7 @@ def _run_units_here(spec, data, fs, units, out_fs, out_path, concurrency) -> lis
 def register(run_dir: str, name: str) -> None:
     """What Ray Train's controller writes once every rank reported: its run snapshot naming the
     latest checkpoint (the part of Ray 2.60's layout that `checkpoint.latest_checkpoint` reads)."""
-    from raytrain.checkpoint import RAY_SNAPSHOT
+    from raytrain.rundir.checkpoints import RAY_SNAPSHOT
 
     Path(run_dir, RAY_SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
 
@@ -179,7 +179,8 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None
     (Ray's upload), then rank 0 registers it as Ray Train's controller does (`register`) and records it
     (`checkpoint.confirm`). Committed before it returns; with `checkpoint.async_save` the files are
     written by the strategy's background save, as the loop's are."""
-    from raytrain import checkpoint
+    from raytrain.rundir.checkpoints import record_latest
+    from raytrain.train.checkpoint import sign
 
     spec, rank = strategy.spec, strategy.rank
     name = f"step_{state.step:08d}"
@@ -190,7 +191,7 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None
             state.write(own)
         # As the loop saves: in the background where the job says so (its files complete before signing).
         (strategy.save_async(own) if spec.checkpoint.async_save else strategy.save(own) or (lambda: None))()
-        checkpoint.sign(own, spec.run_dir, name, strategy.plan.lease)  # collective: rank 0 signs every rank's files
+        sign(own, spec.run_dir, name, strategy.plan.lease)  # collective: rank 0 signs every rank's files
         if rank == 0 and final.exists():
             shutil.rmtree(final)  # an earlier run's folder of the same step (a rerun in the same run_dir)
         dist.barrier()
@@ -198,7 +199,7 @@ def commit_here(strategy, state, metrics: dict, wait: bool = True) -> str | None
         dist.barrier()
         if rank == 0:
             register(spec.run_dir, name)
-            checkpoint.record_latest(spec.run_dir, name)
+            record_latest(spec.run_dir, name)
         dist.barrier()
     finally:
         shutil.rmtree(own, ignore_errors=True)
@@ -214,7 +215,7 @@ def _no_checkpoint(strategy, state, metrics: dict, wait: bool = True) -> None:
 
 
 def _local_stop_signals():
-    from raytrain import preemption
+    from raytrain.train import preemption
 
     class LocalStopSignals(preemption.StopSignals):
         """`StopSignals` with no Ray to ask: a SIGTERM to this process still stops at a step boundary."""
@@ -229,8 +230,8 @@ def _local_stop_signals():
 @contextlib.contextmanager
 def without_ray(checkpoints: bool = True):
     """The three Ray seams replaced for the duration (`checkpoints=False`: saves are skipped)."""
-    from raytrain import checkpoint, loop
     from raytrain.data import prepare
+    from raytrain.train import checkpoint, loop
 
     patches = [(prepare, "_run_units", _run_units_here),
                (checkpoint, "save_and_report", commit_here if checkpoints else _no_checkpoint),
@@ -283,7 +284,7 @@ class CaptureLogger:
 
 @dataclass
 class Trained:
-    state: object  # raytrain.checkpoint.TrainState after the last step
+    state: object  # raytrain.rundir.checkpoints.TrainState after the last step
     steps: dict[int, dict] = field(default_factory=dict)  # rank 0: step -> the loop's metrics
 
     @property
@@ -294,10 +295,10 @@ class Trained:
 def train(spec, strategy, prepared: dict, state=None, checkpoints: bool = True, on_step=None) -> Trained:
     """`loop.fit` from `state` (default: a fresh start) to training.max_steps, on this rank's rows
     of each global batch, read as worker.py reads them (`open_data` from the prepared stores)."""
-    from raytrain import loop
-    from raytrain.checkpoint import TrainState
+    from raytrain.train import loop
+    from raytrain.rundir.checkpoints import TrainState
     from raytrain.data.batches import open_data
-    from raytrain.plan import RunPlan
+    from raytrain.job.plan import RunPlan
 
     state = state or TrainState(model_commit=spec.model.revision)
     plan = RunPlan.of(spec, prepared)
@@ -316,9 +317,9 @@ def train(spec, strategy, prepared: dict, state=None, checkpoints: bool = True, 
 def restore(strategy, step: int | None = None):
     """`checkpoint.restore` from a local run directory: the latest committed checkpoint (or step
     `step`'s), every file verified against its signed manifest before it is read. The TrainState."""
-    from raytrain import signing, storage
-    from raytrain.checkpoint import TrainState
-    from raytrain.export import latest_checkpoint
+    from raytrain.rundir import signing, storage
+    from raytrain.rundir.checkpoints import TrainState
+    from raytrain.train.export import latest_checkpoint
 
     spec = strategy.spec
     folder = storage.join(spec.run_dir, f"step_{step:08d}") if step else latest_checkpoint(spec.run_dir)
@@ -330,9 +331,9 @@ def restore(strategy, step: int | None = None):
 
 def export(spec, strategy, out: str) -> None:
     """worker.export without the upload: the tokenizer on rank 0, `strategy.export` (collective)."""
-    from raytrain import modeling
+    from raytrain.model import hub
 
-    tokenizer = modeling.load_tokenizer(spec) if strategy.rank == 0 else None
+    tokenizer = hub.load_tokenizer(spec) if strategy.rank == 0 else None
     strategy.export(out, tokenizer)
 
 
@@ -362,7 +363,7 @@ def save_bf16_copy(source: Path, out: Path, max_shard_size: str = "40KB") -> Pat
 def resume_case(rank: int, world: int, device: torch.device, spec_json: str, prepared: dict) -> dict:
     """On every rank (spawned): train to max_steps with checkpoints, then a fresh strategy restored
     from step 2 trains on. Rank 0's losses of both runs, and how the weights were loaded."""
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
     from raytrain.strategies import build_strategy
 
     spec = JobSpec.model_validate_json(spec_json)
@@ -380,7 +381,7 @@ def resume_case(rank: int, world: int, device: torch.device, spec_json: str, pre
 def mesh_case(rank: int, world: int, device: torch.device, spec_jsons: list[str], prepared: dict) -> dict:
     """On every rank (spawned): each job in turn (their scaling names the mesh) trains from the start
     without checkpoints; rank 0's losses of each."""
-    from raytrain.config import JobSpec
+    from raytrain.job.spec import JobSpec
     from raytrain.strategies import build_strategy
 
     out = {}

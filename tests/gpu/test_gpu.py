@@ -143,7 +143,7 @@ def test_sharded_loading_from_bf16_safetensors_equals_from_pretrained(assets, st
     bf16 -> fp32 exact), adapters initialized as on a loaded model, rotary buffers computed."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from raytrain import modeling
+    from raytrain.model import modeling
     from raytrain.strategies.base import to_fp32_master
 
     spec = job(assets, storage, bf16_model, f"load-{strategy_name}-{finetune}", strategy_name, finetune)
@@ -211,7 +211,8 @@ def test_train_checkpoint_resume_and_export(assets, storage, bf16_model, device,
     GPU, where backward kernels may accumulate in another order). The in-job export equals the
     offline export of the step-4 checkpoint tensor for tensor, loads with plain transformers/peft,
     gives the trained model's logits and not the base's."""
-    from raytrain.export import export_checkpoint, write_job_file
+    from raytrain.rundir.job_file import write_job_file
+    from raytrain.train.export import export_checkpoint
 
     spec = job(assets, storage, bf16_model, f"run-{strategy_name}-{finetune}", strategy_name, finetune,
                training={"compile": "auto"})  # the product's default: compiled blocks on a GPU (not zero3)
@@ -221,7 +222,7 @@ def test_train_checkpoint_resume_and_export(assets, storage, bf16_model, device,
     first = lr.train(spec, strategy, prepared)
     assert sorted(first.losses) == [1, 2, 3, 4] and finite(first.losses), first.losses
     assert first.state.step == 4 and first.state.data.consumed == 4 * spec.training.global_batch_size
-    from raytrain.checkpoint import latest_checkpoint
+    from raytrain.rundir.checkpoints import latest_checkpoint
 
     assert latest_checkpoint(spec.run_dir).endswith("step_00000004") and (Path(spec.run_dir) / "step_00000002").is_dir()
     live = logits_of(strategy.model, device, strategy.autocast)
@@ -273,7 +274,7 @@ def test_train_checkpoint_resume_and_export(assets, storage, bf16_model, device,
 # ------------------------------------------------------------------ compile, chunked loss
 @pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "ddp"), ("full",)))
 def test_compiled_blocks_train_with_the_eager_losses(assets, storage, bf16_model, device, strategy_name, finetune):
-    from raytrain import modeling
+    from raytrain.model import modeling
 
     losses = {}
     for compiled in (False, True):
@@ -348,7 +349,7 @@ def test_liger_block_kernels_train_with_the_models_own(assets, storage, bf16_mod
         pytest.skip("Liger's kernels are Triton's: CUDA only")
     from transformers.models.llama import modeling_llama
 
-    from raytrain import kernels
+    from raytrain.model import kernels
 
     # Liger's RoPE patch replaces the family's function for the whole process: put it back after.
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
@@ -470,7 +471,7 @@ def test_packed_rows_attention_gradients_are_finite_where_cudnn_returns_nan(devi
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    from raytrain import attention
+    from raytrain.model import attention
 
     length, dim = 704, 64
     config = LlamaConfig(hidden_size=2 * dim, num_attention_heads=2, num_key_value_heads=2)
@@ -514,7 +515,7 @@ def test_packed_rows_run_torchs_varlen_kernel_with_the_masked_kernels_values(dev
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     import varlen
-    from raytrain import attention, kernels
+    from raytrain.model import attention, kernels
 
     if not CUDA:
         varlen.install_torch_varlen()
@@ -560,8 +561,9 @@ def test_qlora_trains_resumes_and_exports_its_adapter(assets, storage, bf16_mode
     LoRA's on the same rows, a rank's 4-bit base at most 0.3 of its bf16 share, step 3 again bit
     for bit from step 2's checkpoint (the base rebuilt from the files), and the in-job export (the
     adapter alone) equal to the offline export of the last checkpoint."""
-    from raytrain import qlora
-    from raytrain.export import export_checkpoint, write_job_file
+    from raytrain.model import qlora
+    from raytrain.rundir.job_file import write_job_file
+    from raytrain.train.export import export_checkpoint
 
     losses = {}
     for finetune in ("lora", "qlora"):

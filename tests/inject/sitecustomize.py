@@ -81,7 +81,7 @@ def _wait_for_commit(run_dir: str, step: int, timeout_s: float = 120) -> None:
     raise TimeoutError(f"the checkpoint of step {step} was not committed in {run_dir} within {timeout_s} s")
 
 
-def _after_step(module) -> None:  # raytrain.preemption: every rank reports each finished step here
+def _after_step(module) -> None:  # raytrain.train.preemption: every rank reports each finished step here
     original = module.StopSignals.step_done
 
     def step_done(self, step, step_time, rank):
@@ -91,7 +91,7 @@ def _after_step(module) -> None:  # raytrain.preemption: every rank reports each
     module.StopSignals.step_done = step_done
 
 
-def _around_save(module) -> None:  # raytrain.checkpoint: the step being saved
+def _around_save(module) -> None:  # raytrain.train.checkpoint: the step being saved
     original = module.save_and_report
 
     def save_and_report(strategy, state, *args, **kwargs):
@@ -145,7 +145,8 @@ def _on_upload(module) -> None:  # Ray Train's storage: a rank's copy of its par
     module.StorageContext.persist_current_checkpoint = persist_current_checkpoint
 
 
-PATCHES = {"ray.train.v2._internal.execution.storage": _on_upload, "raytrain.objectives.grpo": _in_rollout, "raytrain.preemption": _after_step, "raytrain.checkpoint": _around_save,
+PATCHES = {"ray.train.v2._internal.execution.storage": _on_upload, "raytrain.objectives.grpo": _in_rollout, "raytrain.train.preemption": _after_step,
+           "raytrain.train.checkpoint": _around_save,
            "raytrain.strategies.base": _after_write("TorchStrategy"),
            "raytrain.strategies.zero3": _after_write("Zero3Strategy")}
 

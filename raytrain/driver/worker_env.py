@@ -1,0 +1,111 @@
+"""What the training workers get from the submitter's environment: settings always, secrets
+only where a node lacks them and never through a runtime_env (which Ray's dashboard and state
+API show), and the per-process setup raytrain needs (the SIGTERM handler, the preemption grace)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+
+from raytrain import allocator, private_apis
+from raytrain.job.spec import JobSpec
+from raytrain.rundir import signing
+from raytrain.train.entry import GRACE_ENV, KEY_ID_ENV, RELAY_TIMEOUT_S, SETUP_HOOK, WANTED_ENV
+
+# Read by Ray Train's controller, which inherits them from the driver's environment.
+HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+_SUBMITTERS = {k: os.environ.get(k) for k in (HEALTH_CHECK_ENV, START_TIMEOUT_ENV)}  # as the user's shell set them
+
+
+def controller_env(spec: JobSpec) -> dict[str, str]:
+    """Ray Train controller settings for this job; what the submitter's shell set wins.
+
+    Health checks every 0.5 s (its default, 2 s, is added to every exit and every restart).
+    An elastic job waits 15 s, not Ray's 60, for a worker group's resources before it starts
+    with the ones there are (the resize check grows it later): after a spot notice, Ray still
+    counts the draining node's resources as ready, so a restart first asks for the old size
+    and would wait out the whole timeout on the node being reclaimed (chaos.py spot: 83 s
+    from the reclaim to the first step, 60 of them this wait)."""
+    lo, hi = spec.scaling.worker_range
+    env = {HEALTH_CHECK_ENV: "0.5", START_TIMEOUT_ENV: "15" if lo < hi else "60"}
+    return {k: _SUBMITTERS[k] or v for k, v in env.items()}
+
+
+# What the workers need from the submitter's environment. Settings travel in the workers'
+# runtime_env; secrets never do, since whatever rides in a runtime_env is readable in Ray's
+# dashboard and state API. A node has its secrets from its own environment (on Kubernetes the
+# manifests set them on every pod from the Secret raytrain-secrets; cluster/*.yaml from the
+# cloud's secret store); a worker process on a node that lacks some asks the driver's secret
+# relay for them as its train function starts (`with_secrets`), so a spot node an autoscaler
+# adds mid-run is covered as well as the nodes alive at submit.
+# The host allocator's variables are allocator.worker_env's (mimalloc on CPU workers, unless the
+# submitter chose).
+SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
+SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
+               "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", signing.KEY_ENV)
+
+
+class SecretRelay:
+    """The driver's secrets, in the memory of one actor on the driver's node, for the worker
+    processes of nodes that lack them. The values arrive by a method call (`hold`), never with
+    the actor's creation, whose options and runtime_env Ray's dashboard shows. The actor has no
+    name: `ray list actors` shows that it exists, but only a holder of its handle can call it, and
+    the driver hands that to its own train workers alone (in their train_loop_config)."""
+
+    def __init__(self):
+        self._values: dict[str, str] = {}
+        self._held = threading.Event()
+
+    def hold(self, values: dict[str, str]) -> None:
+        self._values = dict(values)
+        self._held.set()
+
+    def give(self, names: list[str]) -> dict[str, str]:
+        # The driver does not wait for `hold` (it would add the actor's start to every job's
+        # start-up); a worker that asks first waits here for it (threaded actor: both can run).
+        self._held.wait(RELAY_TIMEOUT_S)
+        return {n: self._values[n] for n in names if n in self._values}
+
+
+@dataclass
+class Relay:
+    actor: object  # the handle: for the workers' train_loop_config; referenced while the job runs (Ray ends an unreferenced actor)
+    env: dict[str, str]  # names and a salted key id only: for the workers' runtime_env
+
+
+def start_relay() -> Relay:
+    """Driver: the job's secret relay, holding the values of the SECRETS_ENV names set here, and
+    the names-only variables that tell the workers what to ask for. Not detached and not named:
+    it ends with the driver at the latest, and only its handle reaches it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    values = {k: os.environ[k] for k in SECRETS_ENV if k in os.environ}
+    # Pinned to the driver's node (as the control actor): it must not die with a spot node.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0, max_concurrency=4)(SecretRelay).options(scheduling_strategy=here).remote()
+    actor.hold.remote(values)
+    salt = secrets.token_hex(8)
+    key_id = signing.key_id(salt)
+    return Relay(actor, {WANTED_ENV: ",".join(values), **({KEY_ID_ENV: f"{salt}:{key_id}"} if key_id else {})})
+
+
+def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
+    """The train workers' runtime_env: settings, and the relay's names-only variables (`start_relay`)."""
+    env = {"TOKENIZERS_PARALLELISM": "false", GRACE_ENV: str(spec.failure.preemption_grace_s)}
+    if not spec.scaling.use_gpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    for key in SETTINGS_ENV:
+        if key in os.environ:
+            env[key] = os.environ[key]
+    env.update(allocator.worker_env(spec.scaling.use_gpu, os.environ))
+    env.update(relay or {})
+    # A worker-process setup hook runs in each worker's main thread at start-up, so that
+    # SIGTERM means "checkpoint, then go" (`setup_worker`). Ray turns a job-level
+    # `worker_process_setup_hook` into this variable only in ray.init; for the train workers'
+    # own env we set it directly.
+    env[private_apis.worker_setup_hook_variable()] = SETUP_HOOK
+    return {"env_vars": env}
