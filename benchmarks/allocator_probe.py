@@ -1,12 +1,14 @@
 """A step's host memory and time under an allocator setting, without Ray (2 gloo ranks, spawned):
 
     SEQ=256 python -m benchmarks.allocator_probe MODEL_DIR lora                     # glibc's defaults
-    SEQ=256 MALLOC_MMAP_THRESHOLD_=262144 MALLOC_TRIM_THRESHOLD_=262144 python -m benchmarks.allocator_probe MODEL_DIR lora
+    SEQ=256 MALLOC_MMAP_THRESHOLD_=262144 MALLOC_TRIM_THRESHOLD_=262144 python -m benchmarks.allocator_probe
+    MODEL_DIR lora
     SEQ=256 TRIM=1 python -m benchmarks.allocator_probe MODEL_DIR lora   # glibc's malloc_trim(0) after each step
 
-Prints each rank's (resident, peak) MiB after the build and each of 8 `loop.train_step`s (the peak
-reset before each), and the median step time of steps 3-8. MODEL_DIR: e.g. benchmarks/.cache/smollm2-135m-shape
+Prints each rank's (resident, peak) MiB after the build and each of 8 `loop.train_step`s (the peak reset before each),
+and the median step time of steps 3-8. MODEL_DIR: e.g. benchmarks/.cache/smollm2-135m-shape
 (`benchmarks.memory.smollm2_shape`)."""
+
 import os
 import sys
 from pathlib import Path
@@ -36,14 +38,14 @@ def case(rank: int, world: int, device, job_json: str) -> list[dict]:
     import mesh_cases
     import torch.distributed as dist
 
-    from raytrain.train import loop
-    from raytrain.model import modeling
     from raytrain import objectives
-    from raytrain.job.spec import JobSpec
     from raytrain.data.batches import micro_batches
     from raytrain.job.plan import RunPlan
-    from raytrain.train.preemption import StopSignals
+    from raytrain.job.spec import JobSpec
+    from raytrain.model import modeling
     from raytrain.strategies import build_strategy
+    from raytrain.train import loop
+    from raytrain.train.preemption import StopSignals
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate_json(job_json)
@@ -64,6 +66,7 @@ def case(rank: int, world: int, device, job_json: str) -> list[dict]:
         loop.train_step(strategy, objective, batch, 1e-3, StopSignals(None, check_ray_notice=False))
         if os.environ.get("TRIM"):
             import ctypes
+
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         marks[f"step{step + 1}"] = rss()
         times.append(time.perf_counter() - start)
@@ -80,10 +83,15 @@ if __name__ == "__main__":
     from raytrain.job.spec import JobSpec
 
     data = ROOT / "benchmarks" / ".cache" / "base-8000" / "text.jsonl"
-    spec = JobSpec.model_validate({
-        "name": "probe", "model": {"path": sys.argv[1]},
-        "data": {"path": str(data), "seq_len": int(os.environ.get("SEQ", 32))},
-        "training": {"finetune": sys.argv[2], "global_batch_size": 2, "micro_batch_size": 1, "max_steps": 8},
-        "scaling": {"num_workers": 2}, "checkpoint": {"storage_path": "/tmp/allocator-probe"}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "probe",
+            "model": {"path": sys.argv[1]},
+            "data": {"path": str(data), "seq_len": int(os.environ.get("SEQ", 32))},
+            "training": {"finetune": sys.argv[2], "global_batch_size": 2, "micro_batch_size": 1, "max_steps": 8},
+            "scaling": {"num_workers": 2},
+            "checkpoint": {"storage_path": "/tmp/allocator-probe"},
+        }
+    )
     for rank, marks in enumerate(local_run.spawn(allocator_probe.case, 2, torch.device("cpu"), spec.model_dump_json())):
         print(rank, marks)

@@ -18,8 +18,9 @@ import argparse
 import os
 
 
-def make_train_func(ckpt: str | None, ckpt_log: str | None, probe_log: str | None, blocking_check: bool,
-                    torch_threads: int | None):
+def make_train_func(
+    ckpt: str | None, ckpt_log: str | None, probe_log: str | None, blocking_check: bool, torch_threads: int | None
+):
     from benchmarks import ckpt_timing, probe
 
     # Functions, not modules, in the closure: cloudpickle ships these by value (see main).
@@ -57,7 +58,9 @@ def main() -> None:
     p.add_argument("--ckpt-log")
     p.add_argument("--probe-log")
     p.add_argument("--blocking-check", action="store_true", help="P1's before arm: the per-step stop check before P1")
-    p.add_argument("--torch-threads", type=int, help="P1's before arm: torch threads per worker (raytrain: Ray's CPU share)")
+    p.add_argument(
+        "--torch-threads", type=int, help="P1's before arm: torch threads per worker (raytrain: Ray's CPU share)"
+    )
     args = p.parse_args()
     if args.ckpt or args.probe_log or args.blocking_check or args.torch_threads:
         import cloudpickle
@@ -68,13 +71,17 @@ def main() -> None:
         # Shipped to the workers by value: they need not find the benchmarks folder on their path.
         for module in (ckpt_timing, probe):
             cloudpickle.register_pickle_by_value(module)
-        entry.train_func = entry.with_secrets(make_train_func(args.ckpt, args.ckpt_log, args.probe_log,
-                                                              args.blocking_check, args.torch_threads))  # read by build_trainer
+        entry.train_func = entry.with_secrets(
+            make_train_func(args.ckpt, args.ckpt_log, args.probe_log, args.blocking_check, args.torch_threads)
+        )  # read by build_trainer
     from raytrain.cli import entry
 
     step_log = os.environ.get("BENCH_STEP_LOG")  # harness.run_arm: the steps are timed from raytrain's sample log
-    entry(["run", args.job] + (["--address", args.address] if args.address else []) +
-          (["--set", f"data.sample_log={step_log}"] if step_log else []))
+    entry(
+        ["run", args.job]
+        + (["--address", args.address] if args.address else [])
+        + (["--set", f"data.sample_log={step_log}"] if step_log else [])
+    )
 
 
 if __name__ == "__main__":

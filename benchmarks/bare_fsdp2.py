@@ -49,7 +49,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--window", type=int, default=256, help="data.shuffle_window of the job, in packed rows")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fused", action="store_true", help="AdamW on torch's fused kernel, as raytrain's (default: torch's)")
+    p.add_argument(
+        "--fused", action="store_true", help="AdamW on torch's fused kernel, as raytrain's (default: torch's)"
+    )
     p.add_argument("--fsdp1", action="store_true", help="FullyShardedDataParallel (FSDP1) instead of fully_shard")
     p.add_argument("--gpu", action="store_true", help="CUDA + NCCL, bf16 compute with fp32 reduction")
     p.add_argument("--out", required=True, help="rank 0 writes its timings here (JSON)")
@@ -75,8 +77,14 @@ def batches(args, rank: int, world: int):
     for first in itertools.count(0, args.global_batch):
         _, rows = order.rows_at(np.arange(first + start, first + stop))
         ids, labels, positions = store.read(rows).transpose(1, 0, 2)  # [rows, planes, seq] -> planes
-        yield [(torch.from_numpy(ids[part]).long(), torch.from_numpy(labels[part]).long(),
-                torch.from_numpy(positions[part]).long()) for part in np.array_split(np.arange(len(rows)), micro)]
+        yield [
+            (
+                torch.from_numpy(ids[part]).long(),
+                torch.from_numpy(labels[part]).long(),
+                torch.from_numpy(positions[part]).long(),
+            )
+            for part in np.array_split(np.arange(len(rows)), micro)
+        ]
 
 
 def build(args, device, world: int):
@@ -91,9 +99,14 @@ def build(args, device, world: int):
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.gpu else None
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}), mixed_precision=mp,
-                                         sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
-                                         device_id=device)  # on CPU too: FSDP1 refuses to guess "cpu"
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}),
+            mixed_precision=mp,
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            use_orig_params=True,
+            device_id=device,
+        )  # on CPU too: FSDP1 refuses to guess "cpu"
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -104,8 +117,9 @@ def build(args, device, world: int):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                  fused=True if args.fused else None)
+    optimizer = torch.optim.AdamW(
+        params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True if args.fused else None
+    )
     return model, params, optimizer
 
 
@@ -134,7 +148,9 @@ def main() -> None:
     model, params, optimizer = build(args, device, world)
     data = batches(args, rank, world)
     step_log = os.environ.get("BENCH_STEP_LOG")
-    timings: dict[str, list[float]] = {k: [] for k in ("step_time_s", "data_wait_s", "forward_backward_s", "optimizer_s", "loss")}
+    timings: dict[str, list[float]] = {
+        k: [] for k in ("step_time_s", "data_wait_s", "forward_backward_s", "optimizer_s", "loss")
+    }
     for step in range(args.steps):
         step_start = time.perf_counter()
         torch.manual_seed(hash((args.seed, step, rank)) % (2**63))
@@ -148,11 +164,12 @@ def main() -> None:
             last = i == len(micro) - 1
             if not args.fsdp1:
                 model.set_requires_gradient_sync(last)
-            with (contextlib.nullcontext() if last or not args.fsdp1 else model.no_sync()):
+            with contextlib.nullcontext() if last or not args.fsdp1 else model.no_sync():
                 logits = model(input_ids=x.to(device), position_ids=pos.to(device)).logits
                 y = y.to(device)
-                ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten(), ignore_index=IGNORE,
-                                     reduction="sum")
+                ce = F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum"
+                )
                 (ce * (world / global_tokens)).backward()
             loss_sum += float(ce.detach())
         optimizer_start = time.perf_counter()
@@ -165,21 +182,36 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         optimizer_s = time.perf_counter() - optimizer_start
         loss = all_reduce(loss_sum, device) / global_tokens
-        for key, value in (("step_time_s", time.perf_counter() - step_start), ("data_wait_s", data_wait),
-                           ("forward_backward_s", optimizer_start - compute_start), ("optimizer_s", optimizer_s),
-                           ("loss", loss)):
+        for key, value in (
+            ("step_time_s", time.perf_counter() - step_start),
+            ("data_wait_s", data_wait),
+            ("forward_backward_s", optimizer_start - compute_start),
+            ("optimizer_s", optimizer_s),
+            ("loss", loss),
+        ):
             timings[key].append(value)
         if rank == 0 and step_log:
             with open(os.path.join(step_log, "rank0.jsonl"), "a") as f:
                 f.write(json.dumps({"attempt": "bare", "step": step + 1, "loss": loss}) + "\n")
-    peak = (torch.cuda.max_memory_allocated(device) / 2**30 if args.gpu
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    peak = (
+        torch.cuda.max_memory_allocated(device) / 2**30
+        if args.gpu
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )
     memory = [None] * world
     dist.all_gather_object(memory, {"peak_gb": peak, "start_rss_gb": start_rss})
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({**timings, "memory": memory, "fsdp": 1 if args.fsdp1 else 2, "world": world,
-                       "tokens_per_step": args.global_batch * args.seq_len}, f)
+            json.dump(
+                {
+                    **timings,
+                    "memory": memory,
+                    "fsdp": 1 if args.fsdp1 else 2,
+                    "world": world,
+                    "tokens_per_step": args.global_batch * args.seq_len,
+                },
+                f,
+            )
     # Leave together: a rank that tears gloo down while its peer is still in the last
     # collective aborts the peer ("terminate called without an active exception", seen once in CI).
     dist.barrier()

@@ -40,17 +40,22 @@ def main() -> int:
     args = p.parse_args()
     bare_args = args.bare_args[1:] if args.bare_args[:1] == ["--"] else args.bare_args
     # Ray's workers run in another directory: local paths become absolute.
-    bare_args = [str(Path(a).resolve()) if prev in ("--model", "--data", "--out") and Path(a).parent.exists() else a
-                 for prev, a in zip([None, *bare_args], bare_args)]
+    bare_args = [
+        str(Path(a).resolve()) if prev in ("--model", "--data", "--out") and Path(a).parent.exists() else a
+        for prev, a in zip([None, *bare_args], bare_args)
+    ]
     import ray
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     gpu = "--gpu" in bare_args
     ray.init(num_cpus=None if gpu else args.workers + 2, include_dashboard=False, log_to_driver=False)
-    TorchTrainer(train_func, train_loop_config={"args": bare_args, "benchmarks_dir": str(Path(__file__).parent)},
-                 scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=gpu),
-                 torch_config=TorchConfig(backend="nccl" if gpu else "gloo")).fit()
+    TorchTrainer(
+        train_func,
+        train_loop_config={"args": bare_args, "benchmarks_dir": str(Path(__file__).parent)},
+        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=gpu),
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+    ).fit()
     return 0
 
 

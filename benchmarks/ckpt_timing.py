@@ -34,6 +34,7 @@ def _timed(fn, name: str, timings: dict):
             return fn(*args, **kwargs)
         finally:
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
     return call
 
 
@@ -58,8 +59,13 @@ def _timed_save(original, log_dir: str, timings: dict):
         finally:
             del strategy.save, strategy.save_async  # back to the class's methods
             ray.train.report, ray.train.get_all_reported_checkpoints = saved
-            record = {"mode": "timed", "step": state.step, "wait": kwargs.get("wait", True),
-                      "save_s": time.perf_counter() - start, **timings}
+            record = {
+                "mode": "timed",
+                "step": state.step,
+                "wait": kwargs.get("wait", True),
+                "save_s": time.perf_counter() - start,
+                **timings,
+            }
             timings.clear()
             _log(log_dir, strategy.rank, record)
 

@@ -20,8 +20,18 @@ from pathlib import Path
 from . import harness as h
 
 
-def raytrain_arm(s: h.Setting, label: str, model: Path, data_file: Path, *extra: str, env: dict | None = None,
-                 inspect=None, probe: bool = False, primed: bool = False, **over) -> dict:
+def raytrain_arm(
+    s: h.Setting,
+    label: str,
+    model: Path,
+    data_file: Path,
+    *extra: str,
+    env: dict | None = None,
+    inspect=None,
+    probe: bool = False,
+    primed: bool = False,
+    **over,
+) -> dict:
     """One raytrain run; its step timings as seen from outside and as logged to MLflow.
     `inspect(folder)`, if given, looks at the run's files before they are deleted;
     `probe` times the workers' per-step stop check (probe.py); `primed`: an untimed run of
@@ -30,13 +40,20 @@ def raytrain_arm(s: h.Setting, label: str, model: Path, data_file: Path, *extra:
     try:
         if primed:
             prime = h.write_job(h.job(s, f"{label}-prime", folder / "runs", model, data_file, **over), folder / "prime")
-            h.run_arm(f"{label}-prime", h.raytrain_command(prime, *extra), folder / "prime-steps", env=env,
-                      timeout_s=s.timeout_s)
+            h.run_arm(
+                f"{label}-prime",
+                h.raytrain_command(prime, *extra),
+                folder / "prime-steps",
+                env=env,
+                timeout_s=s.timeout_s,
+            )
         job_file = h.write_job(h.job(s, label, folder / "runs", model, data_file, **over), folder)
         extra += ("--probe-log", str(folder)) if probe else ()
         run = h.run_arm(label, h.raytrain_command(job_file, *extra), folder / "steps", env=env, timeout_s=s.timeout_s)
-        series = {k: h.metric_series(folder / "runs", k) for k in
-                  ("step_time_s", "data_wait_s", "loss", "peak_memory_gb", "checkpoint_s")}
+        series = {
+            k: h.metric_series(folder / "runs", k)
+            for k in ("step_time_s", "data_wait_s", "loss", "peak_memory_gb", "checkpoint_s")
+        }
         probes = {int(p.stem.split("rank")[1]): json.loads(p.read_text()) for p in folder.glob("probe-rank*.json")}
         return {"run": run, "inspected": inspect(folder) if inspect else None, "probe": probes, **series}
     finally:
@@ -48,8 +65,11 @@ def bare_arm(s: h.Setting, label: str, model: Path, data: Path, *extra: str, in_
     folder = h.scratch(label)
     try:
         out = folder / "bare.json"
-        command = (h.ray_train_command(s, model, data, out) if in_ray_train else
-                   h.torchrun_command(s, model, data, out, *extra))
+        command = (
+            h.ray_train_command(s, model, data, out)
+            if in_ray_train
+            else h.torchrun_command(s, model, data, out, *extra)
+        )
         run = h.run_arm(label, command, folder / "steps", env=h.bare_env(s), timeout_s=s.timeout_s)
         result = json.loads(out.read_text())
         return {"run": run, **result}
@@ -72,8 +92,12 @@ def steady(values, warmup: int) -> float:
 # the blocking per-step stop check (probe.py) and, on CPU, torch's thread pool sized by the core count.
 # `torchrun-fused` is the bare script with raytrain's fused AdamW (`strategies.base.adamw`): P1 is against
 # what a hand-rolled script gets (torch's default kernel); against this arm it is the overhead alone.
-P1_ARMS = {"raytrain": [], "torchrun": [], "raytrain-before": ["--blocking-check", "--torch-threads", "2"],
-           "torchrun-fused": ["--fused"]}
+P1_ARMS = {
+    "raytrain": [],
+    "torchrun": [],
+    "raytrain-before": ["--blocking-check", "--torch-threads", "2"],
+    "torchrun-fused": ["--fused"],
+}
 
 
 EARLY = (5, 25)  # steps whose in-loop time P1 also reports: the warm-up transient
@@ -103,33 +127,82 @@ def p1(s: h.Setting) -> dict:
             share = steady({k: r["data_wait_s"][k] / r["step_time_s"][k] for k in r["step_time_s"]}, s.warmup)
             rank0 = {k: steady(v, s.warmup) for k, v in r["probe"].get(0, {}).items() if isinstance(v, list) and v}
             check[arm].append(rank0.get("stop_check_s", 0.0))
-            note = (f", data wait {share:.1%} of the step; rank-0 stop check per step {check[arm][-1] * 1e3:.2f} ms"
-                    f" (preemption notice {rank0.get('preemption_info_s', 0) * 1e3:.2f} ms); torch threads per rank "
-                    f"{r['probe'].get(0, {}).get('torch_threads')}")
+            note = (
+                f", data wait {share:.1%} of the step; rank-0 stop check per step {check[arm][-1] * 1e3:.2f} ms"
+                f" (preemption notice {rank0.get('preemption_info_s', 0) * 1e3:.2f} ms); torch threads per rank "
+                f"{r['probe'].get(0, {}).get('torch_threads')}"
+            )
         in_loop[arm].append(steady(r["step_time_s"], s.warmup))
-        early[arm].append(h.median(ordered(r["step_time_s"])[EARLY[0]:EARLY[1]] or [float("nan")]))
+        early[arm].append(h.median(ordered(r["step_time_s"])[EARLY[0] : EARLY[1]] or [float("nan")]))
         periods[arm].append(r["run"].period_s(s.warmup))
-        print(f"    {arm}: period {periods[arm][-1]:.4f} s, in-loop {in_loop[arm][-1]:.4f} s (steps {EARLY[0]}-{EARLY[1]}: "
-              f"{early[arm][-1]:.4f} s){note}", flush=True)
+        print(
+            f"    {arm}: period {periods[arm][-1]:.4f} s, in-loop {in_loop[arm][-1]:.4f} s (steps "
+            f"{EARLY[0]}-{EARLY[1]}: "
+            f"{early[arm][-1]:.4f} s){note}",
+            flush=True,
+        )
     print("P1 same work: step-1 loss " + ", ".join(f"{a} {v:.6f}" for a, v in first_loss.items()), flush=True)
-    ratio = h.ratio_line("P1 step period (wall time between finished steps)", "raytrain", periods["raytrain"],
-                         "torchrun", periods["torchrun"], goal="<= 1.02")
-    h.ratio_line("P1 in-loop step time (data + compute + optimizer)", "raytrain", in_loop["raytrain"],
-                 "torchrun", in_loop["torchrun"])
+    ratio = h.ratio_line(
+        "P1 step period (wall time between finished steps)",
+        "raytrain",
+        periods["raytrain"],
+        "torchrun",
+        periods["torchrun"],
+        goal="<= 1.02",
+    )
+    h.ratio_line(
+        "P1 in-loop step time (data + compute + optimizer)",
+        "raytrain",
+        in_loop["raytrain"],
+        "torchrun",
+        in_loop["torchrun"],
+    )
     if s.steps >= EARLY[1]:
-        h.ratio_line(f"P1 in-loop step time, early steps {EARLY[0]}-{EARLY[1]}", "raytrain", early["raytrain"],
-                     "torchrun", early["torchrun"])
-    overhead = None if "torchrun-fused" not in arms else h.ratio_line(
-        "P1 overhead alone: step period, raytrain / bare torchrun with raytrain's fused AdamW", "raytrain",
-        periods["raytrain"], "torchrun-fused", periods["torchrun-fused"], goal="<= 1.02")
-    before = None if "raytrain-before" not in arms else h.ratio_line(
-        "P1 step period before P1's fixes", "raytrain-before", periods["raytrain-before"], "torchrun",
-        periods["torchrun"], goal="<= 1.02")
+        h.ratio_line(
+            f"P1 in-loop step time, early steps {EARLY[0]}-{EARLY[1]}",
+            "raytrain",
+            early["raytrain"],
+            "torchrun",
+            early["torchrun"],
+        )
+    overhead = (
+        None
+        if "torchrun-fused" not in arms
+        else h.ratio_line(
+            "P1 overhead alone: step period, raytrain / bare torchrun with raytrain's fused AdamW",
+            "raytrain",
+            periods["raytrain"],
+            "torchrun-fused",
+            periods["torchrun-fused"],
+            goal="<= 1.02",
+        )
+    )
+    before = (
+        None
+        if "raytrain-before" not in arms
+        else h.ratio_line(
+            "P1 step period before P1's fixes",
+            "raytrain-before",
+            periods["raytrain-before"],
+            "torchrun",
+            periods["torchrun"],
+            goal="<= 1.02",
+        )
+    )
     for arm, values in check.items():
-        print(f"P1 {arm}: rank-0 stop check median {h.median(values) * 1e3:.2f} ms per step = "
-              f"{h.median(values) / h.median(periods[arm]):.1%} of its step period", flush=True)
-    return {"ratio": ratio, "ratio_overhead": overhead, "ratio_before": before, "periods": periods, "in_loop": in_loop,
-            "stop_check_s": {a: h.median(v) for a, v in check.items()}}
+        print(
+            f"P1 {arm}: rank-0 stop check median {h.median(values) * 1e3:.2f} ms per step = "
+            f"{h.median(values) / h.median(periods[arm]):.1%} of its step period",
+            flush=True,
+        )
+    return {
+        "ratio": ratio,
+        "ratio_overhead": overhead,
+        "ratio_before": before,
+        "periods": periods,
+        "in_loop": in_loop,
+        "stop_check_s": {a: h.median(v) for a, v in check.items()},
+    }
 
 
 # ---------------------------------------------------------------- P2
@@ -159,29 +232,75 @@ def p2(s: h.Setting) -> dict:
         for name, t in marks.items():
             if t is not None:
                 milestones.setdefault((arm, name), []).append(t)
-        print(f"    {arm}: first step {first[arm][-1]:.2f} s after launch"
-              + "".join(f"; {name} at {t:.2f} s" for name, t in marks.items() if t is not None), flush=True)
-    ratio = h.ratio_line("P2 submit -> first step, own local cluster", "raytrain", first["raytrain-cold"], "torchrun",
-                         first["torchrun"], fmt=".2f")
-    warm = h.ratio_line("P2 submit -> first step, running cluster", "raytrain", first["raytrain-warm"], "torchrun",
-                        first["torchrun"], fmt=".2f")
-    exit_ratio = h.ratio_line("P2 last step -> exit, own local cluster", "raytrain", exits["raytrain-cold"], "torchrun",
-                              exits["torchrun"], fmt=".2f", goal="<= 1.5")
-    over_ray = h.ratio_line("P2 submit -> first step, both on their own local cluster", "raytrain",
-                            first["raytrain-cold"], "plain TorchTrainer", first["ray-train"], fmt=".2f")
-    h.ratio_line("P2 last step -> exit, both on their own local cluster", "raytrain", exits["raytrain-cold"],
-                 "plain TorchTrainer", exits["ray-train"], fmt=".2f")
+        print(
+            f"    {arm}: first step {first[arm][-1]:.2f} s after launch"
+            + "".join(f"; {name} at {t:.2f} s" for name, t in marks.items() if t is not None),
+            flush=True,
+        )
+    ratio = h.ratio_line(
+        "P2 submit -> first step, own local cluster",
+        "raytrain",
+        first["raytrain-cold"],
+        "torchrun",
+        first["torchrun"],
+        fmt=".2f",
+    )
+    warm = h.ratio_line(
+        "P2 submit -> first step, running cluster",
+        "raytrain",
+        first["raytrain-warm"],
+        "torchrun",
+        first["torchrun"],
+        fmt=".2f",
+    )
+    exit_ratio = h.ratio_line(
+        "P2 last step -> exit, own local cluster",
+        "raytrain",
+        exits["raytrain-cold"],
+        "torchrun",
+        exits["torchrun"],
+        fmt=".2f",
+        goal="<= 1.5",
+    )
+    over_ray = h.ratio_line(
+        "P2 submit -> first step, both on their own local cluster",
+        "raytrain",
+        first["raytrain-cold"],
+        "plain TorchTrainer",
+        first["ray-train"],
+        fmt=".2f",
+    )
+    h.ratio_line(
+        "P2 last step -> exit, both on their own local cluster",
+        "raytrain",
+        exits["raytrain-cold"],
+        "plain TorchTrainer",
+        exits["ray-train"],
+        fmt=".2f",
+    )
     for arm in ("raytrain-cold", "raytrain-warm"):
-        print(f"P2 {arm} milestones (median s after launch): " + ", ".join(
-            f"{name} {h.median(v):.2f}" for (a, name), v in milestones.items() if a == arm)
-            + f", first step {h.median(first[arm]):.2f}", flush=True)
-    return {"ratio": ratio, "ratio_warm": warm, "ratio_exit": exit_ratio, "ratio_over_ray_train": over_ray,
-            "first": first, "exit": exits}
+        print(
+            f"P2 {arm} milestones (median s after launch): "
+            + ", ".join(f"{name} {h.median(v):.2f}" for (a, name), v in milestones.items() if a == arm)
+            + f", first step {h.median(first[arm]):.2f}",
+            flush=True,
+        )
+    return {
+        "ratio": ratio,
+        "ratio_warm": warm,
+        "ratio_exit": exit_ratio,
+        "ratio_over_ray_train": over_ray,
+        "first": first,
+        "exit": exits,
+    }
 
 
 # Lines of `raytrain run`'s own output (the driver's, not forwarded from workers) that mark its start-up.
-MILESTONES = {"pre-flight done": ": valid (", "Ray up": "Started a local Ray instance",
-              "MLflow run + control actor ready": "[raytrain] job "}
+MILESTONES = {
+    "pre-flight done": ": valid (",
+    "Ray up": "Started a local Ray instance",
+    "MLflow run + control actor ready": "[raytrain] job ",
+}
 
 
 class warm_cluster:
@@ -214,11 +333,20 @@ def p7(s: h.Setting) -> dict:
         tps[arm].append(r["tokens_per_step"] / r["run"].period_s(s.warmup))
         peaks = [m["peak_gb"] - (0 if s.gpu else m["start_rss_gb"]) for m in r["memory"]]
         mem[arm].append(max(peaks))
-        print(f"    {arm}: {tps[arm][-1]:,.0f} tokens/s, peak memory added {mem[arm][-1]:.3f} GiB "
-              f"(ranks: {', '.join(f'{p:.3f}' for p in peaks)})", flush=True)
+        print(
+            f"    {arm}: {tps[arm][-1]:,.0f} tokens/s, peak memory added {mem[arm][-1]:.3f} GiB "
+            f"(ranks: {', '.join(f'{p:.3f}' for p in peaks)})",
+            flush=True,
+        )
     ratio = h.ratio_line("P7 tokens/s", "fsdp2", tps["fsdp2"], "fsdp1", tps["fsdp1"], unit="tok/s", fmt=",.0f")
-    mem_ratio = h.ratio_line("P7 peak memory (" + ("max allocated" if s.gpu else "peak RSS - RSS at start") + ")",
-                             "fsdp2", mem["fsdp2"], "fsdp1", mem["fsdp1"], unit="GiB")
+    mem_ratio = h.ratio_line(
+        "P7 peak memory (" + ("max allocated" if s.gpu else "peak RSS - RSS at start") + ")",
+        "fsdp2",
+        mem["fsdp2"],
+        "fsdp1",
+        mem["fsdp1"],
+        unit="GiB",
+    )
     return {"ratio": ratio, "memory_ratio": mem_ratio, "tokens_per_s": tps, "memory": mem}
 
 
@@ -231,8 +359,9 @@ def p8(s: h.Setting) -> dict:
     env = {"TORCH_EXTENSIONS_DIR": str(h.CACHE / "torch_extensions")}
     for arm in h.alternate(s.reps, ["zero3", "fsdp2"]):
         try:
-            r = raytrain_arm(s, f"p8-{arm}", model, data, env=env, probe=True,
-                             training={"strategy": arm, "gradient_sync": "auto"})  # both reduce each micro-batch
+            r = raytrain_arm(
+                s, f"p8-{arm}", model, data, env=env, probe=True, training={"strategy": arm, "gradient_sync": "auto"}
+            )  # both reduce each micro-batch
         except RuntimeError as exc:
             if arm != "zero3":
                 raise
@@ -243,8 +372,11 @@ def p8(s: h.Setting) -> dict:
         in_loop[arm].append(steady(r["step_time_s"], s.warmup))
         key = "peak_allocated_gb" if s.gpu else "peak_rss_gb"
         mem[arm].append(max(p[key] for p in r["probe"].values()))  # the largest rank's peak (probe.py)
-        print(f"    {arm}: period {period[arm][-1]:.4f} s, in-loop {in_loop[arm][-1]:.4f} s, largest rank's peak "
-              f"{'allocated' if s.gpu else 'RSS'} {mem[arm][-1]:.3f} GiB", flush=True)
+        print(
+            f"    {arm}: period {period[arm][-1]:.4f} s, in-loop {in_loop[arm][-1]:.4f} s, largest rank's peak "
+            f"{'allocated' if s.gpu else 'RSS'} {mem[arm][-1]:.3f} GiB",
+            flush=True,
+        )
     ratio = h.ratio_line("P8 step period", "zero3", period["zero3"], "fsdp2", period["fsdp2"])
     h.ratio_line("P8 in-loop step time", "zero3", in_loop["zero3"], "fsdp2", in_loop["fsdp2"])
     mem_ratio = h.ratio_line("P8 peak memory, largest rank", "zero3", mem["zero3"], "fsdp2", mem["fsdp2"], unit="GiB")
@@ -265,20 +397,29 @@ def p9(s: h.Setting, objectives: tuple[str, ...] = ("sft", "dpo", "reward", "kto
     for arm in h.alternate(s.reps, arms):
         objective, finetune = arm.split("-")
         rows = {"sft": sft_rows, "kto": pairs.with_name("kto.jsonl")}.get(objective, pairs)  # KTO: one completion a row
-        r = raytrain_arm(s, f"p9-{arm}", model, rows,
-                         data={"pack": False}, training={"objective": objective, "finetune": finetune})
+        r = raytrain_arm(
+            s, f"p9-{arm}", model, rows, data={"pack": False}, training={"objective": objective, "finetune": finetune}
+        )
         times.setdefault(arm, []).append(steady(r["step_time_s"], s.warmup))
         print(f"    {arm}: in-loop step {times[arm][-1]:.4f} s", flush=True)
     out = {}
     for finetune in ("lora", "full"):
         for objective in objectives[1:]:  # each against SFT on the same rows
             unit = "a completion" if objective == "kto" else "a pair"
-            out[objective, finetune] = h.ratio_line(f"P9 step time per row, {finetune}", f"{objective} ({unit})",
-                                                    times[f"{objective}-{finetune}"], "sft (one sequence)",
-                                                    times[f"sft-{finetune}"])
+            out[objective, finetune] = h.ratio_line(
+                f"P9 step time per row, {finetune}",
+                f"{objective} ({unit})",
+                times[f"{objective}-{finetune}"],
+                "sft (one sequence)",
+                times[f"sft-{finetune}"],
+            )
     first = objectives[1]
-    return {"ratio": out[first, "lora"], "ratio_full": out[first, "full"], "times": times,
-            **{f"ratio_{o}_{f}": r for (o, f), r in out.items()}}
+    return {
+        "ratio": out[first, "lora"],
+        "ratio_full": out[first, "full"],
+        "times": times,
+        **{f"ratio_{o}_{f}": r for (o, f), r in out.items()},
+    }
 
 
 # ---------------------------------------------------------------- P10
@@ -307,6 +448,7 @@ def p11(s: h.Setting) -> dict:
         r = raytrain_arm(s, f"p11-{arm}", model, data, training={"finetune": arm})
         times[arm].append(steady(r["step_time_s"], s.warmup))
         print(f"    {arm}: in-loop step {times[arm][-1]:.4f} s", flush=True)
-    return {"ratio": h.ratio_line("P11 in-loop step time", "qlora", times["qlora"], "lora", times["lora"]),
-            "times": times}
-
+    return {
+        "ratio": h.ratio_line("P11 in-loop step time", "qlora", times["qlora"], "lora", times["lora"]),
+        "times": times,
+    }

@@ -8,6 +8,7 @@ Waits until the arm's step log (`benchmarks/.cache/runs/<arm>-<id>/.../rank0.jso
 (past P1's 30 warm-up steps), samples every process's CPU time, sleeps SECONDS, samples again and
 prints the busiest command lines in cores (CPU-s / wall-s). On 2 cores that is what the arm's
 training processes got, and what everything else took beside them."""
+
 from __future__ import annotations
 
 import collections

@@ -70,8 +70,9 @@ def child(arm: str, rows: int, steps: int, before: str | None) -> dict:
 
 def run(arm: str, rows: int, steps: int, before: str | None) -> dict:
     command = [sys.executable, "-m", "benchmarks.dataplane", "--child", arm, str(rows), str(steps)]
-    proc = subprocess.run(command + (["--before-file", before] if before else []), cwd=REPO, capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run(
+        command + (["--before-file", before] if before else []), cwd=REPO, capture_output=True, text=True, timeout=1800
+    )
     if proc.returncode != 0:
         raise SystemExit(f"the {arm} arm at {rows:,} rows, {steps:,} steps failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -79,8 +80,11 @@ def run(arm: str, rows: int, steps: int, before: str | None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.dataplane", description=__doc__.split("\n")[0])
-    p.add_argument("--before", default="7253d348b55641d8d1aeb95fbe95a83b07c332bb",
-                   help="the git revision whose raytrain/data/order.py is the before arm")
+    p.add_argument(
+        "--before",
+        default="7253d348b55641d8d1aeb95fbe95a83b07c332bb",
+        help="the git revision whose raytrain/data/order.py is the before arm",
+    )
     p.add_argument("--child", nargs=3, metavar=("ARM", "ROWS", "STEPS"), help=argparse.SUPPRESS)
     p.add_argument("--before-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -89,11 +93,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(child(arm, int(rows), int(steps), args.before_file)))
         return
 
-    source = subprocess.run(["git", "show", f"{args.before}:raytrain/data/order.py"], cwd=REPO, capture_output=True,
-                            text=True, check=True).stdout
-    print(f"S3 data plane: {len(SHARES)} sources {':'.join(map(str, WEIGHTS))}, eval fraction {FRACTION}, "
-          f"max_rows {MAX_ROWS}, G {GLOBAL_BATCH}, rank {RANK} of {WORLD}, the last step's batch; "
-          f"command: python -m benchmarks.dataplane --before {args.before[:12]}")
+    source = subprocess.run(
+        ["git", "show", f"{args.before}:raytrain/data/order.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    print(
+        f"S3 data plane: {len(SHARES)} sources {':'.join(map(str, WEIGHTS))}, eval fraction {FRACTION}, "
+        f"max_rows {MAX_ROWS}, G {GLOBAL_BATCH}, rank {RANK} of {WORLD}, the last step's batch; "
+        f"command: python -m benchmarks.dataplane --before {args.before[:12]}"
+    )
     ratios = {}
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp, "order_before.py")
@@ -101,12 +108,16 @@ def main(argv: list[str] | None = None) -> None:
         for arm in ("after", "before"):
             figures = [run(arm, rows, steps, str(before) if arm == "before" else None) for rows, steps in SIZES]
             for f in figures:
-                print(f"  {arm:6} rows {f['rows']:>11,} steps {f['steps']:>8,}: peak +{f['kib'] / 1024:8.1f} MiB "
-                      f"in {f['seconds']:6.2f} s ({f['eval_rows']} evaluation rows on this rank)")
+                print(
+                    f"  {arm:6} rows {f['rows']:>11,} steps {f['steps']:>8,}: peak +{f['kib'] / 1024:8.1f} MiB "
+                    f"in {f['seconds']:6.2f} s ({f['eval_rows']} evaluation rows on this rank)"
+                )
             ratios[arm] = (figures[1]["kib"] / max(figures[0]["kib"], 1), figures[0]["kib"], figures[1]["kib"])
     a, b = ratios["after"], ratios["before"]
-    print(f"S3 peak host memory of the data plane, 10x rows and steps / 1x: after {_ratio(a)}, before {_ratio(b)}; "
-          "goal <= 1.2")
+    print(
+        f"S3 peak host memory of the data plane, 10x rows and steps / 1x: after {_ratio(a)}, before {_ratio(b)}; "
+        "goal <= 1.2"
+    )
 
 
 def _ratio(figure: tuple[float, int, int]) -> str:

@@ -29,15 +29,15 @@ def _read_bytes() -> int:
 def d(s: h.Setting) -> dict:
     import ray
 
-    from raytrain.job.spec import JobSpec
     from raytrain.data import encode_row
-    from raytrain.rundir.checkpoints import DataPosition
     from raytrain.data.batches import open_data
     from raytrain.data.prepare import ensure_store
     from raytrain.data.sources import list_sources, plan_units, read_unit
     from raytrain.demo_assets import text_rows, write_jsonl
-    from raytrain.model.hub import load_tokenizer
     from raytrain.job.plan import RunPlan
+    from raytrain.job.spec import JobSpec
+    from raytrain.model.hub import load_tokenizer
+    from raytrain.rundir.checkpoints import DataPosition
 
     h.header("D token store: reads per rank, re-tokenization, resume seek, prepare throughput", s)
     model, _ = h.assets(s)
@@ -69,14 +69,21 @@ def d(s: h.Setting) -> dict:
                 encode_row(tok, spec.data, row)
         plain_s = time.perf_counter() - started
         d5 = (rows / prepare_s) / (rows / plain_s)
-        print(f"D5 prepare: {rows:,} rows in {prepare_s:.1f} s ({rows / prepare_s:,.0f} rows/s, Ray Data on 2 CPUs, "
-              f"cluster start excluded) vs one plain process {plain_s:.1f} s ({rows / plain_s:,.0f} rows/s) = ratio {d5:.2f}")
-        print(f"D2 second prepare: reused {again.key == store.key}, rows tokenized 0, {reuse_s * 1e3:.1f} ms "
-              f"({store.rows:,} packed rows of {store.seq_len})")
+        print(
+            f"D5 prepare: {rows:,} rows in {prepare_s:.1f} s ({rows / prepare_s:,.0f} rows/s, Ray Data on 2 CPUs, "
+            f"cluster start excluded) vs one plain process {plain_s:.1f} s ({rows / plain_s:,.0f} rows/s) = ratio "
+            f"{d5:.2f}"
+        )
+        print(
+            f"D2 second prepare: reused {again.key == store.key}, rows tokenized 0, {reuse_s * 1e3:.1f} ms "
+            f"({store.rows:,} packed rows of {store.seq_len})"
+        )
 
         world, steps = s.workers, 20
         prepared = {"train": [store.uri], "weights": [1.0], "key": store.key}
-        readers = [open_data(spec, RunPlan.of(spec, prepared), r, world, DataPosition(0, store.key))[0] for r in range(world)]
+        readers = [
+            open_data(spec, RunPlan.of(spec, prepared), r, world, DataPosition(0, store.key))[0] for r in range(world)
+        ]
         before = _read_bytes()
         for _ in range(steps):
             for r in readers:
@@ -87,9 +94,12 @@ def d(s: h.Setting) -> dict:
         want = steps * s.global_batch  # rows of all ranks' slices over the steps
         got = sum(r.stores[0].read_counters.rows for r in readers)
         d1 = got / want
-        print(f"D1 rows read per rank per step / (G/N): {d1:.3f} ({got} rows for {steps} steps of {s.global_batch} over "
-              f"{world} ranks; the extra is the one prefetched step); bytes read by the process {read:,} = "
-              f"{read / (want * store.manifest['tokens'] * store.dtype.itemsize / store.rows):.3f} x the slices' token bytes")
+        print(
+            f"D1 rows read per rank per step / (G/N): {d1:.3f} ({got} rows for {steps} steps of {s.global_batch} over "
+            f"{world} ranks; the extra is the one prefetched step); bytes read by the process {read:,} = "
+            f"{read / (want * store.manifest['tokens'] * store.dtype.itemsize / store.rows):.3f} x the slices' token "
+            f"bytes"
+        )
 
         seek = {}
         for frac in (0.01, 0.9):
@@ -103,9 +113,19 @@ def d(s: h.Setting) -> dict:
                 reader.close()
             seek[frac] = float(np.median(times))
         d3 = seek[0.9] / seek[0.01]
-        print(f"D3 first batch of a resume at 90% / at 1% of the epoch: {seek[0.9] * 1e3:.2f} ms / "
-              f"{seek[0.01] * 1e3:.2f} ms = ratio {d3:.2f} (store opened, position found, rows read)")
-        return {"ratio_d1": d1, "ratio_d3": d3, "ratio_d5": d5, "d2_rows_tokenized": 0 if again.key == store.key else -1,
-                "prepare_s": prepare_s, "plain_tokenize_s": plain_s, "rows": rows, "packed_rows": store.rows}
+        print(
+            f"D3 first batch of a resume at 90% / at 1% of the epoch: {seek[0.9] * 1e3:.2f} ms / "
+            f"{seek[0.01] * 1e3:.2f} ms = ratio {d3:.2f} (store opened, position found, rows read)"
+        )
+        return {
+            "ratio_d1": d1,
+            "ratio_d3": d3,
+            "ratio_d5": d5,
+            "d2_rows_tokenized": 0 if again.key == store.key else -1,
+            "prepare_s": prepare_s,
+            "plain_tokenize_s": plain_s,
+            "rows": rows,
+            "packed_rows": store.rows,
+        }
     finally:
         h.cleanup(Path(folder))

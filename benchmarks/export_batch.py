@@ -16,24 +16,28 @@ from . import memory as m
 
 
 def main(argv: list[str]) -> None:
-    from raytrain.rundir import signing
     from raytrain.job.spec import JobSpec
+    from raytrain.rundir import signing
 
     s = h.SETTINGS["quick"]
     model, (_, data) = m.smollm2_shape(s), h.assets(s)
     signing.ensure_key()
     folder = h.scratch("export-batch")
     try:
-        spec = JobSpec.model_validate(h.job(s, "m5-batch", folder / "runs", model, data,
-                                            training={"strategy": "fsdp2", "finetune": "full"}))
+        spec = JobSpec.model_validate(
+            h.job(s, "m5-batch", folder / "runs", model, data, training={"strategy": "fsdp2", "finetune": "full"})
+        )
         run_dir = m.full_checkpoint(spec, model, folder)
         model_bytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
         for mib in map(int, argv or ["256", "64", "0"]):
             r = m.export_cli_peak(run_dir, str(folder / f"export-{mib}"), mib << 20)
             rise = r["peak"] - r["base"]
-            print(f"M5 batch {mib} MiB: peak above its floor {rise / 2**30:.3f} GiB / model "
-                  f"{model_bytes / 2**30:.2f} GiB = {rise / model_bytes:.2f} (above the bare process before the "
-                  f"model's code: {(r['peak'] - r['bare']) / model_bytes:.2f}), {r['s']:.1f} s", flush=True)
+            print(
+                f"M5 batch {mib} MiB: peak above its floor {rise / 2**30:.3f} GiB / model "
+                f"{model_bytes / 2**30:.2f} GiB = {rise / model_bytes:.2f} (above the bare process before the "
+                f"model's code: {(r['peak'] - r['bare']) / model_bytes:.2f}), {r['s']:.1f} s",
+                flush=True,
+            )
     finally:
         h.cleanup(folder)
 

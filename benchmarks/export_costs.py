@@ -28,23 +28,35 @@ def _checkpoint(root: Path, hidden: int, layers: int, vocab: int, split: bool) -
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from raytrain import demo_assets
+    from raytrain.job.spec import JobSpec
     from raytrain.rundir import signing, storage
     from raytrain.rundir.checkpoints import RAY_SNAPSHOT, STATE_FILE
-    from raytrain.job.spec import JobSpec
     from raytrain.rundir.job_file import write_job_file
     from raytrain.strategies.dcp_files import SplitWriter
 
     model_dir = root / "model"
     demo_assets.make_tokenizer(model_dir)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(str(model_dir))
     data = demo_assets.write_jsonl(root / "text.jsonl", demo_assets.text_rows(8))
-    spec = JobSpec.model_validate({"name": "export", "model": {"path": str(model_dir), "dtype": "bfloat16"},
-                                   "data": {"path": str(data), "format": "text", "seq_len": 32},
-                                   "training": {"finetune": "full", "max_steps": 1},
-                                   "checkpoint": {"storage_path": str(root / "runs")}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "export",
+            "model": {"path": str(model_dir), "dtype": "bfloat16"},
+            "data": {"path": str(data), "format": "text", "seq_len": 32},
+            "training": {"finetune": "full", "max_steps": 1},
+            "checkpoint": {"storage_path": str(root / "runs")},
+        }
+    )
     write_job_file(spec)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     optim = {"state": {k: {"exp_avg": v.clone(), "exp_avg_sq": v.clone()} for k, v in state.items()}}
@@ -53,16 +65,17 @@ def _checkpoint(root: Path, hidden: int, layers: int, vocab: int, split: bool) -
     dcp.save({"model": state, "optim": optim}, storage_writer=writer)
     (step / STATE_FILE).write_text("{}")
     signing.sign_checkpoint(str(step), spec.run_dir, step.name)
-    storage.write_text(storage.join(spec.run_dir, RAY_SNAPSHOT),
-                       json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": step.name}}))
+    storage.write_text(
+        storage.join(spec.run_dir, RAY_SNAPSHOT),
+        json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": step.name}}),
+    )
     model_bytes = sum(v.nbytes for v in state.values())
     return spec, step, len(state), model_bytes
 
 
 def _export_before(spec, checkpoint, directory: str) -> None:
     """e098762^'s write_full_from_checkpoint: a DCP load (and a metadata parse) per tensor."""
-    from raytrain.model import modeling
-    from raytrain.model import hub
+    from raytrain.model import hub, modeling
     from raytrain.strategies import hf_files
     from raytrain.strategies.dcp_files import read_checkpoint
     from raytrain.strategies.hf_files import export_entries, write_full_export
@@ -76,13 +89,12 @@ def _export_before(spec, checkpoint, directory: str) -> None:
             read_checkpoint({"model": {key: value}}, checkpoint)  # a new reader each time, as before
             yield key, value
 
-    write_full_export(spec, model, one_at_a_time(), entries, directory, hub.load_tokenizer(spec), rank=0,
-                      world_size=1)
+    write_full_export(spec, model, one_at_a_time(), entries, directory, hub.load_tokenizer(spec), rank=0, world_size=1)
 
 
 def _measure(spec, step: Path, arm: str) -> tuple[float, int]:
-    from raytrain.train import export
     from raytrain.rundir import signing
+    from raytrain.train import export
 
     with tempfile.TemporaryDirectory() as out, signing.SignedCheckpoint(str(step), spec.run_dir, step.name) as ckpt:
         start = time.perf_counter()
@@ -103,14 +115,19 @@ def main() -> None:
                     seconds, read = _measure(spec, step, arm)
                     times.append(seconds)
                 rows[arm, name] = (sorted(times)[1], read, tensors, model_bytes)
-                print(f"{arm:6s} {name}: {tensors} tensors, {model_bytes / 2**20:.1f} MiB of model; export "
-                      f"{sorted(times)[1]:.2f} s (median of 3), read {read / 2**20:.1f} MiB "
-                      f"({read / model_bytes:.2f}x the model)", flush=True)
+                print(
+                    f"{arm:6s} {name}: {tensors} tensors, {model_bytes / 2**20:.1f} MiB of model; export "
+                    f"{sorted(times)[1]:.2f} s (median of 3), read {read / 2**20:.1f} MiB "
+                    f"({read / model_bytes:.2f}x the model)",
+                    flush=True,
+                )
     for arm in ("before", "after"):
         t1, r1, _, m1 = rows[arm, "1x"]
         t4, r4, _, m4 = rows[arm, "4x"]
-        print(f"E1 {arm}: export time 4x tensors / 1x = {t4 / t1:.2f} (goal <= 1.3); "
-              f"E2 {arm}: bytes read / model bytes = {r1 / m1:.2f} and {r4 / m4:.2f} (goal 1.0)")
+        print(
+            f"E1 {arm}: export time 4x tensors / 1x = {t4 / t1:.2f} (goal <= 1.3); "
+            f"E2 {arm}: bytes read / model bytes = {r1 / m1:.2f} and {r4 / m4:.2f} (goal 1.0)"
+        )
 
 
 if __name__ == "__main__":

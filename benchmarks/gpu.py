@@ -37,10 +37,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 CASES = ("fsdp2-lora", "trl-lora", "fsdp2-full", "trl-full", "ddp-lora", "zero3-lora", "zero3-full")
-ONE_B = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-         "intermediate_size": 8192, "vocab_size": 32000}
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 192, "vocab_size": 384}
+ONE_B = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 8192,
+    "vocab_size": 32000,
+}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 192,
+    "vocab_size": 384,
+}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -56,14 +68,28 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="measured steps (default 10; --tiny 2)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
-                   help="training.compile (default auto, the product's: compiled blocks on GPUs under fsdp2 and ddp)")
-    p.add_argument("--attention", default="sdpa", choices=("eager", "sdpa", "flash_attention_2"),
-                   help="model.attn_implementation (default sdpa, the product's)")
-    p.add_argument("--detect-anomaly", action="store_true",
-                   help="torch.autograd's anomaly mode: stop at the first backward op that returns NaN, naming its forward")
-    p.add_argument("--profile", action="store_true",
-                   help="torch's profiler over two steps after the warm-up: each case's 20 busiest ops (those steps are slower)")
+    p.add_argument(
+        "--compile",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="training.compile (default auto, the product's: compiled blocks on GPUs under fsdp2 and ddp)",
+    )
+    p.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=("eager", "sdpa", "flash_attention_2"),
+        help="model.attn_implementation (default sdpa, the product's)",
+    )
+    p.add_argument(
+        "--detect-anomaly",
+        action="store_true",
+        help="torch.autograd's anomaly mode: stop at the first backward op that returns NaN, naming its forward",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch's profiler over two steps after the warm-up: each case's 20 busiest ops (those steps are slower)",
+    )
     p.add_argument("--workdir", help="keep the generated model, data and token store here (default: a temp folder)")
     p.add_argument("--json", help="write every case's figures to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one case in this process
@@ -104,9 +130,14 @@ def make_assets(a: argparse.Namespace, work: Path, device) -> tuple[Path, Path]:
         # ~100x a layer here, so its gradient overflowed by layer 8 of 16 and every case went NaN
         # at the step that met such a row (found with --detect-anomaly on an H200). A trained model
         # has no all-zero row for a token its data holds.
-        config = LlamaConfig(**{**dims, "vocab_size": max(dims["vocab_size"], len(tok))},
-                             max_position_embeddings=max(2 * a.seq_len, 2048), tie_word_embeddings=False,
-                             eos_token_id=0, pad_token_id=None, bos_token_id=None)
+        config = LlamaConfig(
+            **{**dims, "vocab_size": max(dims["vocab_size"], len(tok))},
+            max_position_embeddings=max(2 * a.seq_len, 2048),
+            tie_word_embeddings=False,
+            eos_token_id=0,
+            pad_token_id=None,
+            bos_token_id=None,
+        )
         started = time.perf_counter()
         torch.manual_seed(0)
         with torch.device(device):
@@ -116,8 +147,12 @@ def make_assets(a: argparse.Namespace, work: Path, device) -> tuple[Path, Path]:
         tmp.rename(model)
         from raytrain.validate.memory import size as memory_size
 
-        print(f"[bench] generated {model.name}: {memory_size(sum(f.stat().st_size for f in model.glob('*.safetensors')))} "
-              f"of bf16 safetensors in {time.perf_counter() - started:.0f}s", flush=True)
+        print(
+            f"[bench] generated {model.name}: "
+            f"{memory_size(sum(f.stat().st_size for f in model.glob('*.safetensors')))} "
+            f"of bf16 safetensors in {time.perf_counter() - started:.0f}s",
+            flush=True,
+        )
     # ~21 tokens a document: enough rows that a global batch is never the same rows twice in a run.
     docs = max(4000, (a.warmup + a.steps) * a.global_batch * a.seq_len * a.gpus // 20)
     data = work / f"text-{docs}.jsonl"
@@ -131,34 +166,52 @@ def job(a: argparse.Namespace, case: str, model: Path, data: Path, work: Path):
 
     strategy, finetune = case.split("-")
     gpu = not a.cpu
-    return JobSpec.model_validate({
-        "name": f"bench-{case}",
-        "model": {"path": str(model), "dtype": "bfloat16", "attn_implementation": a.attention},
-        "data": {"path": str(data), "seq_len": a.seq_len},
-        "training": {"strategy": strategy, "finetune": finetune, "global_batch_size": a.global_batch,
-                     "micro_batch_size": a.micro_batch, "max_steps": a.warmup + a.steps, "seed": 0,
-                     "precision": "bf16" if gpu else "fp32", "lora": {"rank": a.lora_rank, "alpha": 2 * a.lora_rank},
-                     "activation_checkpointing": a.activation_checkpointing,
-                     "compile": {"auto": "auto", "true": strategy != "zero3", "false": False}[a.compile]},
-        "optimizer": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
-        "scaling": {"num_workers": a.gpus, "use_gpu": gpu},
-        "checkpoint": {"storage_path": str(work / "runs"), "every_n_steps": 10**6, "export_final": False},
-        "tracking": {"experiment": "bench-gpu"},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": f"bench-{case}",
+            "model": {"path": str(model), "dtype": "bfloat16", "attn_implementation": a.attention},
+            "data": {"path": str(data), "seq_len": a.seq_len},
+            "training": {
+                "strategy": strategy,
+                "finetune": finetune,
+                "global_batch_size": a.global_batch,
+                "micro_batch_size": a.micro_batch,
+                "max_steps": a.warmup + a.steps,
+                "seed": 0,
+                "precision": "bf16" if gpu else "fp32",
+                "lora": {"rank": a.lora_rank, "alpha": 2 * a.lora_rank},
+                "activation_checkpointing": a.activation_checkpointing,
+                "compile": {"auto": "auto", "true": strategy != "zero3", "false": False}[a.compile],
+            },
+            "optimizer": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
+            "scaling": {"num_workers": a.gpus, "use_gpu": gpu},
+            "checkpoint": {"storage_path": str(work / "runs"), "every_n_steps": 10**6, "export_final": False},
+            "tracking": {"experiment": "bench-gpu"},
+        }
+    )
 
 
 # ------------------------------------------------------------------ one case (a child process)
-def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warmup: int, model: str,
-             detect_anomaly: bool = False, profile: bool = False) -> dict:
+def run_case(
+    rank: int,
+    world: int,
+    device,
+    spec_json: str,
+    prepared: dict,
+    warmup: int,
+    model: str,
+    detect_anomaly: bool = False,
+    profile: bool = False,
+) -> dict:
     """On every rank: build the strategy, train warm-up + measured steps; rank 0's figures."""
+    import local_run as lr
     import torch
 
-    import local_run as lr
-    from raytrain.validate import memory
-    from raytrain.model.facts import read_facts
-    from raytrain.train import telemetry
     from raytrain.job.spec import JobSpec
+    from raytrain.model.facts import read_facts
     from raytrain.strategies import build_strategy
+    from raytrain.train import telemetry
+    from raytrain.validate import memory
 
     spec = JobSpec.model_validate_json(spec_json)
     cuda = device.type == "cuda"
@@ -173,9 +226,14 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
 
     # --profile: the two steps after the warm-up under torch's profiler, its busiest ops in the output
     # (what a step's time is made of, e.g. where zero3 LoRA's goes); those steps are slower.
-    profiler = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
-        schedule=torch.profiler.schedule(wait=max(warmup - 1, 0), warmup=1, active=2, repeat=1)) if profile else None
+    profiler = (
+        torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+            schedule=torch.profiler.schedule(wait=max(warmup - 1, 0), warmup=1, active=2, repeat=1),
+        )
+        if profile
+        else None
+    )
 
     def on_step(state, batch) -> None:  # the loop already synced (its loss all-reduce); to be sure
         if cuda:
@@ -193,22 +251,29 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
     peak = flops.peak
     estimate = memory.estimate(spec, read_facts(Path(model)), world)
     out = {
-        "case": f"{spec.training.strategy}-{spec.training.finetune}", "world": world,
+        "case": f"{spec.training.strategy}-{spec.training.finetune}",
+        "world": world,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "build_s": build_s, "first_step_s": ends[0] - started - build_s, "measured_steps": steps,
-        "step_s": seconds / steps, "tokens_per_s": tokens_per_s,
+        "build_s": build_s,
+        "first_step_s": ends[0] - started - build_s,
+        "measured_steps": steps,
+        "step_s": seconds / steps,
+        "tokens_per_s": tokens_per_s,
         "flops_per_token": flops.per_token["flops_per_token"],
         "tflops_per_s_per_device": tokens_per_s * flops.per_token["flops_per_token"] / world / 1e12,
         "mfu": tokens_per_s * flops.per_token["flops_per_token"] / (peak * world) if peak else None,
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
         "peak_rss_gib": telemetry.peak_memory_gb(torch.device("cpu")),
-        "estimate_gib": estimate.total / 2**30, "estimate": estimate.arithmetic(),
-        "losses": trained.losses, "kernels": strategy.kernel_line(),
+        "estimate_gib": estimate.total / 2**30,
+        "estimate": estimate.arithmetic(),
+        "losses": trained.losses,
+        "kernels": strategy.kernel_line(),
     }
     if profiler is not None:
         out["profile"] = profiler.key_averages().table(
-            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20)
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20
+        )
     if out["peak_allocated_gib"] is not None:
         out["measured_over_estimate"] = out["peak_allocated_gib"] / out["estimate_gib"]
     lr.release(strategy)
@@ -216,9 +281,8 @@ def run_case(rank: int, world: int, device, spec_json: str, prepared: dict, warm
 
 
 def child(a: argparse.Namespace) -> None:
-    import torch
-
     import local_run as lr
+    import torch
 
     work = Path(a.workdir)
     meta = json.loads((work / "bench.json").read_text())
@@ -250,19 +314,25 @@ def size(gib: float | None) -> str:
 
 
 def table(results: list[dict]) -> str:
-    trl = {r["case"].split("-")[1]: r["tokens_per_s"] for r in results if r["case"].startswith("trl-") and "error" not in r}
-    head = (f"{'case':<11} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak alloc':>11} {'estimate':>11} {'alloc/est':>9} "
-            f"{'reserved':>11} {'÷ TRL':>6}")
+    trl = {
+        r["case"].split("-")[1]: r["tokens_per_s"] for r in results if r["case"].startswith("trl-") and "error" not in r
+    }
+    head = (
+        f"{'case':<11} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak alloc':>11} {'estimate':>11} {'alloc/est':>9} "
+        f"{'reserved':>11} {'÷ TRL':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         if "error" in r:
             lines.append(f"{r['case']:<11} {r['error']}")
             continue
         theirs = trl.get(r["case"].split("-")[1]) if not r["case"].startswith("trl-") else None
-        lines.append(f"{r['case']:<11} {r['tokens_per_s']:>10,.0f} {fmt(r['mfu'], '.1%'):>6} {r['step_s']:>7.3f} "
-                     f"{size(r['peak_allocated_gib']):>11} {size(r['estimate_gib']):>11} "
-                     f"{fmt(r.get('measured_over_estimate'), '.2f'):>9} {size(r['peak_reserved_gib']):>11} "
-                     f"{fmt(r['tokens_per_s'] / theirs if theirs else None, '.2f', '-'):>6}")
+        lines.append(
+            f"{r['case']:<11} {r['tokens_per_s']:>10,.0f} {fmt(r['mfu'], '.1%'):>6} {r['step_s']:>7.3f} "
+            f"{size(r['peak_allocated_gib']):>11} {size(r['estimate_gib']):>11} "
+            f"{fmt(r.get('measured_over_estimate'), '.2f'):>9} {size(r['peak_reserved_gib']):>11} "
+            f"{fmt(r['tokens_per_s'] / theirs if theirs else None, '.2f', '-'):>6}"
+        )
     return "\n".join(lines)
 
 
@@ -290,14 +360,22 @@ def main(argv=None) -> int:
             try:
                 __import__(module)
             except Exception as exc:  # not installed, or broken
-                skipped.update({c: f"skipped: {module} does not import ({type(exc).__name__}: {exc})" for c in cases
-                                if c.startswith(prefix)})
+                skipped.update(
+                    {
+                        c: f"skipped: {module} does not import ({type(exc).__name__}: {exc})"
+                        for c in cases
+                        if c.startswith(prefix)
+                    }
+                )
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="raytrain-bench-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     device = "cpu" if a.cpu else "cuda"
-    print(f"[bench] {'tiny' if a.tiny else '1B'} Llama, seq_len {a.seq_len}, global batch {a.global_batch} x micro "
-          f"{a.micro_batch}, {a.gpus} rank(s) on {'CPU' if a.cpu else torch.cuda.get_device_name(0)}, "
-          f"{a.warmup} warm-up + {a.steps} measured steps; work folder {work}", flush=True)
+    print(
+        f"[bench] {'tiny' if a.tiny else '1B'} Llama, seq_len {a.seq_len}, global batch {a.global_batch} x micro "
+        f"{a.micro_batch}, {a.gpus} rank(s) on {'CPU' if a.cpu else torch.cuda.get_device_name(0)}, "
+        f"{a.warmup} warm-up + {a.steps} measured steps; work folder {work}",
+        flush=True,
+    )
     try:
         model, data = make_assets(a, work, device)
         ours = next((c for c in cases if not c.startswith("trl-")), CASES[0])
@@ -311,8 +389,18 @@ def main(argv=None) -> int:
                 continue
             out = work / f"result-{case}.json"
             out.unlink(missing_ok=True)
-            command = [sys.executable, "-m", "benchmarks.gpu", "--child", case, "--workdir", str(work), "--out", str(out),
-                       *child_flags(a)]
+            command = [
+                sys.executable,
+                "-m",
+                "benchmarks.gpu",
+                "--child",
+                case,
+                "--workdir",
+                str(work),
+                "--out",
+                str(out),
+                *child_flags(a),
+            ]
             print(f"[bench] {case} ...", flush=True)
             proc = subprocess.run(command, cwd=REPO)
             if proc.returncode != 0 or not out.exists():
@@ -322,18 +410,23 @@ def main(argv=None) -> int:
             results.append(r)
             if "profile" in r:
                 print(f"[bench] {case}: the busiest ops of two steps\n{r['profile']}", flush=True)
-            print(f"[bench] {case} ({r['kernels']}): {r['tokens_per_s']:,.0f} tokens/s, MFU {fmt(r['mfu'], '.1%')}, "
-                  f"first step {r['first_step_s']:.1f} s, peak allocated {size(r['peak_allocated_gib'])} vs estimate "
-                  f"{size(r['estimate_gib'])}: {r['estimate']}", flush=True)
+            print(
+                f"[bench] {case} ({r['kernels']}): {r['tokens_per_s']:,.0f} tokens/s, MFU {fmt(r['mfu'], '.1%')}, "
+                f"first step {r['first_step_s']:.1f} s, peak allocated {size(r['peak_allocated_gib'])} vs estimate "
+                f"{size(r['estimate_gib'])}: {r['estimate']}",
+                flush=True,
+            )
     finally:
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(table(results))
-    print("MFU: raytrain.telemetry flops_per_token (6N + attention; LoRA 4N_frozen + 6N_trainable) over the bf16 peak "
-          "in telemetry.PEAK_BF16_FLOPS. estimate: raytrain.memory.estimate, what `raytrain validate` prints "
-          "(its runtime term, ~1 GiB of CUDA context and NCCL, is not in max_memory_allocated). ÷ TRL: tokens/s over "
-          "TRL SFTTrainer's with the same fine-tuning (benchmarks/gpu_trl.py: packed, padding-free, its tokens counted).")
+    print(
+        "MFU: raytrain.telemetry flops_per_token (6N + attention; LoRA 4N_frozen + 6N_trainable) over the bf16 peak "
+        "in telemetry.PEAK_BF16_FLOPS. estimate: raytrain.memory.estimate, what `raytrain validate` prints "
+        "(its runtime term, ~1 GiB of CUDA context and NCCL, is not in max_memory_allocated). ÷ TRL: tokens/s over "
+        "TRL SFTTrainer's with the same fine-tuning (benchmarks/gpu_trl.py: packed, padding-free, its tokens counted)."
+    )
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return 1 if any("error" in r and not r["error"].startswith("skipped") for r in results) else 0
@@ -341,12 +434,31 @@ def main(argv=None) -> int:
 
 def child_flags(a: argparse.Namespace) -> list[str]:
     """The settings a case's process needs, as flags (the defaults already resolved)."""
-    flags = ["--gpus", a.gpus, "--seq-len", a.seq_len, "--global-batch", a.global_batch, "--micro-batch", a.micro_batch,
-             "--warmup", a.warmup, "--steps", a.steps, "--lora-rank", a.lora_rank, "--attention", a.attention,
-             "--compile", a.compile]
-    flags += [f"--{name.replace('_', '-')}" for name in ("cpu", "tiny", "activation_checkpointing", "detect_anomaly",
-                                                         "profile")
-              if getattr(a, name)]
+    flags = [
+        "--gpus",
+        a.gpus,
+        "--seq-len",
+        a.seq_len,
+        "--global-batch",
+        a.global_batch,
+        "--micro-batch",
+        a.micro_batch,
+        "--warmup",
+        a.warmup,
+        "--steps",
+        a.steps,
+        "--lora-rank",
+        a.lora_rank,
+        "--attention",
+        a.attention,
+        "--compile",
+        a.compile,
+    ]
+    flags += [
+        f"--{name.replace('_', '-')}"
+        for name in ("cpu", "tiny", "activation_checkpointing", "detect_anomaly", "profile")
+        if getattr(a, name)
+    ]
     return [str(f) for f in flags]
 
 

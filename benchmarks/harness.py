@@ -10,9 +10,9 @@ wall-clock thing for both arms, whatever each framework reports about itself.
 from __future__ import annotations
 
 import json
-import re
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -56,10 +56,25 @@ SETTINGS = {
     # ~3.3M-parameter Llama, 2 gloo ranks, 1 thread each: steps of a few hundred ms here.
     "quick": Setting("quick"),
     # The smallest setting: what the CI smoke test runs (seconds per run, not minutes).
-    "smoke": Setting("smoke", hidden=64, layers=2, seq_len=32, global_batch=8, micro_batch=2, steps=6, warmup=2, reps=1),
+    "smoke": Setting(
+        "smoke", hidden=64, layers=2, seq_len=32, global_batch=8, micro_batch=2, steps=6, warmup=2, reps=1
+    ),
     # Real hardware: 8 GPUs, NCCL, bf16 compute; pass --model/--data for a real model and data.
-    "gpu": Setting("gpu", hidden=2048, layers=16, seq_len=2048, global_batch=64, micro_batch=2, steps=50, warmup=10,
-                   reps=3, workers=8, gpu=True, data_rows=400_000, timeout_s=3600.0),
+    "gpu": Setting(
+        "gpu",
+        hidden=2048,
+        layers=16,
+        seq_len=2048,
+        global_batch=64,
+        micro_batch=2,
+        steps=50,
+        warmup=10,
+        reps=3,
+        workers=8,
+        gpu=True,
+        data_rows=400_000,
+        timeout_s=3600.0,
+    ),
 }
 
 
@@ -90,9 +105,15 @@ def job(s: Setting, name: str, storage: Path, model: Path, data_file: Path, **ov
         "model": {"path": str(model)},
         "data": {"path": str(data_file), "seq_len": s.seq_len, "shuffle_window": 256},
         # gradient_sync: the bare FSDP2 script's rule (reduce on the last micro-batch), so P1/P2 compare one algorithm.
-        "training": {"strategy": "fsdp2", "finetune": "full", "global_batch_size": s.global_batch,
-                     "micro_batch_size": s.micro_batch, "max_steps": s.steps, "seed": 0,
-                     "gradient_sync": "last_micro_batch"},
+        "training": {
+            "strategy": "fsdp2",
+            "finetune": "full",
+            "global_batch_size": s.global_batch,
+            "micro_batch_size": s.micro_batch,
+            "max_steps": s.steps,
+            "seed": 0,
+            "gradient_sync": "last_micro_batch",
+        },
         "optimizer": {"lr": 1e-3, "warmup_steps": 2},
         "scaling": {"num_workers": s.workers, "use_gpu": s.gpu},
         # P1/P2: one checkpoint, after the last step, outside every timing window.
@@ -153,8 +174,9 @@ class ArmRun:
         return (t[-1] - t[warmup]) / (len(t) - 1 - warmup)
 
 
-def run_arm(label: str, command: list[str], step_log: Path, env: dict | None = None, timeout_s: float = 900.0,
-            cwd: Path = REPO) -> ArmRun:
+def run_arm(
+    label: str, command: list[str], step_log: Path, env: dict | None = None, timeout_s: float = 900.0, cwd: Path = REPO
+) -> ArmRun:
     """Run one arm to completion, recording when each step line appears in step_log/rank0.jsonl."""
     step_log.mkdir(parents=True, exist_ok=True)
     target = step_log / "rank0.jsonl"
@@ -176,7 +198,7 @@ def run_arm(label: str, command: list[str], step_log: Path, env: dict | None = N
                 text = target.read_bytes().decode(errors="replace")
                 complete = text[: text.rfind("\n") + 1]
                 seen = len(complete.encode())
-                new = [json.loads(line) for line in complete.splitlines()[len(run.lines):]]
+                new = [json.loads(line) for line in complete.splitlines()[len(run.lines) :]]
                 run.lines.extend(new)
                 run.step_times.extend([now] * len(new))
             if done:
@@ -191,8 +213,15 @@ def run_arm(label: str, command: list[str], step_log: Path, env: dict | None = N
     watcher = threading.Thread(target=watch, daemon=True)
     with open(log, "w") as out:
         run.launched = time.time()
-        proc = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace")
+        proc = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
         watcher.start()
         reader = threading.Thread(target=read, args=(proc.stdout, out), daemon=True)
         reader.start()
@@ -231,8 +260,13 @@ def prepared_store(s: Setting, model: Path, data: Path) -> str:
     the product's own `raytrain prepare` into the cache."""
     folder = CACHE / "stores"
     job_file = write_job(job(s, "store", folder, model, data), folder / f"{s.name}-{s.seq_len}")
-    proc = subprocess.run([sys.executable, "-m", "raytrain", "prepare", str(job_file)], capture_output=True, text=True,
-                          timeout=900, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain", "prepare", str(job_file)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("[raytrain] token store ready: ")), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"raytrain prepare failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
@@ -240,10 +274,30 @@ def prepared_store(s: Setting, model: Path, data: Path) -> str:
 
 
 def torchrun_command(s: Setting, model: Path, data: Path, out_json: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={s.workers}",
-            str(REPO / "benchmarks" / "bare_fsdp2.py"), "--model", str(model), "--store", prepared_store(s, model, data),
-            "--seq-len", str(s.seq_len), "--global-batch", str(s.global_batch), "--micro-batch", str(s.micro_batch),
-            "--steps", str(s.steps), "--out", str(out_json), *(["--gpu"] if s.gpu else []), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={s.workers}",
+        str(REPO / "benchmarks" / "bare_fsdp2.py"),
+        "--model",
+        str(model),
+        "--store",
+        prepared_store(s, model, data),
+        "--seq-len",
+        str(s.seq_len),
+        "--global-batch",
+        str(s.global_batch),
+        "--micro-batch",
+        str(s.micro_batch),
+        "--steps",
+        str(s.steps),
+        "--out",
+        str(out_json),
+        *(["--gpu"] if s.gpu else []),
+        *extra,
+    ]
 
 
 def ray_train_command(s: Setting, model: Path, data: Path, out_json: Path) -> list[str]:
@@ -251,8 +305,15 @@ def ray_train_command(s: Setting, model: Path, data: Path, out_json: Path) -> li
     itself costs (bare_in_ray_train.py)."""
     torchrun = torchrun_command(s, model, data, out_json)
     script = torchrun.index(str(REPO / "benchmarks" / "bare_fsdp2.py"))
-    return [sys.executable, "-m", "benchmarks.bare_in_ray_train", "--workers", str(s.workers), "--",
-            *torchrun[script + 1:]]
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks.bare_in_ray_train",
+        "--workers",
+        str(s.workers),
+        "--",
+        *torchrun[script + 1 :],
+    ]
 
 
 def bare_env(s: Setting) -> dict:
@@ -289,15 +350,26 @@ def alternate(reps: int, arms: list) -> list:
     return order
 
 
-def ratio_line(name: str, num_label: str, num: list[float], den_label: str, den: list[float], unit: str = "s",
-               goal: str | None = None, fmt: str = ".4f") -> float:
+def ratio_line(
+    name: str,
+    num_label: str,
+    num: list[float],
+    den_label: str,
+    den: list[float],
+    unit: str = "s",
+    goal: str | None = None,
+    fmt: str = ".4f",
+) -> float:
     r = median(num) / median(den)
     met = ""
     if goal:
         op, target = goal.split()
         met = f"  goal {goal}: {'met' if (r <= float(target) if op == '<=' else r >= float(target)) else 'MISSED'}"
-    print(f"{name}: {num_label} median {median(num):{fmt}} {unit} {_spread(num)} / {den_label} median "
-          f"{median(den):{fmt}} {unit} {_spread(den)} = ratio {r:.3f}{met}", flush=True)
+    print(
+        f"{name}: {num_label} median {median(num):{fmt}} {unit} {_spread(num)} / {den_label} median "
+        f"{median(den):{fmt}} {unit} {_spread(den)} = ratio {r:.3f}{met}",
+        flush=True,
+    )
     return r
 
 
@@ -309,11 +381,17 @@ def header(title: str, s: Setting) -> None:
     import torch
 
     load = os.getloadavg()
-    print(f"=== {title} | setting {s.name}: hidden {s.hidden}, layers {s.layers}, seq {s.seq_len}, global batch "
-          f"{s.global_batch}, micro {s.micro_batch}, workers {s.workers}, {'GPU/NCCL/bf16' if s.gpu else 'CPU/gloo/fp32'}",
-          flush=True)
-    print(f"    machine: {platform.node()} {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} "
-          f"{load[2]:.2f}; python {platform.python_version()}, torch {torch.__version__}", flush=True)
+    print(
+        f"=== {title} | setting {s.name}: hidden {s.hidden}, layers {s.layers}, seq {s.seq_len}, global batch "
+        f"{s.global_batch}, micro {s.micro_batch}, workers {s.workers}, "
+        f"{'GPU/NCCL/bf16' if s.gpu else 'CPU/gloo/fp32'}",
+        flush=True,
+    )
+    print(
+        f"    machine: {platform.node()} {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} "
+        f"{load[2]:.2f}; python {platform.python_version()}, torch {torch.__version__}",
+        flush=True,
+    )
     print(f"    command: python -m benchmarks.bench {' '.join(sys.argv[1:])}", flush=True)
 
 

@@ -30,19 +30,44 @@ from . import harness as h
 from .memory import smollm2_shape
 
 
-def run_job(name: str, model: Path, data: Path, finetune: str, env: dict, folder: Path, objective: str = "sft",
-            seq_len: int = 32, steps: int = 5) -> dict:
+def run_job(
+    name: str,
+    model: Path,
+    data: Path,
+    finetune: str,
+    env: dict,
+    folder: Path,
+    objective: str = "sft",
+    seq_len: int = 32,
+    steps: int = 5,
+) -> dict:
     s = h.SETTINGS["quick"]
-    raw = h.job(s, name, folder / "runs", model, data,
-                data={"seq_len": seq_len, "sample_log": str(folder / name / "samples")},
-                training={"finetune": finetune, "global_batch_size": 2, "micro_batch_size": 1, "max_steps": steps,
-                          "objective": objective},
-                checkpoint={"every_n_steps": 1000, "export_final": False})
+    raw = h.job(
+        s,
+        name,
+        folder / "runs",
+        model,
+        data,
+        data={"seq_len": seq_len, "sample_log": str(folder / name / "samples")},
+        training={
+            "finetune": finetune,
+            "global_batch_size": 2,
+            "micro_batch_size": 1,
+            "max_steps": steps,
+            "objective": objective,
+        },
+        checkpoint={"every_n_steps": 1000, "export_final": False},
+    )
     raw["training"].pop("gradient_sync")  # the product's default
     job = h.write_job(raw, folder / name)
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "raytrain", "run", str(job)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain", "run", str(job)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=3600,
+    )
     if proc.returncode:
         raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     line = next((ln for ln in proc.stdout.splitlines() if "start-up:" in ln), "")
@@ -51,10 +76,16 @@ def run_job(name: str, model: Path, data: Path, finetune: str, env: dict, folder
         for rec in map(json.loads, f.read_text().splitlines()):
             ranks.setdefault(rec["rank"], []).append(rec)
     peak = max(max(r["peak_mb"] for r in recs) for recs in ranks.values())
-    per_step = [max(next(r["rss_mb"] for r in recs if r["step"] == step) for recs in ranks.values())
-                for step in range(1, steps + 1)]
-    return {"peak_mb": peak, "rss_by_step_mb": per_step, "startup": line.split("host memory", 1)[-1].strip(),
-            "wall_s": time.time() - started}
+    per_step = [
+        max(next(r["rss_mb"] for r in recs if r["step"] == step) for recs in ranks.values())
+        for step in range(1, steps + 1)
+    ]
+    return {
+        "peak_mb": peak,
+        "rss_by_step_mb": per_step,
+        "startup": line.split("host memory", 1)[-1].strip(),
+        "wall_s": time.time() - started,
+    }
 
 
 def estimate_mb(job_folder: Path) -> dict:
@@ -62,8 +93,8 @@ def estimate_mb(job_folder: Path) -> dict:
     worker: its host memory, the process itself included)."""
     import yaml
 
-    from raytrain.validate import memory, preflight
     from raytrain.job.spec import JobSpec
+    from raytrain.validate import memory, preflight
 
     spec = JobSpec.model_validate(yaml.safe_load((job_folder / "job.yaml").read_text()))
     est = memory.estimate(spec, preflight.model_facts(spec), spec.scaling.num_workers)
@@ -76,16 +107,28 @@ def dpo(real: Path, folder: Path, env: dict) -> None:
     estimate (goal 0.8 to 1.2)."""
     import yaml
 
-    from raytrain.validate import memory, preflight
     from raytrain.job.spec import JobSpec
+    from raytrain.validate import memory, preflight
 
-    r = run_job("dpo-smollm2", real, h.CACHE / "base-8000" / "pairs.jsonl", "lora", env, folder, objective="dpo",
-                seq_len=1024, steps=2)
+    r = run_job(
+        "dpo-smollm2",
+        real,
+        h.CACHE / "base-8000" / "pairs.jsonl",
+        "lora",
+        env,
+        folder,
+        objective="dpo",
+        seq_len=1024,
+        steps=2,
+    )
     spec = JobSpec.model_validate(yaml.safe_load((folder / "dpo-smollm2" / "job.yaml").read_text()))
     est = memory.estimate(spec, preflight.model_facts(spec), 2)
-    print(f"M6 dpo lora seq_len 1024: busiest peak {r['peak_mb'] / 1024:.2f} GiB (goal <= 5); validate's estimate "
-          f"{est.total / 2**30:.2f} GiB / peak = {est.total / 2**20 / r['peak_mb']:.2f} (goal 0.8 to 1.2); "
-          f"{r['startup']}; {r['wall_s']:.0f} s\n   estimate: {est.arithmetic()}", flush=True)
+    print(
+        f"M6 dpo lora seq_len 1024: busiest peak {r['peak_mb'] / 1024:.2f} GiB (goal <= 5); validate's estimate "
+        f"{est.total / 2**30:.2f} GiB / peak = {est.total / 2**20 / r['peak_mb']:.2f} (goal 0.8 to 1.2); "
+        f"{r['startup']}; {r['wall_s']:.0f} s\n   estimate: {est.arithmetic()}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -97,12 +140,18 @@ def main() -> None:
     # "product": what `raytrain run` gives CPU workers (mimalloc, allocator.py); "glibc": glibc's
     # defaults (the product before 2026-11-27, and RAYTRAIN_HOST_ALLOCATOR=glibc); "fixed": glibc with
     # a fixed 256 KiB mmap threshold, from the submitting shell as a user sets it.
-    settings = {"product": {}, "glibc": {allocator.CHOICE_ENV: "glibc"},
-                "fixed": {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"},
-                "purge-1s": {"MIMALLOC_PURGE_DELAY": "1000"}}  # mimalloc, freed pages handed back after 1 s
+    settings = {
+        "product": {},
+        "glibc": {allocator.CHOICE_ENV: "glibc"},
+        "fixed": {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"},
+        "purge-1s": {"MIMALLOC_PURGE_DELAY": "1000"},
+    }  # mimalloc, freed pages handed back after 1 s
     settings = {k: settings[k] for k in args.settings}
-    base_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("MALLOC_", "MIMALLOC_")) and k not in ("LD_PRELOAD", allocator.CHOICE_ENV)}
+    base_env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MALLOC_", "MIMALLOC_")) and k not in ("LD_PRELOAD", allocator.CHOICE_ENV)
+    }
     s = h.SETTINGS["quick"]
     tiny, data = h.assets(h.SETTINGS["smoke"])
     folder = h.scratch("job-memory")
@@ -116,21 +165,32 @@ def main() -> None:
                 # what a rank must hold: its shard of the weights; a full fine-tune also its gradients and AdamW's m, v
                 share = model_mib / 2 * (4 if finetune == "full" else 1)
                 for setting, env in settings.items():
-                    out = {m: run_job(f"{kind}-{finetune}-{setting}-{m}", path, data, finetune, {**base_env, **env},
-                                      folder) for m, path in (("tiny", tiny), ("smollm2", real))}
+                    out = {
+                        m: run_job(
+                            f"{kind}-{finetune}-{setting}-{m}", path, data, finetune, {**base_env, **env}, folder
+                        )
+                        for m, path in (("tiny", tiny), ("smollm2", real))
+                    }
                     excess = out["smollm2"]["peak_mb"] - out["tiny"]["peak_mb"]
                     for m, r in out.items():
-                        print(f"M1j {kind} {finetune} {setting} {m}: busiest peak {r['peak_mb']:.0f} MiB; resident after "
-                              f"steps 1-5 {[round(x) for x in r['rss_by_step_mb']]}; {r['startup']}; {r['wall_s']:.0f} s",
-                              flush=True)
+                        print(
+                            f"M1j {kind} {finetune} {setting} {m}: busiest peak {r['peak_mb']:.0f} MiB; resident after "
+                            f"steps 1-5 {[round(x) for x in r['rss_by_step_mb']]}; {r['startup']}; {r['wall_s']:.0f} s",
+                            flush=True,
+                        )
                     est = estimate_mb(folder / f"{kind}-{finetune}-{setting}-smollm2")
-                    print(f"M1j {kind} {finetune} {setting}: busiest peak / validate's estimate = "
-                          f"{out['smollm2']['peak_mb']:.0f} / {est['total_mb']:.0f} MiB = "
-                          f"{out['smollm2']['peak_mb'] / est['total_mb']:.2f} (goal 0.85-1.15); {est['arithmetic']}",
-                          flush=True)
-                    print(f"M1j {kind} {finetune} {setting}: (busiest peak {out['smollm2']['peak_mb']:.0f} - tiny "
-                          f"{out['tiny']['peak_mb']:.0f} MiB) / (a rank's share {share:.0f} MiB) = {excess / share:.2f} "
-                          f"(goal <= 1.5; the issue's M1 <= 2.0 tied)", flush=True)
+                    print(
+                        f"M1j {kind} {finetune} {setting}: busiest peak / validate's estimate = "
+                        f"{out['smollm2']['peak_mb']:.0f} / {est['total_mb']:.0f} MiB = "
+                        f"{out['smollm2']['peak_mb'] / est['total_mb']:.2f} (goal 0.85-1.15); {est['arithmetic']}",
+                        flush=True,
+                    )
+                    print(
+                        f"M1j {kind} {finetune} {setting}: (busiest peak {out['smollm2']['peak_mb']:.0f} - tiny "
+                        f"{out['tiny']['peak_mb']:.0f} MiB) / (a rank's share {share:.0f} MiB) = {excess / share:.2f} "
+                        f"(goal <= 1.5; the issue's M1 <= 2.0 tied)",
+                        flush=True,
+                    )
     finally:
         h.cleanup(folder)
 

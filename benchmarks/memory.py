@@ -57,8 +57,8 @@ def measure(config: dict) -> None:
     import ray.train
     import torch
 
-    from raytrain.model import modeling
     from raytrain.job.spec import JobSpec
+    from raytrain.model import modeling
     from raytrain.strategies import build_strategy
 
     torch.set_num_threads(1)
@@ -104,8 +104,8 @@ def export_peak(config: dict) -> None:
     import ray.train
     import torch
 
-    from raytrain.model import hub
     from raytrain.job.spec import JobSpec
+    from raytrain.model import hub
     from raytrain.strategies import build_strategy
 
     torch.set_num_threads(1)
@@ -120,9 +120,19 @@ def export_peak(config: dict) -> None:
 
 
 # SmolLM2-135M's published shape (a Llama with tied embeddings)
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=0,
-               pad_token_id=0, bos_token_id=None)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    eos_token_id=0,
+    pad_token_id=0,
+    bos_token_id=None,
+)
 
 
 def smollm2_shape(s: h.Setting, tied: bool = True) -> Path:
@@ -150,19 +160,21 @@ def export_cli_peak(run_dir: str, out: str, batch_bytes: int | None = None) -> d
     import json
     import subprocess
 
-    code = ("import json, sys, time\n"
-            "from raytrain.model import modeling\n"
-            "from raytrain.rundir.job_file import read_job_file\n"
-            "from raytrain.train import export\n"
-            "import transformers, torch, torch.distributed.checkpoint\n"
-            "def status(f):\n"
-            "    return int(next(l for l in open('/proc/self/status') if l.startswith(f + ':')).split()[1]) * 1024\n"
-            + (f"export.BATCH_BYTES = {batch_bytes}\n" if batch_bytes is not None else "") +
-            "bare = status('VmRSS')\n"
-            f"modeling.load_model(read_job_file({run_dir!r}), on_meta=True)\n"
-            "base, began = status('VmRSS'), time.time()\n"
-            f"export.export_checkpoint({run_dir!r}, {out!r})\n"
-            "print(json.dumps({'bare': bare, 'base': base, 'peak': status('VmHWM'), 's': time.time() - began}))\n")
+    code = (
+        "import json, sys, time\n"
+        "from raytrain.model import modeling\n"
+        "from raytrain.rundir.job_file import read_job_file\n"
+        "from raytrain.train import export\n"
+        "import transformers, torch, torch.distributed.checkpoint\n"
+        "def status(f):\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith(f + ':')).split()[1]) * 1024\n"
+        + (f"export.BATCH_BYTES = {batch_bytes}\n" if batch_bytes is not None else "")
+        + "bare = status('VmRSS')\n"
+        f"modeling.load_model(read_job_file({run_dir!r}), on_meta=True)\n"
+        "base, began = status('VmRSS'), time.time()\n"
+        f"export.export_checkpoint({run_dir!r}, {out!r})\n"
+        "print(json.dumps({'bare': bare, 'base': base, 'peak': status('VmHWM'), 's': time.time() - began}))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -184,7 +196,9 @@ def full_checkpoint(spec, model: Path, folder: Path) -> str:
     del state
     (step / STATE_FILE).write_text("{}")
     # Registered as Ray Train's controller registers a checkpoint (what raytrain export reads).
-    Path(spec.run_dir, RAY_SNAPSHOT).write_text('{"latest_checkpoint_result": {"checkpoint_dir_name": "step_00000001"}}')
+    Path(spec.run_dir, RAY_SNAPSHOT).write_text(
+        '{"latest_checkpoint_result": {"checkpoint_dir_name": "step_00000001"}}'
+    )
     signing.sign_checkpoint(str(step), spec.run_dir, step.name)
     return spec.run_dir
 
@@ -202,36 +216,49 @@ def m1u_m5(s: h.Setting) -> dict:
     gib, result = 1 << 30, {}
     try:
         ray.init(address="local", num_cpus=s.workers + 1, include_dashboard=False, log_to_driver=False)
-        from raytrain.rundir import signing
         from raytrain.job.spec import JobSpec
+        from raytrain.rundir import signing
 
         signing.ensure_key()
         for name, model in models.items():
             model_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))  # fp32 files
             share = model_bytes / s.workers
             for finetune in ("lora", "full"):
-                job = h.job(s, f"m1u-{finetune}", folder / "runs", model, data,
-                            training={"strategy": "fsdp2", "finetune": finetune, "gradient_sync": "auto"})
+                job = h.job(
+                    s,
+                    f"m1u-{finetune}",
+                    folder / "runs",
+                    model,
+                    data,
+                    training={"strategy": "fsdp2", "finetune": finetune, "gradient_sync": "auto"},
+                )
                 ranks = _run(s, folder, f"m1u-{name}-{finetune}", job)
                 busiest = max(r["load_peak"] for r in ranks)
                 result[f"ratio_m1u_{name}_{finetune}"] = busiest / share
                 peaks = ", ".join(f"{r['load_peak'] / gib:.3f}" for r in ranks)
-                print(f"M1u {name} {finetune:4s} ({ranks[0]['how']}): load peak per rank {peaks} GiB; "
-                      f"busiest / (model {model_bytes / gib:.2f} GiB / N) = {busiest / share:.2f}")
+                print(
+                    f"M1u {name} {finetune:4s} ({ranks[0]['how']}): load peak per rank {peaks} GiB; "
+                    f"busiest / (model {model_bytes / gib:.2f} GiB / N) = {busiest / share:.2f}"
+                )
             job = h.job(s, "m5", folder / "runs", model, data, training={"strategy": "fsdp2", "finetune": "full"})
             ranks = _run(s, folder, f"m5-{name}", job, fn=export_peak)
             busiest = max(r["export_rise"] for r in ranks)
             result[f"ratio_m5_{name}"] = busiest / share
             rises = ", ".join(f"{r['export_rise'] / gib:.3f}" for r in ranks)
             print(f"M5 {name}: the export adds {rises} GiB per rank; busiest / (model / N) = {busiest / share:.2f}")
-            spec = JobSpec.model_validate(h.job(s, f"m5cli-{name}", folder / "runs", model, data,
-                                                training={"strategy": "fsdp2", "finetune": "full"}))
+            spec = JobSpec.model_validate(
+                h.job(
+                    s, f"m5cli-{name}", folder / "runs", model, data, training={"strategy": "fsdp2", "finetune": "full"}
+                )
+            )
             run_dir = full_checkpoint(spec, model, folder)
             cli = export_cli_peak(run_dir, str(folder / f"export-{name}"))
             result[f"ratio_m5_cli_{name}"] = (cli["peak"] - cli["base"]) / model_bytes
-            print(f"M5 raytrain export {name}: peak above its floor {(cli['peak'] - cli['base']) / gib:.3f} GiB "
-                  f"/ model {model_bytes / gib:.2f} GiB = {result[f'ratio_m5_cli_{name}']:.2f} (above the bare "
-                  f"process before the model's code: {(cli['peak'] - cli['bare']) / model_bytes:.2f})")
+            print(
+                f"M5 raytrain export {name}: peak above its floor {(cli['peak'] - cli['base']) / gib:.3f} GiB "
+                f"/ model {model_bytes / gib:.2f} GiB = {result[f'ratio_m5_cli_{name}']:.2f} (above the bare "
+                f"process before the model's code: {(cli['peak'] - cli['bare']) / model_bytes:.2f})"
+            )
         return result
     finally:
         ray.shutdown()
@@ -254,10 +281,10 @@ def restore_reads(config: dict) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from raytrain.rundir import signing
-    from raytrain.train.checkpoint import sign
     from raytrain.job.spec import JobSpec
+    from raytrain.rundir import signing
     from raytrain.strategies import build_strategy
+    from raytrain.train.checkpoint import sign
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate(config["job"])
@@ -272,8 +299,11 @@ def restore_reads(config: dict) -> None:
     with signing.SignedCheckpoint(folder, spec.run_dir, name) as checkpoint:
         before = _rchar()
         strategy.load(checkpoint)
-        out = {"fetched": checkpoint.bytes_read, "rchar": _rchar() - before,
-               "checkpoint_bytes": sum(Path(folder, f).stat().st_size for f in checkpoint.names)}
+        out = {
+            "fetched": checkpoint.bytes_read,
+            "rchar": _rchar() - before,
+            "checkpoint_bytes": sum(Path(folder, f).stat().st_size for f in checkpoint.names),
+        }
     before = _rchar()  # as before: every file hashed, then the strategy's own reader on the folder in place
     signing.verify_checkpoint(folder, spec.run_dir, name)
     if spec.training.strategy == "zero3":
@@ -291,8 +321,8 @@ def zero3_load(spec, how: str) -> dict:
     from transformers import AutoConfig
     from transformers.integrations import HfDeepSpeedConfig
 
-    from raytrain.model import modeling
     from raytrain.job import deepspeed_config
+    from raytrain.model import modeling
     from raytrain.strategies import zero3
 
     zero3.init_deepspeed_comm()
@@ -306,8 +336,16 @@ def zero3_load(spec, how: str) -> dict:
     return {"load_peak": _status("VmHWM") - before, "how": how}
 
 
-def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool = False, zero3_load: str | None = None,
-         fn=measure, **config) -> list[dict]:
+def _run(
+    s: h.Setting,
+    folder: Path,
+    name: str,
+    job: dict,
+    steps: bool = False,
+    zero3_load: str | None = None,
+    fn=measure,
+    **config,
+) -> list[dict]:
     import json
 
     import ray.cloudpickle
@@ -317,9 +355,12 @@ def _run(s: h.Setting, folder: Path, name: str, job: dict, steps: bool = False, 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     out = folder / name
     out.mkdir(parents=True)
-    TorchTrainer(fn, train_loop_config={"job": job, "out": str(out), "steps": steps, "zero3_load": zero3_load, **config},
-                 scaling_config=ScalingConfig(num_workers=s.workers, resources_per_worker={"CPU": 1}),
-                 run_config=RunConfig(name=name, storage_path=str(folder / "ray"))).fit()
+    TorchTrainer(
+        fn,
+        train_loop_config={"job": job, "out": str(out), "steps": steps, "zero3_load": zero3_load, **config},
+        scaling_config=ScalingConfig(num_workers=s.workers, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=str(folder / "ray")),
+    ).fit()
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
@@ -350,71 +391,109 @@ def m(s: h.Setting) -> dict:
     try:
         # glibc hands every freed block of 256 KiB or more back at once, so a resident peak tracks the
         # live tensors, not what the allocator kept from earlier transients.
-        ray.init(address="local", num_cpus=s.workers + 1, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"MALLOC_MMAP_THRESHOLD_": str(256 << 10)}})
+        ray.init(
+            address="local",
+            num_cpus=s.workers + 1,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"MALLOC_MMAP_THRESHOLD_": str(256 << 10)}},
+        )
         from safetensors import safe_open
 
         with safe_open(str(next(model.glob("*.safetensors"))), framework="pt") as f:
             model_bytes = sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # fp32
         share = model_bytes / s.workers
         result = {"model_gib": model_bytes / gib}
-        print(f"model: {model.name}, {model_bytes / gib:.2f} GiB in fp32; N = {s.workers}: {share / gib:.2f} GiB a rank")
+        print(
+            f"model: {model.name}, {model_bytes / gib:.2f} GiB in fp32; N = {s.workers}: {share / gib:.2f} GiB a rank"
+        )
 
-        arms = {"fsdp2": ("fsdp2", model, None), "fsdp2_bin": ("fsdp2", bin_copy(model), None),
-                "zero3": ("zero3", model, "sharded"), "zero3_from_pretrained": ("zero3", model, "from_pretrained")}
+        arms = {
+            "fsdp2": ("fsdp2", model, None),
+            "fsdp2_bin": ("fsdp2", bin_copy(model), None),
+            "zero3": ("zero3", model, "sharded"),
+            "zero3_from_pretrained": ("zero3", model, "from_pretrained"),
+        }
         for label, (strategy, path, zero3) in arms.items():
-            job = h.job(s, f"m1-{label}", folder / "runs", path, data, training={"strategy": strategy, "gradient_sync": "auto"})
+            job = h.job(
+                s, f"m1-{label}", folder / "runs", path, data, training={"strategy": strategy, "gradient_sync": "auto"}
+            )
             ranks = _run(s, folder, f"m1-{label}", job, steps=False, zero3_load=zero3)
             busiest = max(r["load_peak"] for r in ranks)
             result[f"ratio_m1_{label}"] = busiest / share
             peaks = ", ".join(f"{r['load_peak'] / gib:.2f}" for r in ranks)
-            print(f"M1 {label:10s} ({ranks[0]['how']}): peak while loading per rank {peaks} GiB; "
-                  f"busiest / (model / N) = {busiest / share:.2f}")
+            print(
+                f"M1 {label:10s} ({ranks[0]['how']}): peak while loading per rank {peaks} GiB; "
+                f"busiest / (model / N) = {busiest / share:.2f}"
+            )
 
         for sync in ("auto", "last_micro_batch"):
-            job = h.job(s, f"m2-{sync}", folder / "runs", model, data,
-                        training={"strategy": "fsdp2", "gradient_sync": sync, "micro_batch_size": 1})
+            job = h.job(
+                s,
+                f"m2-{sync}",
+                folder / "runs",
+                model,
+                data,
+                training={"strategy": "fsdp2", "gradient_sync": sync, "micro_batch_size": 1},
+            )
             ranks = _run(s, folder, f"m2-{sync}", job, steps=True)
             worst = max(ranks, key=lambda r: r["step_peak_4"] / r["step_peak_1"])
             ratio = worst["step_peak_4"] / worst["step_peak_1"]
             result[f"ratio_m2_{sync}"] = ratio
-            print(f"M2 gradient_sync {sync:16s}: step peak with 4 micro-batches {worst['step_peak_4'] / gib:.2f} GiB, "
-                  f"with 1 {worst['step_peak_1'] / gib:.2f} GiB = ratio {ratio:.3f} (the step's own rise: "
-                  f"{worst['step_rise_4'] / gib:.2f} vs {worst['step_rise_1'] / gib:.2f} GiB)")
+            print(
+                f"M2 gradient_sync {sync:16s}: step peak with 4 micro-batches {worst['step_peak_4'] / gib:.2f} GiB, "
+                f"with 1 {worst['step_peak_1'] / gib:.2f} GiB = ratio {ratio:.3f} (the step's own rise: "
+                f"{worst['step_rise_4'] / gib:.2f} vs {worst['step_rise_1'] / gib:.2f} GiB)"
+            )
 
         from raytrain.job.spec import JobSpec
-        from raytrain.validate.memory import RUNTIME_CPU, estimate
         from raytrain.model.facts import read_facts
+        from raytrain.validate.memory import RUNTIME_CPU, estimate
 
         for strategy, finetune in (("fsdp2", "lora"), ("fsdp2", "full"), ("zero3", "lora"), ("zero3", "full")):
-            job = h.job(s, f"m3-{strategy}-{finetune}", folder / "runs", model, data,
-                        training={"strategy": strategy, "finetune": finetune, "gradient_sync": "auto",
-                                  "micro_batch_size": 1})
+            job = h.job(
+                s,
+                f"m3-{strategy}-{finetune}",
+                folder / "runs",
+                model,
+                data,
+                training={"strategy": strategy, "finetune": finetune, "gradient_sync": "auto", "micro_batch_size": 1},
+            )
             ranks = _run(s, folder, f"m3-{strategy}-{finetune}", job, steps=True)
             measured = max(r["step_peak_1"] - r["base"] for r in ranks)
             predicted = estimate(JobSpec.model_validate(job), read_facts(model), s.workers)
             ratio = measured / (predicted.total - RUNTIME_CPU.bytes)  # measured above the bare process
             result[f"ratio_m3_{strategy}_{finetune}"] = ratio
-            print(f"M3 {strategy} {finetune:4s}: measured peak of a step above the bare process {measured / gib:.2f} GiB "
-                  f"/ estimate {predicted.total / gib:.2f} GiB = {ratio:.2f}  ({predicted.arithmetic()})")
+            print(
+                f"M3 {strategy} {finetune:4s}: measured peak of a step above the bare process {measured / gib:.2f} GiB "
+                f"/ estimate {predicted.total / gib:.2f} GiB = {ratio:.2f}  ({predicted.arithmetic()})"
+            )
 
         from raytrain.rundir import signing
 
         signing.ensure_key()  # as `raytrain run` does: the workers here sign and verify with the key file
         small, _ = h.assets(s, hidden=hidden // 2, layers=layers)  # a full checkpoint is 12 B a parameter
         for strategy in ("fsdp2", "zero3"):
-            job = h.job(s, f"m4-{strategy}", folder / "runs", small, data,
-                        training={"strategy": strategy, "finetune": "full", "gradient_sync": "auto"})
+            job = h.job(
+                s,
+                f"m4-{strategy}",
+                folder / "runs",
+                small,
+                data,
+                training={"strategy": strategy, "finetune": "full", "gradient_sync": "auto"},
+            )
             checkpoint = str(folder / f"m4-{strategy}" / "step_00000001")
             _run(s, folder, f"m4-{strategy}-save", job, fn=restore_reads, checkpoint=checkpoint, save=True)
             ranks = _run(s, folder, f"m4-{strategy}-restore", job, fn=restore_reads, checkpoint=checkpoint, save=False)
             share = ranks[0]["checkpoint_bytes"] / s.workers
             fetched, before = max(r["fetched"] for r in ranks), max(r["before"] for r in ranks)
             result[f"ratio_m4_{strategy}"], result[f"ratio_m4_{strategy}_before"] = fetched / share, before / share
-            print(f"M4 {strategy}: checkpoint {ranks[0]['checkpoint_bytes'] / gib:.2f} GiB; the busiest rank reads "
-                  f"{fetched / gib:.2f} GiB from storage = {fetched / share:.2f} x (checkpoint / N) "
-                  f"(all its reads, the local copy included: {max(r['rchar'] for r in ranks) / gib:.2f} GiB); "
-                  f"before: {before / gib:.2f} GiB = {before / share:.2f} x")
+            print(
+                f"M4 {strategy}: checkpoint {ranks[0]['checkpoint_bytes'] / gib:.2f} GiB; the busiest rank reads "
+                f"{fetched / gib:.2f} GiB from storage = {fetched / share:.2f} x (checkpoint / N) "
+                f"(all its reads, the local copy included: {max(r['rchar'] for r in ranks) / gib:.2f} GiB); "
+                f"before: {before / gib:.2f} GiB = {before / share:.2f} x"
+            )
         return result
     finally:
         ray.shutdown()

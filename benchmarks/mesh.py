@@ -51,15 +51,26 @@ def _arm(rank: int, port: int, args: dict, out: str) -> None:
 
         varlen.install()
     rows = mesh_cases.global_rows(False, args.get("packed", False), args["batch"], seq=args["seq"])
-    spec = mesh_cases.job(args["model"], tempfile.mkdtemp(), sp=args.get("sp", 1), tp=args.get("tp", 1),
-                          finetune=args.get("finetune", "full"), seq=args["seq"], batch=args["batch"],
-                          attn=args.get("attn", "sdpa"))
+    spec = mesh_cases.job(
+        args["model"],
+        tempfile.mkdtemp(),
+        sp=args.get("sp", 1),
+        tp=args.get("tp", 1),
+        finetune=args.get("finetune", "full"),
+        seq=args["seq"],
+        batch=args["batch"],
+        attn=args.get("attn", "sdpa"),
+    )
     times = []
     started = time.perf_counter()
     result = mesh_cases.run_case(spec, rows, steps=args["steps"], on_step=lambda: times.append(time.perf_counter()))
     steps = [b - a for a, b in zip([started, *times], times)]
-    figures = {"step_peak_mb": result["step_peak_mb"], "process_peak_mb": mesh_cases._status_mb("VmHWM"),
-               "step_s": steps, "loss": result["losses"][0]}
+    figures = {
+        "step_peak_mb": result["step_peak_mb"],
+        "process_peak_mb": mesh_cases._status_mb("VmHWM"),
+        "step_s": steps,
+        "loss": result["losses"][0],
+    }
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, figures)
     if rank == 0:
@@ -132,8 +143,15 @@ def llama_shaped(folder: Path, vocab: int, hidden: int, mlp: int, layers: int) -
 
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
-                             num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=mlp,
+            num_hidden_layers=layers,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            max_position_embeddings=4096,
+        )
         AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
     return str(folder)
 
@@ -157,20 +175,31 @@ def main() -> int:
     figures = {}
     if "l1" in args.only:
         for label, model, rows in (
-                ("demo model, 4 heads, 2 KV heads", tiny, {}),
-                ("4 heads, 4 KV heads", own_kv_heads(tiny, cache / "tiny-mha"), {}),
-                ("packed rows (1-3 documents, often starting mid-document), sdpa", tiny, {"packed": True}),
-                ("packed rows, flash_attention_2 (flash-attn's kernels in torch, tests/varlen.py)", tiny,
-                 {"packed": True, "attn": "flash_attention_2"})):
+            ("demo model, 4 heads, 2 KV heads", tiny, {}),
+            ("4 heads, 4 KV heads", own_kv_heads(tiny, cache / "tiny-mha"), {}),
+            ("packed rows (1-3 documents, often starting mid-document), sdpa", tiny, {"packed": True}),
+            (
+                "packed rows, flash_attention_2 (flash-attn's kernels in torch, tests/varlen.py)",
+                tiny,
+                {"packed": True, "attn": "flash_attention_2"},
+            ),
+        ):
             if args.l1_only and args.l1_only not in label:
                 continue
             whole, tried1 = longest(model, 1, args.cap_mb, 1024, **rows)
             split, tried4 = longest(model, 4, args.cap_mb, 4096, **rows)
-            figures.setdefault("l1", {})[label] = {"sp1": whole, "sp4": split, "ratio": split / whole,
-                                                   "tried_sp1": tried1, "tried_sp4": tried4}
-            print(f"L1 ({label}) longest sequence within {args.cap_mb:g} MiB of step memory a rank: sp=4 {split} "
-                  f"tokens / sp=1 {whole} tokens = ratio {split / whole:.2f} (tried: sp=1 {tried1}; sp=4 {tried4})",
-                  flush=True)
+            figures.setdefault("l1", {})[label] = {
+                "sp1": whole,
+                "sp4": split,
+                "ratio": split / whole,
+                "tried_sp1": tried1,
+                "tried_sp4": tried4,
+            }
+            print(
+                f"L1 ({label}) longest sequence within {args.cap_mb:g} MiB of step memory a rank: sp=4 {split} "
+                f"tokens / sp=1 {whole} tokens = ratio {split / whole:.2f} (tried: sp=1 {tried1}; sp=4 {tried4})",
+                flush=True,
+            )
     if "l2" in args.only:
         arms = {}
         for sp in (1, 2, 1, 2):  # alternated
@@ -178,24 +207,36 @@ def main() -> int:
             arms.setdefault(sp, []).extend(statistics.median(r["step_s"][1:]) for r in ranks[:1])
         one, two = statistics.median(arms[1]), statistics.median(arms[2])
         figures["l2"] = {"sp1_s": arms[1], "sp2_s": arms[2], "ratio": two / one}
-        print(f"L2 step time, {WORLD} sequences of {args.l2_seq} tokens on {WORLD} ranks: sp=2 median {two:.3f} s / "
-              f"sp=1 median {one:.3f} s = ratio {two / one:.2f}")
+        print(
+            f"L2 step time, {WORLD} sequences of {args.l2_seq} tokens on {WORLD} ranks: sp=2 median {two:.3f} s / "
+            f"sp=1 median {one:.3f} s = ratio {two / one:.2f}"
+        )
     if "l3" in args.only:
         for label, shape in L3_SHAPES.items():
             model = llama_shaped(cache / ("llama-" + "-".join(map(str, shape))), *shape)
             arms = {}
             for tp in (1, 2):
                 ranks = run_arm(model=model, tp=tp, seq=args.l3_seq, batch=WORLD, steps=2)
-                arms[tp] = {"step_peak_mb": max(r["step_peak_mb"] for r in ranks),
-                            "process_peak_mb": max(r["process_peak_mb"] for r in ranks), "loss": ranks[0]["loss"]}
-            l3 = {"dp4": arms[1], "tp2_dp2": arms[2], "step_ratio": arms[2]["step_peak_mb"] / arms[1]["step_peak_mb"],
-                  "process_ratio": arms[2]["process_peak_mb"] / arms[1]["process_peak_mb"]}
+                arms[tp] = {
+                    "step_peak_mb": max(r["step_peak_mb"] for r in ranks),
+                    "process_peak_mb": max(r["process_peak_mb"] for r in ranks),
+                    "loss": ranks[0]["loss"],
+                }
+            l3 = {
+                "dp4": arms[1],
+                "tp2_dp2": arms[2],
+                "step_ratio": arms[2]["step_peak_mb"] / arms[1]["step_peak_mb"],
+                "process_ratio": arms[2]["process_peak_mb"] / arms[1]["process_peak_mb"],
+            }
             figures.setdefault("l3", {})[label] = l3
-            print(f"L3 full fine-tune, {label}, {args.l3_seq} tokens a rank: step peak a rank tp=2 x dp=2 "
-                  f"{arms[2]['step_peak_mb']:.0f} MiB / dp=4 {arms[1]['step_peak_mb']:.0f} MiB = ratio "
-                  f"{l3['step_ratio']:.2f}; process peak {arms[2]['process_peak_mb']:.0f} / "
-                  f"{arms[1]['process_peak_mb']:.0f} MiB = ratio {l3['process_ratio']:.2f}; "
-                  f"first losses {arms[2]['loss']:.6f} / {arms[1]['loss']:.6f}", flush=True)
+            print(
+                f"L3 full fine-tune, {label}, {args.l3_seq} tokens a rank: step peak a rank tp=2 x dp=2 "
+                f"{arms[2]['step_peak_mb']:.0f} MiB / dp=4 {arms[1]['step_peak_mb']:.0f} MiB = ratio "
+                f"{l3['step_ratio']:.2f}; process peak {arms[2]['process_peak_mb']:.0f} / "
+                f"{arms[1]['process_peak_mb']:.0f} MiB = ratio {l3['process_ratio']:.2f}; "
+                f"first losses {arms[2]['loss']:.6f} / {arms[1]['loss']:.6f}",
+                flush=True,
+            )
     print("FIGURES " + json.dumps(figures))
     return 0
 

@@ -8,6 +8,7 @@ hidden 576, 30 layers, vocabulary 49152, tied embeddings; 135M parameters, half 
 random gradients; one torch thread, as raytrain's CPU workers run. Prints the median step of each kernel (after a first
 step that creates AdamW's state), their ratio, and how far the two kernels' weights are apart after
 10 steps of the same gradients (the same update, to rounding)."""
+
 from __future__ import annotations
 
 import statistics
@@ -30,12 +31,14 @@ def shapes() -> list[tuple[int, ...]]:
     return [((p.shape[0] + WORLD - 1) // WORLD, *p.shape[1:]) for p in model.parameters()]
 
 
-def run(shards: list[tuple[int, ...]], fused: bool, steps: int,
-        seed: int = 0) -> tuple[list[float], list[torch.Tensor]]:
+def run(
+    shards: list[tuple[int, ...]], fused: bool, steps: int, seed: int = 0
+) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shards]
-    optimizer = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                  fused=True if fused else None)
+    optimizer = torch.optim.AdamW(
+        params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True if fused else None
+    )
     g = torch.Generator().manual_seed(1)
     times = []
     for _ in range(steps):

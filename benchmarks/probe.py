@@ -26,6 +26,7 @@ def _timed(fn, key: str):
             return fn(*args, **kwargs)
         finally:
             _samples[key].append(time.perf_counter() - start)
+
     return call
 
 
@@ -44,8 +45,11 @@ def dump(folder: str, rank: int) -> None:
 
     import torch
 
-    memory = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-              "torch_threads": torch.get_num_threads(), "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS")}
+    memory = {
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         memory["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
     with open(os.path.join(folder, f"probe-rank{rank}.json"), "w") as f:
@@ -64,7 +68,9 @@ def install_blocking_check() -> None:
     def step_done(self, step, step_time, rank):
         flags = 0
         if rank == 0 and self.control is not None:
-            flags |= preemption.DRIVER_STOP if ray.get(self.control.step_done.remote(step, step_time), timeout=30) else 0
+            flags |= (
+                preemption.DRIVER_STOP if ray.get(self.control.step_done.remote(step, step_time), timeout=30) else 0
+            )
         if self.check_ray_notice and ray.train.get_preemption_info() is not None:  # the barrier
             flags |= preemption.RAY_NOTICE
         bits = torch.tensor([(flags >> i) & 1 for i in range(3)], dtype=torch.int32)

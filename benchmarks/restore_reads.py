@@ -30,8 +30,13 @@ BEFORE = "7253d34"  # the last commit with one manifest per rank
 def _signing_before():
     """signing.py as of BEFORE, as module raytrain._signing_before (its `from . import storage` is this checkout's)."""
     try:
-        source = subprocess.run(["git", "show", f"{BEFORE}:raytrain/signing.py"], capture_output=True, text=True,
-                                check=True, cwd=Path(__file__).parent).stdout
+        source = subprocess.run(
+            ["git", "show", f"{BEFORE}:raytrain/signing.py"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None  # not a git checkout with that commit: the after figures alone
     spec = importlib.util.spec_from_loader("raytrain._signing_before", loader=None)
@@ -84,8 +89,10 @@ def main() -> None:
     arms = {"before": _signing_before(), "after": signing}
     root = Path(tempfile.mkdtemp(prefix="raytrain-restore-reads-"))
     try:
-        print(f"S4 storage requests one rank's restore verification makes (SignedCheckpoint), by the world size "
-              f"N that wrote the checkpoint; before = {BEFORE}'s signing.py, after = this checkout's")
+        print(
+            f"S4 storage requests one rank's restore verification makes (SignedCheckpoint), by the world size "
+            f"N that wrote the checkpoint; before = {BEFORE}'s signing.py, after = this checkout's"
+        )
         print(f"{'':6s}  {'N':>5s}  {'reads':>6s}  {'listings':>8s}  {'reads of all N ranks':>20s}")
         for arm, module in arms.items():
             if module is None:
@@ -94,8 +101,10 @@ def main() -> None:
             counts = {n: requests(module, root, n, arm == "before") for n in ranks}
             for n, c in counts.items():
                 print(f"{arm:6s}  {n:5d}  {c['read']:6d}  {c['list']:8d}  {n * c['read']:20,d}")
-            print(f"{arm:6s}  S4 = reads at 16 / at 4 = {counts[16]['read']} / {counts[4]['read']} = "
-                  f"{counts[16]['read'] / counts[4]['read']:.2f} (goal <= 1.2)")
+            print(
+                f"{arm:6s}  S4 = reads at 16 / at 4 = {counts[16]['read']} / {counts[4]['read']} = "
+                f"{counts[16]['read'] / counts[4]['read']:.2f} (goal <= 1.2)"
+            )
         print(f"command: {sys.executable} -m benchmarks.restore_reads --ranks {' '.join(map(str, ranks))}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -65,10 +65,24 @@ def _synthetic_store(folder: Path, shards: int, rows_per_shard: int = 4) -> str:
         part = shard_rows(docs, 16, False, False)
         entries.append({**write_shard(fs, str(store_dir), f"part-{i:06d}", part, dtype), "first_row": first})
         first += len(part)
-    write_manifest(fs, str(store_dir), {"key": key, "rows": first, "seq_len": 16, "pad_id": 0, "bad_rows": 0,
-                                        "bad_examples": [], "shards": entries, "docs": first, "tokens": 12 * first,
-                                        "sources": [{"path": "/data/rows.jsonl", "size": 1 << 40, "mtime_ns": 0}],
-                                        "sequences_per_row": 1, "token_dtype": dtype.name})
+    write_manifest(
+        fs,
+        str(store_dir),
+        {
+            "key": key,
+            "rows": first,
+            "seq_len": 16,
+            "pad_id": 0,
+            "bad_rows": 0,
+            "bad_examples": [],
+            "shards": entries,
+            "docs": first,
+            "tokens": 12 * first,
+            "sources": [{"path": "/data/rows.jsonl", "size": 1 << 40, "mtime_ns": 0}],
+            "sequences_per_row": 1,
+            "token_dtype": dtype.name,
+        },
+    )
     return str(store_dir)
 
 
@@ -86,15 +100,23 @@ def open_costs(base_shards: int, scale: int) -> dict:
             write_s = time.perf_counter() - started
             opened, store = _reads_of(lambda: TokenStore.open(uri))
             first_row, _ = _reads_of(lambda: store.read(np.array([store.rows // 2])))
-            measured[shards] = {"open": opened, "first_row": first_row, "write_s": write_s,
-                                "table": getattr(store.read_counters, "table_bytes", 0),
-                                "manifest": Path(uri, "manifest.json").stat().st_size}
+            measured[shards] = {
+                "open": opened,
+                "first_row": first_row,
+                "write_s": write_s,
+                "table": getattr(store.read_counters, "table_bytes", 0),
+                "manifest": Path(uri, "manifest.json").stat().st_size,
+            }
         (small, a), (big, b) = measured.items()
         ratio = b["open"] / a["open"]
-        print(f"Open bytes a rank reads at store open: {big:,} shards {b['open']:,} B / {small:,} shards {a['open']:,} B "
-              f"= ratio {ratio:.2f} (goal <= 1.2; the manifests are {b['manifest']:,} / {a['manifest']:,} B)")
-        print(f"     then its first row: {b['first_row']:,} B / {a['first_row']:,} B (of it the shard table's: "
-              f"{b['table']:,} / {a['table']:,} B; stores written in {b['write_s']:.1f} / {a['write_s']:.1f} s)")
+        print(
+            f"Open bytes a rank reads at store open: {big:,} shards {b['open']:,} B / {small:,} shards {a['open']:,} B "
+            f"= ratio {ratio:.2f} (goal <= 1.2; the manifests are {b['manifest']:,} / {a['manifest']:,} B)"
+        )
+        print(
+            f"     then its first row: {b['first_row']:,} B / {a['first_row']:,} B (of it the shard table's: "
+            f"{b['table']:,} / {a['table']:,} B; stores written in {b['write_s']:.1f} / {a['write_s']:.1f} s)"
+        )
         return {"ratio_open": ratio, **{f"{k}_{n}": v for n, m in measured.items() for k, v in m.items()}}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -115,15 +137,16 @@ def main() -> None:
 
     import ray
 
-    from raytrain.job.spec import JobSpec
     from raytrain.data.prepare import ensure_inputs, ensure_store
     from raytrain.demo_assets import preference_rows, text_rows, write_jsonl
+    from raytrain.job.spec import JobSpec
 
     s = h.SETTINGS["quick"]
     model, _ = h.assets(s)
     folder = Path(tempfile.mkdtemp(prefix="raytrain-store-costs-"))
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+
         def spec(name: str, source: Path, **over) -> JobSpec:
             raw = h.job(s, name, folder / "runs", model, source)
             raw["data"] = {**raw["data"], "seq_len": args.seq_len, **over.pop("data", {})}
@@ -147,21 +170,26 @@ def main() -> None:
                 times.append(time.perf_counter() - started)
             reuse[rows] = (statistics.median(times), store, prepare_s)
         (small_s, small, _), (big_s, big, big_prepare_s) = reuse.values()
-        print(f"S1 reused store, driver's store phase: {big.rows:,} rows ({_store_bytes(big) / 2**20:.1f} MiB) "
-              f"{big_s * 1e3:.1f} ms / {small.rows:,} rows ({_store_bytes(small) / 2**20:.1f} MiB) "
-              f"{small_s * 1e3:.1f} ms = ratio {big_s / small_s:.2f} (median of 5; the big store took "
-              f"{big_prepare_s:.1f} s to prepare)")
+        print(
+            f"S1 reused store, driver's store phase: {big.rows:,} rows ({_store_bytes(big) / 2**20:.1f} MiB) "
+            f"{big_s * 1e3:.1f} ms / {small.rows:,} rows ({_store_bytes(small) / 2**20:.1f} MiB) "
+            f"{small_s * 1e3:.1f} ms = ratio {big_s / small_s:.2f} (median of 5; the big store took "
+            f"{big_prepare_s:.1f} s to prepare)"
+        )
         text_bytes = _store_bytes(big) / big.manifest["tokens"]
-        print(f"S2 text store (packed, seq_len {args.seq_len}): {_store_bytes(big):,} bytes / "
-              f"{big.manifest['tokens']:,} tokens = {text_bytes:.2f} bytes a token")
+        print(
+            f"S2 text store (packed, seq_len {args.seq_len}): {_store_bytes(big):,} bytes / "
+            f"{big.manifest['tokens']:,} tokens = {text_bytes:.2f} bytes a token"
+        )
 
         pairs = h.CACHE / "preference-4000.jsonl"
         if not pairs.exists():
             write_jsonl(pairs, preference_rows(4000, seed=3))
-        dpo = ensure_store(spec("s2-dpo", pairs, data={"format": "text", "pack": False},
-                                training={"objective": "dpo"}))
-        print(f"S2 preference store (padded pairs, seq_len {args.seq_len}): {_store_bytes(dpo):,} bytes / "
-              f"{dpo.manifest['tokens']:,} real tokens = {_store_bytes(dpo) / dpo.manifest['tokens']:.2f} bytes a token")
+        dpo = ensure_store(spec("s2-dpo", pairs, data={"format": "text", "pack": False}, training={"objective": "dpo"}))
+        print(
+            f"S2 preference store (padded pairs, seq_len {args.seq_len}): {_store_bytes(dpo):,} bytes / "
+            f"{dpo.manifest['tokens']:,} real tokens = {_store_bytes(dpo) / dpo.manifest['tokens']:.2f} bytes a token"
+        )
     finally:
         ray.shutdown()
         shutil.rmtree(folder, ignore_errors=True)

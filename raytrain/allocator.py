@@ -45,8 +45,14 @@ def problems(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
     """(field, value, fix) of an allocator choice that cannot be carried out, for validate."""
     choice = environ.get(CHOICE_ENV)
     if choice is not None and choice not in CHOICES:
-        return [(CHOICE_ENV, repr(choice), "the CPU workers' host allocator is mimalloc (the default) or glibc: "
-                 f"set {CHOICE_ENV} to one of them, or unset it")]
+        return [
+            (
+                CHOICE_ENV,
+                repr(choice),
+                "the CPU workers' host allocator is mimalloc (the default) or glibc: "
+                f"set {CHOICE_ENV} to one of them, or unset it",
+            )
+        ]
     return []
 
 

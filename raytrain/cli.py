@@ -1,8 +1,7 @@
-"""`raytrain validate | run | prepare | quickstart | export | sync-metrics | key | k8s`. Never imports torch at module level:
-`validate` answers in about a second, before any cluster or GPU is involved.
+"""`raytrain validate | run | prepare | quickstart | export | sync-metrics | key | k8s`. Never imports torch at module
+level: `validate` answers in about a second, before any cluster or GPU is involved.
 
-Exit codes: 0 success/valid, 2 invalid job (nothing was started), 1 the run failed.
-"""
+Exit codes: 0 success/valid, 2 invalid job (nothing was started), 1 the run failed."""
 
 from __future__ import annotations
 
@@ -13,9 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from raytrain.validate import preflight
-from raytrain.job.plan import RunPlan
 from raytrain.errors import JobError, user_message
+from raytrain.job.plan import RunPlan
+from raytrain.validate import preflight
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 # The checkout's jobs/ folder (setup-local.sh installs raytrain editable from it), found from the
@@ -26,25 +25,43 @@ QUICKSTART_JOB = Path(__file__).resolve().parents[1] / "jobs" / "quickstart.yaml
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytrain", description="Elastic fine-tuning of Hugging Face causal LMs on Ray.")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, text in (("validate", "check a job without starting anything"), ("run", "validate, then run a job"),
-                       ("prepare", "validate, then tokenize and pack the job's data into its token store (reused by run)")):
+    for name, text in (
+        ("validate", "check a job without starting anything"),
+        ("run", "validate, then run a job"),
+        ("prepare", "validate, then tokenize and pack the job's data into its token store (reused by run)"),
+    ):
         c = sub.add_parser(name, help=text)
         c.add_argument("job", help="job YAML file")
-        c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field, e.g. --set training.max_steps=20 (repeatable)")
+        c.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a field, e.g. --set training.max_steps=20 (repeatable)",
+        )
         c.add_argument("--json", action="store_true", help="machine-readable problems on stdout")
-        c.add_argument("--skip-probes", action="store_true", help="schema and arithmetic only: no file, model or storage probes")
+        c.add_argument(
+            "--skip-probes", action="store_true", help="schema and arithmetic only: no file, model or storage probes"
+        )
     for name in ("run", "prepare"):
-        sub.choices[name].add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
-    sub.choices["run"].add_argument("--takeover", action="store_true",
-                                    help="if another driver runs this job, have it checkpoint and stop, and continue here")
+        sub.choices[name].add_argument(
+            "--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)"
+        )
+    sub.choices["run"].add_argument(
+        "--takeover",
+        action="store_true",
+        help="if another driver runs this job, have it checkpoint and stop, and continue here",
+    )
     q = sub.add_parser("quickstart", help="make the offline demo model and data, then run jobs/quickstart.yaml")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e = sub.add_parser("export", help="write a plain HF model/adapter from a run's latest (or given) checkpoint")
     e.add_argument("run_dir", help="the run directory, <storage_path>/<name>")
     e.add_argument("--out", required=True, help="output folder or URI")
     e.add_argument("--checkpoint", help="a step_* folder (default: the latest committed one)")
-    m = sub.add_parser("sync-metrics", help="write what MLflow missed while it was unreachable (kept in the run directory)")
+    m = sub.add_parser(
+        "sync-metrics", help="write what MLflow missed while it was unreachable (kept in the run directory)"
+    )
     m.add_argument("run_dir", help="the run directory, <storage_path>/<name>")
     sub.add_parser("key", help="make this machine's checkpoint-signing key if it has none; print where it is")
     k = sub.add_parser("k8s", help="render the KubeRay RayJob (+ ConfigMap) that runs a job on Kubernetes")
@@ -58,8 +75,16 @@ def _parser() -> argparse.ArgumentParser:
 def _report(report, as_json: bool) -> None:
     """Errors refuse the job; notes (what only the cluster can check, the memory estimate) are said either way."""
     if as_json:
-        print(json.dumps({"valid": not report.errors, "problems": [p.to_dict() for p in report.errors],
-                          "notes": [p.to_dict() for p in report.notes]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "valid": not report.errors,
+                    "problems": [p.to_dict() for p in report.errors],
+                    "notes": [p.to_dict() for p in report.notes],
+                },
+                indent=2,
+            )
+        )
         return
     for p in report.errors:
         print(f"  - {p}", file=sys.stderr)
@@ -69,8 +94,9 @@ def _report(report, as_json: bool) -> None:
 
 def cmd_validate(args) -> int:
     # `run` needs what `validate` may only note: the driver itself must reach storage and MLflow.
-    report = preflight.check(args.job, args.overrides, probes=not args.skip_probes,
-                             network_required=args.command in ("run", "prepare"))
+    report = preflight.check(
+        args.job, args.overrides, probes=not args.skip_probes, network_required=args.command in ("run", "prepare")
+    )
     if report.errors:
         if not args.json:
             print(f"{args.job}: {len(report.errors)} problem(s); nothing was started:", file=sys.stderr)
@@ -86,9 +112,12 @@ def cmd_validate(args) -> int:
         if m.sp * m.tp > 1:  # only dp changes with the worker count
             dp = f"{m.dp}..{plan.mesh(hi).dp}" if hi != lo else str(m.dp)
             mesh = f", mesh dp {dp}" + "".join(f" x {k} {v}" for k, v in (("sp", m.sp), ("tp", m.tp)) if v > 1)
-        print(f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}{objective}, workers {lo}..{hi}{mesh}, "
-              f"accumulation {plan.accumulation_steps(hi)}..{plan.accumulation_steps(lo)}; survives {budget} worker "
-              "failures, preemptions not counted)")
+        print(
+            f"{args.job}: valid ({spec.training.strategy}, {spec.training.finetune}{objective}, workers "
+            f"{lo}..{hi}{mesh}, "
+            f"accumulation {plan.accumulation_steps(hi)}..{plan.accumulation_steps(lo)}; survives {budget} worker "
+            "failures, preemptions not counted)"
+        )
     _report(report, args.json)
     return EXIT_OK
 
@@ -107,16 +136,23 @@ def cmd_run(args) -> int:
         return EXIT_FAILED
     except Exception as exc:  # a failure inside Ray: show its first meaningful line, not the nested traceback
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-        print(f"raytrain: job {spec.name} failed: {lines[-1] if lines else type(exc).__name__}\n"
-              f"  (full worker logs: the Ray logs of this run; MLflow run marked FAILED)", file=sys.stderr)
+        print(
+            f"raytrain: job {spec.name} failed: {lines[-1] if lines else type(exc).__name__}\n"
+            f"  (full worker logs: the Ray logs of this run; MLflow run marked FAILED)",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     m = result.metrics
     evaluated = f" eval_loss {m['eval_loss']:.4f};" if "eval_loss" in m else ""
     # Only what exists: no final model when export_final is off or the job was stopped before the end.
     exported = spec.checkpoint.export_final and m.get("step") == spec.training.max_steps
     final = f"final model {result.run_dir}/final_model; " if exported else ""
-    print(f"[raytrain] done in {result.wall_s:.0f}s: step {m.get('step', '?')} loss {m.get('loss', float('nan')):.4f};{evaluated} "
-          f"bad rows skipped {int(m.get('bad_rows', 0))}; checkpoint {result.checkpoint}; {final}mlflow run {result.run_id}")
+    print(
+        f"[raytrain] done in {result.wall_s:.0f}s: step {m.get('step', '?')} loss "
+        f"{m.get('loss', float('nan')):.4f};{evaluated} "
+        f"bad rows skipped {int(m.get('bad_rows', 0))}; checkpoint {result.checkpoint}; {final}mlflow run "
+        f"{result.run_id}"
+    )
     return EXIT_OK
 
 
@@ -143,8 +179,11 @@ def cmd_quickstart(args) -> int:
     from raytrain.demo_assets import make_all
 
     if not QUICKSTART_JOB.is_file():
-        print(f"raytrain quickstart: {QUICKSTART_JOB} is not there: the quickstart runs from a checkout of raytrain "
-              "installed with cluster/setup-local.sh (pip install -e .)", file=sys.stderr)
+        print(
+            f"raytrain quickstart: {QUICKSTART_JOB} is not there: the quickstart runs from a checkout of raytrain "
+            "installed with cluster/setup-local.sh (pip install -e .)",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     root = make_all(Path(".raytrain/quickstart"))
     print(f"[raytrain] demo model and data in {root}")
@@ -170,16 +209,22 @@ def cmd_sync_metrics(args) -> int:
     try:
         written, run_id = sync_metrics(args.run_dir)
     except FileNotFoundError:
-        print(f"raytrain sync-metrics: {args.run_dir} is not a run directory (it has no job.json); give "
-              "<checkpoint.storage_path>/<name> of the job", file=sys.stderr)
+        print(
+            f"raytrain sync-metrics: {args.run_dir} is not a run directory (it has no job.json); give "
+            "<checkpoint.storage_path>/<name> of the job",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     except JobError as exc:
         print(f"raytrain sync-metrics: {user_message(exc)}", file=sys.stderr)
         return EXIT_INVALID
     except Exception as exc:  # MLflow still unreachable: nothing was lost, try again later
         why = (str(exc).strip().splitlines() or [""])[0][:300]
-        print(f"raytrain sync-metrics: MLflow did not take them ({type(exc).__name__}: {why}); nothing is lost, run it "
-              "again once it is reachable", file=sys.stderr)
+        print(
+            f"raytrain sync-metrics: MLflow did not take them ({type(exc).__name__}: {why}); nothing is lost, run it "
+            "again once it is reachable",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     if run_id is None:
         print(f"[raytrain] nothing to write: {args.run_dir} has no checkpoint and no kept MLflow record")
@@ -193,8 +238,10 @@ def cmd_key(args) -> int:
 
     signing.ensure_key()
     where = f"${signing.KEY_ENV}" if os.environ.get(signing.KEY_ENV) else signing.KEY_FILE
-    print(f"[raytrain] checkpoints are signed with the key in {where} (id {signing.key_id()}); every node of a cluster "
-          "needs the same one (cluster/*.yaml mount the file; on Kubernetes it is in the Secret raytrain-secrets)")
+    print(
+        f"[raytrain] checkpoints are signed with the key in {where} (id {signing.key_id()}); every node of a cluster "
+        "needs the same one (cluster/*.yaml mount the file; on Kubernetes it is in the Secret raytrain-secrets)"
+    )
     return EXIT_OK
 
 
@@ -206,8 +253,16 @@ def cmd_k8s(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"validate": cmd_validate, "run": cmd_run, "prepare": cmd_prepare, "quickstart": cmd_quickstart,
-            "export": cmd_export, "sync-metrics": cmd_sync_metrics, "key": cmd_key, "k8s": cmd_k8s}[args.command](args)
+    return {
+        "validate": cmd_validate,
+        "run": cmd_run,
+        "prepare": cmd_prepare,
+        "quickstart": cmd_quickstart,
+        "export": cmd_export,
+        "sync-metrics": cmd_sync_metrics,
+        "key": cmd_key,
+        "k8s": cmd_k8s,
+    }[args.command](args)
 
 
 def entry(argv: list[str] | None = None) -> None:

@@ -35,11 +35,15 @@ def chat_rows(n: int, seed: int = 0) -> list[dict]:
     rows = []
     for _ in range(n):
         color, animal = rng.choice(COLORS), rng.choice(ANIMALS)
-        rows.append({"messages": [
-            {"role": "system", "content": "answer briefly."},
-            {"role": "user", "content": f"what color is the {animal}?"},
-            {"role": "assistant", "content": f"the {animal} is {color}."},
-        ]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "system", "content": "answer briefly."},
+                    {"role": "user", "content": f"what color is the {animal}?"},
+                    {"role": "assistant", "content": f"the {animal} is {color}."},
+                ]
+            }
+        )
     return rows
 
 
@@ -52,8 +56,13 @@ def preference_rows(n: int, seed: int = 0) -> list[dict]:
         animal, place = rng.choice(ANIMALS), rng.choice(PLACES)
         verb = VERBS[ANIMALS.index(animal) % len(VERBS)]
         wrong = rng.choice([v for v in VERBS if v != verb])
-        rows.append({"prompt": f"the {rng.choice(COLORS)} {animal}", "chosen": f" {verb} over {place}.",
-                     "rejected": f" {wrong} over {place}."})
+        rows.append(
+            {
+                "prompt": f"the {rng.choice(COLORS)} {animal}",
+                "chosen": f" {verb} over {place}.",
+                "rejected": f" {wrong} over {place}.",
+            }
+        )
     return rows
 
 
@@ -64,8 +73,9 @@ def kto_rows(n: int, seed: int = 0) -> list[dict]:
     rows = []
     for pair in preference_rows(n, seed):
         desirable = rng.random() < 0.5
-        rows.append({"prompt": pair["prompt"], "completion": pair["chosen" if desirable else "rejected"],
-                     "label": desirable})
+        rows.append(
+            {"prompt": pair["prompt"], "completion": pair["chosen" if desirable else "rejected"], "label": desirable}
+        )
     return rows
 
 
@@ -76,7 +86,9 @@ def prompt_rows(n: int, seed: int = 0) -> list[dict]:
     rows = []
     for _ in range(n):
         animal = rng.choice(ANIMALS)
-        rows.append({"prompt": f"the {rng.choice(COLORS)} {animal}", "solution": VERBS[ANIMALS.index(animal) % len(VERBS)]})
+        rows.append(
+            {"prompt": f"the {rng.choice(COLORS)} {animal}", "solution": VERBS[ANIMALS.index(animal) % len(VERBS)]}
+        )
     return rows
 
 
@@ -86,7 +98,9 @@ def lipogram(prompts, completions, completion_ids=None, **columns) -> list[float
     RL alone: its tokens differ in how many words with an e they make."""
     scores = []
     for completion in completions:
-        words = "".join(m["content"] for m in completion).split() if isinstance(completion, list) else completion.split()
+        words = (
+            "".join(m["content"] for m in completion).split() if isinstance(completion, list) else completion.split()
+        )
         scores.append(sum("e" not in w for w in words) / len(words) if words else 0.0)
     return scores
 
@@ -111,26 +125,44 @@ def make_tokenizer(out: Path, vocab_size: int = 384):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [r["text"] for r in text_rows(2000, seed=1)] + ["answer briefly. what color is the ? system user assistant"]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None)
+    corpus = [r["text"] for r in text_rows(2000, seed=1)] + [
+        "answer briefly. what color is the ? system user assistant"
+    ]
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     return fast
 
 
-def make_model(out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0, heads: int = 4,
-               kv_heads: int = 2) -> None:
+def make_model(
+    out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0, heads: int = 4, kv_heads: int = 2
+) -> None:
     """A tiny Llama whose output layer is its input embedding, as in the small models most users
     start from (SmolLM2, Qwen2.5 0.5B-3B, Llama 3.2 1B/3B, Gemma): the quickstart meets what they do."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                         tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
 

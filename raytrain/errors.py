@@ -30,10 +30,29 @@ def user_message(exc: BaseException) -> str | None:
 
 
 # What a restart can mend, whatever the job: storage, the network, a collective (a peer lost mid-call).
-TRANSIENT_TYPES = ("OSError", "ConnectionError", "TimeoutError", "DistBackendError", "DistNetworkError",
-                   "DistStoreError", "RayActorError", "ActorDiedError", "NodeDiedError")
-TRANSIENT_WORDS = ("AWS Error", "Connection reset", "Connection refused", "Broken pipe", "timed out", "Timed out",
-                   "gloo", "NCCL", "Socket", "unreachable")
+TRANSIENT_TYPES = (
+    "OSError",
+    "ConnectionError",
+    "TimeoutError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "RayActorError",
+    "ActorDiedError",
+    "NodeDiedError",
+)
+TRANSIENT_WORDS = (
+    "AWS Error",
+    "Connection reset",
+    "Connection refused",
+    "Broken pipe",
+    "timed out",
+    "Timed out",
+    "gloo",
+    "NCCL",
+    "Socket",
+    "unreachable",
+)
 
 
 def transient(exc: BaseException) -> bool:

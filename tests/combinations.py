@@ -32,20 +32,41 @@ SEQ = 64
 # stream), the DDP reference under autocast over fp32 ones; seen, full-FT KTO with sp=2, tp=2 6.5% off
 # at step 3 after 0.36% at step 2, while in fp32 it agrees to 1e-7.
 STEPS = 2
-SKIPPED = {"preference", "lora", "global_batch_size", "max_steps", "seed", "grad_clip", "deepspeed", "offload",
-           "chunked_loss", "micro_batch_size"}  # values, not options; the last three are set below
-REFERENCE = {"strategy": "ddp", "sequence_parallel": 1, "tensor_parallel": 1, "attention": "sdpa",
-             "micro_batch_size": 1}  # + every bool off; what a case keeps: MATH_KEYS
+SKIPPED = {
+    "preference",
+    "lora",
+    "global_batch_size",
+    "max_steps",
+    "seed",
+    "grad_clip",
+    "deepspeed",
+    "offload",
+    "chunked_loss",
+    "micro_batch_size",
+}  # values, not options; the last three are set below
+REFERENCE = {
+    "strategy": "ddp",
+    "sequence_parallel": 1,
+    "tensor_parallel": 1,
+    "attention": "sdpa",
+    "micro_batch_size": 1,
+}  # + every bool off; what a case keeps: MATH_KEYS
 # GRPO's own options: a second update on each rollout's completions (TRL's mu), and a reward model
 # beside the lipogram function (a second model in every worker). They mean something under objective:
 # grpo only (validate refuses a training.grpo section under another objective, naming its fields), so a
 # pair holding one is tried under grpo unless the pair sets the objective itself.
 GRPO_ONLY = {"num_iterations": (1, 2), "reward_model": (False, True)}
 MATH_KEYS = ("objective", "finetune", "dora", "pack", "precision", "model", *GRPO_ONLY)  # what changes the numbers
-FIELDS = {"sequence_parallel": "scaling.sequence_parallel", "tensor_parallel": "scaling.tensor_parallel",
-          "attention": "model.attn_implementation", "pack": "data.pack", "model": "model.path",
-          "dora": "training.lora.use_dora", "num_iterations": "training.grpo.num_iterations",
-          "reward_model": "training.grpo.rewards"}
+FIELDS = {
+    "sequence_parallel": "scaling.sequence_parallel",
+    "tensor_parallel": "scaling.tensor_parallel",
+    "attention": "model.attn_implementation",
+    "pack": "data.pack",
+    "model": "model.path",
+    "dora": "training.lora.use_dora",
+    "num_iterations": "training.grpo.num_iterations",
+    "reward_model": "training.grpo.rewards",
+}
 
 
 def options() -> dict[str, tuple]:
@@ -60,9 +81,14 @@ def options() -> dict[str, tuple]:
         elif typing.get_origin(field.annotation) is typing.Literal:
             out[name] = tuple(v for v in typing.get_args(field.annotation) if v != "auto")
     out.update(chunked_loss=(False, True), offload=(False, True), micro_batch_size=(1, 2), dora=(False, True))
-    out.update(sequence_parallel=(1, 2, 4), tensor_parallel=(1, 2), pack=(False, True),
-               attention=typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation),
-               model=("llama", "mistral window"), **GRPO_ONLY)
+    out.update(
+        sequence_parallel=(1, 2, 4),
+        tensor_parallel=(1, 2),
+        pack=(False, True),
+        attention=typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation),
+        model=("llama", "mistral window"),
+        **GRPO_ONLY,
+    )
     return out
 
 
@@ -92,18 +118,30 @@ def job(case: dict, models: dict, storage: str) -> dict:
     rl = case["objective"] == "grpo"  # prompt rows; the rollouts sample what is trained
     rows = "prompts" if rl else "pairs" if case["objective"] != "sft" else "text"
     training = {k: v for k, v in case.items() if k not in FIELDS and k != "offload"}
-    training.update(global_batch_size=8, max_steps=STEPS, seed=0,
-                    lora={"rank": 4, "alpha": 8, "dropout": 0.0, "use_dora": case["dora"]},
-                    offload={"optimizer": case["offload"], "params": case["offload"]})
+    training.update(
+        global_batch_size=8,
+        max_steps=STEPS,
+        seed=0,
+        lora={"rank": 4, "alpha": 8, "dropout": 0.0, "use_dora": case["dora"]},
+        offload={"optimizer": case["offload"], "params": case["offload"]},
+    )
     grpo = grpo_section(case, models)
     if grpo:
         training["grpo"] = grpo
-    return {"name": "combo", "model": {"path": models[case["model"]], "attn_implementation": case["attention"].split()[0]},
-            "data": {"path": models[rows], "seq_len": SEQ, "pack": case["pack"], **({"format": "prompt"} if rl else {})},
-            "training": training, "optimizer": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
-            "scaling": {"num_workers": WORLD, "sequence_parallel": case["sequence_parallel"],
-                        "tensor_parallel": case["tensor_parallel"]},
-            "checkpoint": {"storage_path": storage}, "tracking": {"experiment": "tests"}}
+    return {
+        "name": "combo",
+        "model": {"path": models[case["model"]], "attn_implementation": case["attention"].split()[0]},
+        "data": {"path": models[rows], "seq_len": SEQ, "pack": case["pack"], **({"format": "prompt"} if rl else {})},
+        "training": training,
+        "optimizer": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
+        "scaling": {
+            "num_workers": WORLD,
+            "sequence_parallel": case["sequence_parallel"],
+            "tensor_parallel": case["tensor_parallel"],
+        },
+        "checkpoint": {"storage_path": storage},
+        "tracking": {"experiment": "tests"},
+    }
 
 
 def refusal(case: dict, models: dict, configs: dict) -> str | None:
@@ -111,8 +149,8 @@ def refusal(case: dict, models: dict, configs: dict) -> str | None:
     model's mesh rule: what `raytrain validate` says before its probes of the world."""
     from pydantic import ValidationError
 
-    from raytrain.job.spec import JobSpec
     from raytrain.job.plan import model_parallel_problems
+    from raytrain.job.spec import JobSpec
 
     try:
         JobSpec.model_validate(job(case, models, "/tmp/unused"))
@@ -188,9 +226,12 @@ def with_families(cases: list[dict], refused) -> list[dict]:
         for full in (True, False):
             for case in cases:
                 others = [c for c in cases if c is not case and c["model"] == "llama"]
-                if case["model"] == "llama" and (case["finetune"] == "full") == full and \
-                        refused({**case, "model": family}) is None and \
-                        all(any(o[name] == value for o in others) for name, value in case.items() if name != "model"):
+                if (
+                    case["model"] == "llama"
+                    and (case["finetune"] == "full") == full
+                    and refused({**case, "model": family}) is None
+                    and all(any(o[name] == value for o in others) for name, value in case.items() if name != "model")
+                ):
                     case["model"] = family
                     break
     return cases
@@ -205,13 +246,17 @@ def with_varlen(cases: list[dict]) -> list[dict]:
     """`cases` and a copy of three sdpa cases run on the varlen kernel: one of packed SFT rows, one
     with a sliding window under sequence parallelism, one compiled (where the covering set has
     them). A copy's reference is its case's, on sdpa's masks: each compares the kernel too."""
-    wanted = (lambda c: c["objective"] == "sft" and c["pack"],
-              lambda c: c["model"] == "mistral window" and c["sequence_parallel"] > 1,
-              lambda c: c["compile"])
+    wanted = (
+        lambda c: c["objective"] == "sft" and c["pack"],
+        lambda c: c["model"] == "mistral window" and c["sequence_parallel"] > 1,
+        lambda c: c["compile"],
+    )
     copies = []
     for want in wanted:
-        found = next((c for c in cases if c["attention"] == "sdpa" and want(c) and
-                      {**c, "attention": VARLEN} not in copies), None)
+        found = next(
+            (c for c in cases if c["attention"] == "sdpa" and want(c) and {**c, "attention": VARLEN} not in copies),
+            None,
+        )
         if found is not None:
             copies.append({**found, "attention": VARLEN})
     return cases + copies
@@ -219,8 +264,9 @@ def with_varlen(cases: list[dict]) -> list[dict]:
 
 def reference_of(case: dict, opts: dict) -> dict:
     """The plain data-parallel job with the numbers of `case`: DDP, no sp/tp, every other option off."""
-    ref = {name: False if opts[name] == (False, True) else REFERENCE.get(name, values[0])
-           for name, values in opts.items()}
+    ref = {
+        name: False if opts[name] == (False, True) else REFERENCE.get(name, values[0]) for name, values in opts.items()
+    }
     ref.update({k: case[k] for k in MATH_KEYS})
     if case["finetune"] == "qlora":  # an NF4 base is sharded by fsdp2 alone (validate refuses ddp)
         ref["strategy"] = "fsdp2"
@@ -252,12 +298,22 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
         case = json.loads(text)
         varlen.install_torch_varlen(case["attention"] == VARLEN)
         if case["compile"]:  # an empty dynamo cache, as a job's own process starts with: cases share this one, and
-            torch.compiler.reset()  # another case's graphs and recompile count decided which ran (seen: 1e-7 off on resume)
+            # another case's graphs and recompile count decided which ran (seen: 1e-7 off on resume)
+            torch.compiler.reset()
         spec = JobSpec.model_validate(job(case, models, storage))
         pairs = case["objective"] != "sft"  # the store never packs pairs (or prompts), whatever data.pack says
-        rows = mesh_cases.grpo_rows(models[case["model"]], 8, seq=SEQ) if case["objective"] == "grpo" else \
-            mesh_cases.global_rows(pairs, case["pack"] and not pairs, 8, seq=SEQ, kto=case["objective"] == "kto",
-                                   margins=case["objective"] == "reward")
+        rows = (
+            mesh_cases.grpo_rows(models[case["model"]], 8, seq=SEQ)
+            if case["objective"] == "grpo"
+            else mesh_cases.global_rows(
+                pairs,
+                case["pack"] and not pairs,
+                8,
+                seq=SEQ,
+                kto=case["objective"] == "kto",
+                margins=case["objective"] == "reward",
+            )
+        )
         # A DoRA adapter is exported as the job's export writes it (collective), for plain peft to load.
         export = f"{storage}/exports/{hashlib.sha1(text.encode()).hexdigest()[:12]}" if case["dora"] else None
         began = time.perf_counter()
@@ -265,6 +321,9 @@ def run_cases(rank: int, world: int, device, cases: list[str], models: dict, sto
             result = mesh_cases.run_case(spec, rows, steps=STEPS, export_to=export, resume=text in resumed)
         except Exception as exc:  # name the case: the spawned traceback alone does not
             raise RuntimeError(f"case {text} failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
-        out[text] = {**{k: result.get(k) for k in ("losses", "grad_norms", "means", "rewards", "continued", "resumed")},
-                     "export": export, "seconds": round(time.perf_counter() - began, 1)}
+        out[text] = {
+            **{k: result.get(k) for k in ("losses", "grad_norms", "means", "rewards", "continued", "resumed")},
+            "export": export,
+            "seconds": round(time.perf_counter() - began, 1),
+        }
     return out

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raytrain.job.spec import JobSpec
 from raytrain.demo_assets import make_all
+from raytrain.job.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 # The session's checkpoint-signing key, as a cluster's Secret would set it on every node: the
@@ -33,20 +33,53 @@ os.environ.setdefault("RAYTRAIN_CHECKPOINT_KEY", secrets.token_hex(32))
 # fetches): with one in a Hugging Face cache, validate and `raytrain k8s` see the model's size.
 KNOWN_CONFIGS = {
     "meta-llama/Llama-3.1-8B": {
-        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
-        "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "vocab_size": 128256},
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256,
+    },
     "meta-llama/Llama-3.1-70B": {
-        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 8192, "intermediate_size": 28672,
-        "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 64, "num_hidden_layers": 80,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "vocab_size": 128256},
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "max_position_embeddings": 131072,
+        "model_type": "llama",
+        "num_attention_heads": 64,
+        "num_hidden_layers": 80,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256,
+    },
     "Qwen/Qwen2.5-7B": {
-        "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
-        "max_position_embeddings": 131072, "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
-        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "vocab_size": 152064},
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "max_position_embeddings": 131072,
+        "model_type": "qwen2",
+        "num_attention_heads": 28,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 152064,
+    },
 }
 
 
@@ -66,10 +99,28 @@ def hub_cache(root: Path, *hub_ids: str) -> dict:
 # the next module when it is nearly done with its last. Most of a module's time is waiting on Ray, a
 # subprocess or a restart, so two lanes fill two cores where one left a fifth of them idle; the longest
 # modules go first (measured, `--durations`), so that none starts last and runs on alone.
-LONGEST_FIRST = ("test_combinations.py", "test_strategies.py", "test_operations.py", "test_fault_tolerance.py",
-                 "test_miniature_jobs.py", "test_deploy.py", "test_elastic.py", "test_preference.py", "test_rl.py",
-                 "test_vllm.py", "test_store.py", "test_qlora.py", "test_meshes.py", "test_validate.py", "test_benchmarks_smoke.py",
-                 "test_loading.py", "test_spine.py", "test_bad_rows.py", "test_supply_chain.py", "test_mesh.py")
+LONGEST_FIRST = (
+    "test_combinations.py",
+    "test_strategies.py",
+    "test_operations.py",
+    "test_fault_tolerance.py",
+    "test_miniature_jobs.py",
+    "test_deploy.py",
+    "test_elastic.py",
+    "test_preference.py",
+    "test_rl.py",
+    "test_vllm.py",
+    "test_store.py",
+    "test_qlora.py",
+    "test_meshes.py",
+    "test_validate.py",
+    "test_benchmarks_smoke.py",
+    "test_loading.py",
+    "test_spine.py",
+    "test_bad_rows.py",
+    "test_supply_chain.py",
+    "test_mesh.py",
+)
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -90,7 +141,8 @@ def split_model(assets, tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("split") / "model"
     AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.bfloat16).save_pretrained(
-        str(folder), max_shard_size="40KB")
+        str(folder), max_shard_size="40KB"
+    )
     for f in assets.joinpath("model").glob("tokenizer*"):
         (folder / f.name).write_bytes(f.read_bytes())
     assert len(list(folder.glob("*.safetensors"))) >= 3 and (folder / "model.safetensors.index.json").exists()
@@ -150,12 +202,25 @@ def s3_server():
     import boto3
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     for _ in range(300):
         assert proc.poll() is None, f"moto_server exited with {proc.returncode}"
         try:
@@ -181,8 +246,15 @@ def make_job(assets: Path, storage: Path, **over) -> JobSpec:
         "name": "t",
         "model": {"path": str(assets / "model")},
         "data": {"path": str(assets / "text.jsonl"), "seq_len": 32, "shuffle_window": 64},
-        "training": {"strategy": "fsdp2", "finetune": "lora", "global_batch_size": 8, "micro_batch_size": 2,
-                     "max_steps": 10, "seed": 0, "lora": {"rank": 4, "alpha": 8}},
+        "training": {
+            "strategy": "fsdp2",
+            "finetune": "lora",
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "max_steps": 10,
+            "seed": 0,
+            "lora": {"rank": 4, "alpha": 8},
+        },
         "optimizer": {"lr": 3e-3, "warmup_steps": 2},
         "scaling": {"num_workers": 2},
         "checkpoint": {"storage_path": str(storage), "every_n_steps": 5, "keep_last": 2},
@@ -195,11 +267,18 @@ def shipped_grpo_job(job_file: str, model: str, assets: Path, storage: Path, nam
     """A shipped GRPO job (jobs/<job_file>) as users run it, on the demo assets' `model` folder and
     prompts, checkpointing every 5 steps, one restart allowed; keyword sections override (deep-merged)."""
     raw = yaml.safe_load((REPO / "jobs" / job_file).read_text())
-    raw = deep_merge(raw, {"name": name, "model": {"path": str(assets / model)},
-                           "data": {"path": str(assets / "prompts.jsonl")},
-                           "checkpoint": {"storage_path": str(storage), "every_n_steps": 5, "keep_last": 3},
-                           "training": {"max_steps": steps}, "failure": {"max_failures": 1},
-                           "tracking": {"experiment": "tests"}})
+    raw = deep_merge(
+        raw,
+        {
+            "name": name,
+            "model": {"path": str(assets / model)},
+            "data": {"path": str(assets / "prompts.jsonl")},
+            "checkpoint": {"storage_path": str(storage), "every_n_steps": 5, "keep_last": 3},
+            "training": {"max_steps": steps},
+            "failure": {"max_failures": 1},
+            "tracking": {"experiment": "tests"},
+        },
+    )
     return JobSpec.model_validate(deep_merge(raw, over))
 
 

@@ -27,8 +27,17 @@ def config(family: str, demo: dict):
     """transformers' config of `family` at the demo model's sizes (`demo`: its config.json)."""
     from transformers import GemmaConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
-    size = {k: demo[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                 "num_attention_heads", "max_position_embeddings")}
+    size = {
+        k: demo[k]
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        )
+    }
     tokens = {"eos_token_id": 0, "pad_token_id": 0, "bos_token_id": None}
     gqa = {"num_key_value_heads": demo["num_key_value_heads"]}
     if family == "llama":
@@ -40,8 +49,13 @@ def config(family: str, demo: dict):
     if family == "phi3":
         return Phi3Config(**size, **gqa, **tokens, tie_word_embeddings=False)
     if family == "gemma":
-        return GemmaConfig(**size, **gqa, **tokens, head_dim=demo["hidden_size"] // demo["num_attention_heads"],
-                           tie_word_embeddings=True)
+        return GemmaConfig(
+            **size,
+            **gqa,
+            **tokens,
+            head_dim=demo["hidden_size"] // demo["num_attention_heads"],
+            tie_word_embeddings=True,
+        )
     if family == "gpt-neox":
         return GPTNeoXConfig(**size, **tokens, rotary_pct=0.5, use_parallel_residual=True, tie_word_embeddings=False)
     raise ValueError(family)

@@ -16,13 +16,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 import local_run  # noqa: E402  (tests/gpu: the in-process harness the GPU suite shares)
+
 from raytrain.data.pairs import margin_tag  # noqa: E402
 
 SEQ = 64
 
 
-def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ, kto: bool = False,
-                margins: bool = False) -> np.ndarray:
+def global_rows(
+    pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = SEQ, kto: bool = False, margins: bool = False
+) -> np.ndarray:
     """[rows, planes, SEQ] int32 as the token store gives them: ids, labels, positions (a pair row:
     chosen then rejected, and with `margins` (a reward model's rows) its margin tag, a margin drawn
     from [-1, 2); a KTO row: its example, its KL sequence and a one-token label tag, every other row
@@ -43,9 +45,9 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
                 cuts = sorted(g.choice(np.arange(8, SEQ - 8), int(g.integers(0, 3)), replace=False))
                 starts = [0, *cuts]
                 pos = np.concatenate([np.arange(b - a) for a, b in zip(starts, [*cuts, SEQ])])
-                pos[:starts[1] if len(starts) > 1 else SEQ] += int(g.integers(0, 2)) * int(g.integers(1, 40))
+                pos[: starts[1] if len(starts) > 1 else SEQ] += int(g.integers(0, 2)) * int(g.integers(1, 40))
                 for a in starts:
-                    labels[a:a + 3] = -100  # each document's prompt
+                    labels[a : a + 3] = -100  # each document's prompt
             else:
                 n = int(g.integers(SEQ // 2, SEQ))
                 pos = np.arange(SEQ)
@@ -64,21 +66,22 @@ def global_rows(pairs: bool, packed: bool, rows: int, seed: int = 0, seq: int = 
     return np.stack(out).astype(np.int32)
 
 
-def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | None = None,
-             resume: bool = False) -> dict:
+def run_case(
+    spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | None = None, resume: bool = False
+) -> dict:
     """Per-step losses and grad norms of `spec` (its scaling names the mesh) on `rows`, every step on
     the same global batch; and this rank's peak resident memory above where the steps started
     (activations, gradients, AdamW's state: the model is loaded before). With `resume`, the job's
     checkpoint is committed after the last step, one more step is taken (`continued`), and a fresh
     strategy and objective restored from that checkpoint take the same step (`resumed`): each its
     (loss, grad norm)."""
-    from raytrain.train import loop
     from raytrain import objectives
     from raytrain.data.batches import micro_batches
     from raytrain.data.order import rank_slice
     from raytrain.job.plan import RunPlan
-    from raytrain.train.preemption import StopSignals
     from raytrain.strategies import build_strategy, vocab_parallel
+    from raytrain.train import loop
+    from raytrain.train.preemption import StopSignals
 
     torch.manual_seed(0)
     plan = RunPlan.of(spec)
@@ -86,11 +89,15 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     strategy = build_strategy(spec, torch.device("cpu"), plan)
     mesh, rank = strategy.layout, strategy.rank
     start, stop = rank_slice(len(rows), mesh.dp, mesh.dp_rank(rank))
-    batch = micro_batches([_Rows(rows)], [(0, r) for r in range(start, stop)], plan.accumulation_steps(strategy.world_size))
+    batch = micro_batches(
+        [_Rows(rows)], [(0, r) for r in range(start, stop)], plan.accumulation_steps(strategy.world_size)
+    )
     objective = objectives.build(spec)
     losses, norms, rewards = [], [], []
     head = getattr(strategy.hf_model.get_output_embeddings(), "weight", None)  # None: a reward model's
-    layout = "rows" if vocab_parallel.is_split(strategy.hf_model) else "sharded" if hasattr(head, "device_mesh") else "whole"
+    layout = (
+        "rows" if vocab_parallel.is_split(strategy.hf_model) else "sharded" if hasattr(head, "device_mesh") else "whole"
+    )
     output_layer = head is not None and (layout, head is strategy.hf_model.get_input_embeddings().weight)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set starts again from here
@@ -101,8 +108,9 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
         if hasattr(objective, "at"):  # GRPO: its completions are keyed by the step and the rows
             objective.at(step, [(0, 0, r) for r in range(start, stop)])
         # A fresh dict a step, as the store gives one: GRPO turns its prompts into completions in place
-        return loop.train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2,
-                               StopSignals(None, check_ray_notice=False))
+        return loop.train_step(
+            strategy, objective, [dict(mb) for mb in batch], 1e-2, StopSignals(None, check_ray_notice=False)
+        )
 
     for step in range(steps):
         result = take(strategy, objective, step)
@@ -116,8 +124,16 @@ def run_case(spec, rows: np.ndarray, steps: int, on_step=None, export_to: str | 
     if export_to:  # the HF model (or peft adapter) as the job's export writes it (collective)
         strategy.export(export_to, None)
         gathered = _gathered_to_writer_only(strategy)
-    out = {"losses": losses, "grad_norms": norms, "rewards": rewards, "means": result.means,
-           "loaded_by": getattr(strategy, "loaded_by", "whole"), "output_layer": output_layer, "step_peak_mb": peak, "gathered_to_writer_only": gathered}
+    out = {
+        "losses": losses,
+        "grad_norms": norms,
+        "rewards": rewards,
+        "means": result.means,
+        "loaded_by": getattr(strategy, "loaded_by", "whole"),
+        "output_layer": output_layer,
+        "step_peak_mb": peak,
+        "gathered_to_writer_only": gathered,
+    }
     if resume:  # the job's own commit and restore (tests/gpu/local_run.py), as a restarted worker group does
         from raytrain.rundir.checkpoints import TrainState
 
@@ -177,35 +193,64 @@ def grpo_rows(model: str, rows: int, seq: int = SEQ) -> np.ndarray:
     """GRPO's rows as the store gives them: the demo prompts and their columns (data/prompts.py)."""
     from transformers import AutoTokenizer
 
-    from raytrain.job.spec import DataSpec
     from raytrain.data.prompts import encode_prompts
     from raytrain.demo_assets import prompt_rows
+    from raytrain.job.spec import DataSpec
 
-    encoded = encode_prompts(AutoTokenizer.from_pretrained(model), DataSpec(path="x", format="prompt", seq_len=seq),
-                             prompt_rows(rows, seed=3), GRPO["max_completion_length"])
+    encoded = encode_prompts(
+        AutoTokenizer.from_pretrained(model),
+        DataSpec(path="x", format="prompt", seq_len=seq),
+        prompt_rows(rows, seed=3),
+        GRPO["max_completion_length"],
+    )
     out = np.zeros((rows, 6, seq), np.int32)
     for i, sequences in enumerate(encoded):
         for q, (ids, labels) in enumerate(sequences):
-            out[i, 3 * q, :len(ids)], out[i, 3 * q + 1] = ids, -100
-            out[i, 3 * q + 1, :len(ids)] = labels
+            out[i, 3 * q, : len(ids)], out[i, 3 * q + 1] = ids, -100
+            out[i, 3 * q + 1, : len(ids)] = labels
             out[i, 3 * q + 2] = np.arange(seq)
     return out
 
 
-def job(model: str, storage: str, sp: int = 1, tp: int = 1, finetune: str = "full", objective: str = "sft",
-        workers: int = 4, attn: str = "sdpa", strategy: str = "fsdp2", seq: int = SEQ, batch: int = 8,
-        grpo: dict | None = None):
+def job(
+    model: str,
+    storage: str,
+    sp: int = 1,
+    tp: int = 1,
+    finetune: str = "full",
+    objective: str = "sft",
+    workers: int = 4,
+    attn: str = "sdpa",
+    strategy: str = "fsdp2",
+    seq: int = SEQ,
+    batch: int = 8,
+    grpo: dict | None = None,
+):
     from raytrain.job.spec import JobSpec
 
     rl = {"grpo": {**GRPO, **(grpo or {})}} if objective == "grpo" else {}
-    return JobSpec.model_validate({
-        "name": "mesh", "model": {"path": model, "attn_implementation": attn},
-        "data": {"path": "unused.jsonl", "seq_len": seq, **({"format": "prompt"} if rl else {})},
-        "training": {"strategy": strategy, "finetune": finetune, "objective": objective, "global_batch_size": batch,
-                     "micro_batch_size": 1, "max_steps": 3, "seed": 0, "precision": "fp32",
-                     "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}, **rl},
-        "scaling": {"num_workers": workers, "sequence_parallel": sp, "tensor_parallel": tp},
-        "checkpoint": {"storage_path": storage}, "tracking": {"experiment": "tests"}})
+    return JobSpec.model_validate(
+        {
+            "name": "mesh",
+            "model": {"path": model, "attn_implementation": attn},
+            "data": {"path": "unused.jsonl", "seq_len": seq, **({"format": "prompt"} if rl else {})},
+            "training": {
+                "strategy": strategy,
+                "finetune": finetune,
+                "objective": objective,
+                "global_batch_size": batch,
+                "micro_batch_size": 1,
+                "max_steps": 3,
+                "seed": 0,
+                "precision": "fp32",
+                "lora": {"rank": 4, "alpha": 8, "dropout": 0.0},
+                **rl,
+            },
+            "scaling": {"num_workers": workers, "sequence_parallel": sp, "tensor_parallel": tp},
+            "checkpoint": {"storage_path": storage},
+            "tracking": {"experiment": "tests"},
+        }
+    )
 
 
 def _debug_main(rank, world, model, cases, port):

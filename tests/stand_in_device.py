@@ -37,8 +37,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.backend_registration import (_DummyBackendModule, _DummyPrivateUse1Hook,
-                                             _setup_privateuseone_for_python_backend)
+from torch.utils.backend_registration import (
+    _DummyBackendModule,
+    _DummyPrivateUse1Hook,
+    _setup_privateuseone_for_python_backend,
+)
 
 NAME = "accel"
 
@@ -48,9 +51,15 @@ class DeviceTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
-                                                   storage_offset=inner.storage_offset(), dtype=inner.dtype,
-                                                   device=DEVICE, requires_grad=inner.requires_grad)
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            inner.shape,
+            strides=inner.stride(),
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            device=DEVICE,
+            requires_grad=inner.requires_grad,
+        )
 
     def __init__(self, inner: torch.Tensor):
         self.inner = inner
@@ -74,7 +83,8 @@ class DeviceTensor(torch.Tensor):
 
 @dataclass
 class Sync:
-    kind: str  # "scalar" (.item(), float(t)), "copy" (device -> host: .cpu(), .tolist()) or "upload" (host -> device, blocking)
+    # "scalar" (.item(), float(t)), "copy" (device -> host: .cpu(), .tolist()) or "upload" (host -> device, blocking)
+    kind: str
     where: str  # the innermost raytrain/ frame that asked for it (else the test's)
     origin: str  # the package whose code made the call: raytrain, transformers, torch, tests
 
@@ -201,8 +211,10 @@ class _Functions(TorchFunctionMode):
         kwargs = kwargs or {}
         if args and isinstance(args[0], DeviceTensor):
             if func is torch.Tensor.numpy:
-                raise TypeError(f"can't convert {DEVICE} device type tensor to numpy. Use Tensor.cpu() to copy the "
-                                f"tensor to host memory first.")
+                raise TypeError(
+                    f"can't convert {DEVICE} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                    f"tensor to host memory first."
+                )
             if func is torch.Tensor.tolist:
                 self.accelerator.sync("copy")
                 return args[0].inner.tolist()
@@ -235,8 +247,11 @@ class _Dispatch(TorchDispatchMode):
 
         a, k = tree_map(unwrap, args), tree_map(unwrap, kwargs)
         aten = torch.ops.aten
-        if func is aten._to_copy.default and isinstance(args[0], DeviceTensor) \
-                and torch.device(kwargs.get("device") or DEVICE).type == "cpu":
+        if (
+            func is aten._to_copy.default
+            and isinstance(args[0], DeviceTensor)
+            and torch.device(kwargs.get("device") or DEVICE).type == "cpu"
+        ):
             self.accelerator.sync("copy")  # device -> host
             return func(*a, **k)
         if func is aten.copy_.default and not isinstance(args[0], DeviceTensor) and isinstance(args[1], DeviceTensor):
@@ -252,8 +267,12 @@ class _Dispatch(TorchDispatchMode):
             if touched[0]:
                 raise RuntimeError("pin_memory: a device tensor is not in host memory")
             return self.accelerator.pin(a[0])
-        if func is aten._to_copy.default and not isinstance(args[0], DeviceTensor) and _is_device(kwargs.get("device")) \
-                and not (kwargs.get("non_blocking") and self.accelerator.is_pinned(args[0])):
+        if (
+            func is aten._to_copy.default
+            and not isinstance(args[0], DeviceTensor)
+            and _is_device(kwargs.get("device"))
+            and not (kwargs.get("non_blocking") and self.accelerator.is_pinned(args[0]))
+        ):
             self.accelerator.sync("upload")  # host -> device from pageable memory (or blocking): waits for the stream
         out = func(*a, **k)
         if not touched[0]:
@@ -268,8 +287,11 @@ def _mutated_arguments(func, args):
     """For an op that returns (write-)aliases of its arguments (`x.add_(y)`, `x.copy_(y)`), those
     arguments as the caller passed them; else None."""
     returns = func._schema.returns
-    if func.namespace == "c10d" or not returns or any(r.alias_info is None or not r.alias_info.is_write
-                                                      for r in returns):
+    if (
+        func.namespace == "c10d"
+        or not returns
+        or any(r.alias_info is None or not r.alias_info.is_write for r in returns)
+    ):
         return None
     picked = []
     for r in returns:

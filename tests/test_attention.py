@@ -12,13 +12,13 @@ reference of torch's calling convention in its place.
 
 from __future__ import annotations
 
+import families
 import pytest
 import torch
-
-import families
 import varlen
-from raytrain.model import attention, kernels
+
 from raytrain.job import masks
+from raytrain.model import attention, kernels
 
 varlen.install()
 IMPLEMENTATIONS = masks.IMPLEMENTATIONS
@@ -26,8 +26,7 @@ KERNELS = (*IMPLEMENTATIONS, kernels.VARLEN_NAME)  # what a worker may run: sdpa
 S = 40
 # Row 0 starts mid-document (positions 30..39 continue a document of the row before), then two
 # documents; row 1 holds two documents and padding that continues the last one's positions.
-POSITIONS = torch.tensor([list(range(30, 40)) + list(range(15)) + list(range(15)),
-                          list(range(25)) + list(range(15))])
+POSITIONS = torch.tensor([list(range(30, 40)) + list(range(15)) + list(range(15)), list(range(25)) + list(range(15))])
 SEGMENTS = [(0, 0, 10), (0, 10, 25), (0, 25, 40), (1, 0, 25), (1, 25, 40)]  # (row, start, end)
 
 
@@ -38,12 +37,22 @@ def models(assets) -> dict:
     multi-head attention without KV groups and partial rotary."""
     from transformers import AutoConfig, MistralConfig, Qwen2Config
 
-    small = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128)
-    configs = {"llama": AutoConfig.from_pretrained(str(assets / "model")),
-               "mistral window 6": MistralConfig(sliding_window=6, **small),
-               "qwen2 window 6 on layer 1": Qwen2Config(use_sliding_window=True, sliding_window=6, max_window_layers=1,
-                                                        **small)}
+    small = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    configs = {
+        "llama": AutoConfig.from_pretrained(str(assets / "model")),
+        "mistral window 6": MistralConfig(sliding_window=6, **small),
+        "qwen2 window 6 on layer 1": Qwen2Config(
+            use_sliding_window=True, sliding_window=6, max_window_layers=1, **small
+        ),
+    }
     return configs | {family: families.config(family, small) for family in ("phi3", "gemma", "gpt-neox")}
 
 
@@ -61,7 +70,9 @@ def alone(config, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*ids.shape, config.vocab_size)
     with torch.no_grad():
         for row, a, b in SEGMENTS:
-            out[row, a:b] = model(input_ids=ids[row:row + 1, a:b], position_ids=POSITIONS[row:row + 1, a:b]).logits[0]
+            out[row, a:b] = model(input_ids=ids[row : row + 1, a:b], position_ids=POSITIONS[row : row + 1, a:b]).logits[
+                0
+            ]
     return out
 
 
@@ -79,8 +90,9 @@ def torch_varlen():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("model", ["llama", "mistral window 6", "qwen2 window 6 on layer 1", "phi3", "gemma",
-                                   "gpt-neox"])
+@pytest.mark.parametrize(
+    "model", ["llama", "mistral window 6", "qwen2 window 6 on layer 1", "phi3", "gemma", "gpt-neox"]
+)
 def test_packed_rows_attend_as_their_documents_alone(cases, model, kernel, request):
     config, ids, expected = cases[model]
     implementation = "sdpa" if kernel == kernels.VARLEN_NAME else kernel
@@ -123,15 +135,21 @@ def test_transformers_own_flash_inference_gets_these_rows_wrong(cases):
         both = net(input_ids=ids, position_ids=POSITIONS).logits
         row0 = net(input_ids=ids[:1], position_ids=POSITIONS[:1]).logits
     assert (both[1, 25:] - expected[1, 25:]).abs().max() > 1e-3  # row 1's second document saw its first
-    assert (row0[0, 10:25] - expected[0, 10:25]).abs().max() > 1e-3 or \
-        not torch.isfinite(row0[0, :10]).all() or (row0[0, :10] - expected[0, :10]).abs().max() > 1e-3
+    assert (
+        (row0[0, 10:25] - expected[0, 10:25]).abs().max() > 1e-3
+        or not torch.isfinite(row0[0, :10]).all()
+        or (row0[0, :10] - expected[0, :10]).abs().max() > 1e-3
+    )
 
 
-@pytest.mark.parametrize("positions, packed, segments", [
-    ([[0, 1, 2, 3, 4, 5]], False, [0, 6]),  # padding continues: one document
-    ([[7, 8, 9, 0, 1, 2]], True, [0, 3, 6]),  # mid-document start, then a document
-    ([[0, 1, 0, 0, 1, 2], [3, 4, 5, 6, 7, 8]], True, [0, 2, 3, 6, 12]),  # a one-token document; row 2 its own
-])
+@pytest.mark.parametrize(
+    "positions, packed, segments",
+    [
+        ([[0, 1, 2, 3, 4, 5]], False, [0, 6]),  # padding continues: one document
+        ([[7, 8, 9, 0, 1, 2]], True, [0, 3, 6]),  # mid-document start, then a document
+        ([[0, 1, 0, 0, 1, 2], [3, 4, 5, 6, 7, 8]], True, [0, 2, 3, 6, 12]),  # a one-token document; row 2 its own
+    ],
+)
 def test_boundaries_follow_the_rule(positions, packed, segments):
     b = attention.Boundaries.of(torch.tensor(positions))
     cu, longest = b.varlen()
@@ -152,17 +170,20 @@ def test_which_masks_each_implementation_gets():
 def test_flash_on_a_worker_without_flash_attn_is_one_clear_error(assets, tmp_path, monkeypatch):
     """Without flash-attn (a CPU worker, an image without it), the job ends with the field and the fix,
     not transformers' ImportError from inside a worker."""
+    from conftest import make_job
     from transformers.modeling_utils import PreTrainedModel
 
-    from conftest import make_job
-    from raytrain.model import modeling
     from raytrain.errors import JobError
+    from raytrain.model import modeling
 
     monkeypatch.setattr(PreTrainedModel, "_flash_attn_can_dispatch", varlen.dispatch_check())
     spec = make_job(assets, tmp_path, model={"attn_implementation": "flash_attention_2"})
     for on_meta in (False, True):
-        with pytest.raises(JobError, match="model.attn_implementation flash_attention_2 cannot run on this worker .*"
-                                           "use model.attn_implementation: sdpa"):
+        with pytest.raises(
+            JobError,
+            match="model.attn_implementation flash_attention_2 cannot run on this worker .*"
+            "use model.attn_implementation: sdpa",
+        ):
             modeling.load_model(spec, on_meta=on_meta)
 
 

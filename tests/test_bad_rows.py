@@ -14,14 +14,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import metric_history
+
 from raytrain.job.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-GOOD = [{"text": f"the {c} fox jumps over the {p}."} for c in ("red", "green", "blue", "black")
-        for p in ("fence", "river", "hill", "road", "wall", "field", "gate", "wood", "barn", "pond")]  # 40 rows
+GOOD = [
+    {"text": f"the {c} fox jumps over the {p}."}
+    for c in ("red", "green", "blue", "black")
+    for p in ("fence", "river", "hill", "road", "wall", "field", "gate", "wood", "barn", "pond")
+]  # 40 rows
 BAD = {  # row number (1-based, as the run numbers them) -> the raw line
     3: "",  # empty line
     9: json.dumps({"text": 5}),  # wrong type
@@ -45,7 +48,13 @@ def job_file(assets: Path, tmp_path: Path, policy: str, bad: dict[int, str]) -> 
         "name": f"bad-rows-{policy}",
         "model": {"path": str(assets / "model")},
         # pack: false and no shuffle: one good row is one training row, so 5 steps of 8 are exactly one epoch.
-        "data": {"path": str(dataset(tmp_path, bad)), "seq_len": 48, "pack": False, "shuffle": False, "bad_rows": policy},
+        "data": {
+            "path": str(dataset(tmp_path, bad)),
+            "seq_len": 48,
+            "pack": False,
+            "shuffle": False,
+            "bad_rows": policy,
+        },
         "training": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 5, "lora": {"rank": 4, "alpha": 8}},
         "optimizer": {"lr": 1e-3},
         "scaling": {"num_workers": 2},
@@ -58,8 +67,14 @@ def job_file(assets: Path, tmp_path: Path, policy: str, bad: dict[int, str]) -> 
 
 
 def run_cli(job: Path, ray_address: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raytrain", "run", str(job)], cwd=job.parent, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ray_address})
+    return subprocess.run(
+        [sys.executable, "-m", "raytrain", "run", str(job)],
+        cwd=job.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "RAY_ADDRESS": ray_address},
+    )
 
 
 def test_skip_counts_every_bad_row_in_mlflow_and_the_summary(ray_address, assets, tmp_path):

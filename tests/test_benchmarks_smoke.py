@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -21,9 +20,14 @@ pytestmark = pytest.mark.slow
 
 def test_p1_smoke_prints_sane_ratio_lines(tmp_path):
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "p1", "--smoke", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "BENCH_CACHE": str(tmp_path / "cache")})  # nothing from an earlier run
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", "p1", "--smoke", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "BENCH_CACHE": str(tmp_path / "cache")},
+    )  # nothing from an earlier run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
 
@@ -43,13 +47,17 @@ def test_p1_smoke_prints_sane_ratio_lines(tmp_path):
     for name, series in (("P1 step period (wall", p1["periods"]), ("P1 in-loop step time", p1["in_loop"])):
         line = next((ln for ln in text.splitlines() if ln.startswith(name)), None)
         assert line, f"no {name!r} line in:\n{text}"
-        num, den, ratio = map(float, re.search(
-            r"raytrain median (\S+) s .*/ torchrun median (\S+) s .*= ratio (\S+)", line).groups())
+        num, den, ratio = map(
+            float, re.search(r"raytrain median (\S+) s .*/ torchrun median (\S+) s .*= ratio (\S+)", line).groups()
+        )
         assert math.isclose(ratio, num / den, rel_tol=2e-3, abs_tol=1e-3), line
         assert math.isclose(num, statistics.median(series["raytrain"]), abs_tol=1e-4), (line, series)
         assert math.isclose(den, statistics.median(series["torchrun"]), abs_tol=1e-4), (line, series)
-    assert math.isclose(p1["ratio"], statistics.median(p1["periods"]["raytrain"]) /
-                        statistics.median(p1["periods"]["torchrun"]), rel_tol=1e-9)
+    assert math.isclose(
+        p1["ratio"],
+        statistics.median(p1["periods"]["raytrain"]) / statistics.median(p1["periods"]["torchrun"]),
+        rel_tol=1e-9,
+    )
     assert re.search(r"^SUMMARY p1: ratio \d+\.\d+", text, re.M), text
 
     assert figures["setting"]["name"] == "smoke" and len(figures["load_average"]) == 3

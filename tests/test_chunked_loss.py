@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from raytrain.job.spec import JobSpec
 from raytrain.data import IGNORE
+from raytrain.job.spec import JobSpec
 from raytrain.objectives import Hidden, sequence_logps, targets_of, token_loss
 
 
@@ -51,13 +51,26 @@ def test_chunked_loss_equals_the_whole_logits_loss_and_its_gradients(chunk):
     assert loss_whole.item() > 0
 
 
-def liger_reference(input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
-                    label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, **unused):
+def liger_reference(
+    input,
+    weight,
+    target,
+    bias=None,
+    ce_weight=None,
+    ignore_index=-100,
+    lse_square_scale=0.0,
+    label_smoothing=0.0,
+    reduction="mean",
+    softcap=None,
+    return_z_loss=False,
+    **unused,
+):
     """Liger's `liger_fused_linear_cross_entropy` (its signature and per-token result) in plain torch:
     its kernels are Triton's, CUDA only; the GPU suite runs the real one."""
     assert ce_weight is None and not lse_square_scale and not label_smoothing and softcap is None and not return_z_loss
-    return torch.nn.functional.cross_entropy(torch.nn.functional.linear(input, weight, bias).float(), target,
-                                             ignore_index=ignore_index, reduction=reduction)
+    return torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(input, weight, bias).float(), target, ignore_index=ignore_index, reduction=reduction
+    )
 
 
 def test_liger_fused_loss_is_called_as_it_takes_its_arguments_and_only_on_cuda(assets, tmp_path):
@@ -65,6 +78,7 @@ def test_liger_fused_loss_is_called_as_it_takes_its_arguments_and_only_on_cuda(a
     states and the output layer as its function takes them: the whole logits' losses, gradients and
     per-sequence log-probs. Never on CPU workers."""
     from conftest import make_job
+
     from raytrain.model import kernels
 
     states, head, labels = problem()
@@ -83,6 +97,7 @@ def test_liger_block_kernels_run_only_where_cuda_blocks_stay_eager_and_whole(ass
     where the blocks are not compiled (inductor fuses those ops itself) and not under tensor
     parallelism (DTensor norms); a CPU worker's model is never patched."""
     from conftest import make_job
+
     from raytrain.model import kernels
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -135,8 +150,9 @@ print(json.dumps({{"peak": status("VmHWM") - before, "loss": float(token_loss(ou
 def peak_of(chunk: int) -> dict:
     # Blocks of 256 KiB and more are returned to the OS when freed, so the resident peak is the live tensors'.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(256 << 10), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", PEAK.format(chunk=chunk)], env=env, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK.format(chunk=chunk)], env=env, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -144,8 +160,10 @@ def test_chunked_loss_never_holds_the_whole_logits():
     """4096 tokens at a 32k vocabulary: the whole fp32 logits are 500 MiB, their gradient as much."""
     whole, chunked = peak_of(0), peak_of(512)
     mib = 1 << 20
-    print(f"\n[chunked loss] peak above the inputs: whole logits {whole['peak'] / mib:.0f} MiB, "
-          f"chunks of 512 tokens {chunked['peak'] / mib:.0f} MiB")
+    print(
+        f"\n[chunked loss] peak above the inputs: whole logits {whole['peak'] / mib:.0f} MiB, "
+        f"chunks of 512 tokens {chunked['peak'] / mib:.0f} MiB"
+    )
     assert abs(chunked["loss"] - whole["loss"]) <= 1e-6 * whole["loss"]
     assert whole["peak"] > 4096 * 32000 * 4  # at least the whole logits once
     assert chunked["peak"] < whole["peak"] / 4
@@ -153,9 +171,12 @@ def test_chunked_loss_never_holds_the_whole_logits():
 
 def test_auto_chunks_a_128k_vocabulary_at_long_sequences_only(assets, tmp_path):
     llama3 = {"vocab_size": 128256}
-    job = {"name": "j", "model": {"path": str(assets / "model")}, "data": {"path": str(assets / "text.jsonl"),
-                                                                          "seq_len": 4096},
-           "training": {"micro_batch_size": 1}}
+    job = {
+        "name": "j",
+        "model": {"path": str(assets / "model")},
+        "data": {"path": str(assets / "text.jsonl"), "seq_len": 4096},
+        "training": {"micro_batch_size": 1},
+    }
     spec = JobSpec.model_validate(job)
     assert spec.loss_chunk_tokens(llama3) == 523  # 256 MiB of fp32 logits a chunk
     assert spec.loss_chunk_tokens({"vocab_size": 384}) == 0  # small logits: the plain loss
@@ -174,8 +195,15 @@ def test_a_tied_table_trains_with_one_table_sized_tensor_less():
 
     from raytrain.model import modeling
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     ids = torch.randint(32000, (1, 16))
@@ -184,8 +212,9 @@ def test_a_tied_table_trains_with_one_table_sized_tensor_less():
         model.zero_grad(set_to_none=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             model(input_ids=ids, labels=ids).loss.backward()
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]")
+        events = sorted(
+            (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+        )
         live = peak = 0
         for _, n in events:
             live += n
@@ -197,8 +226,10 @@ def test_a_tied_table_trains_with_one_table_sized_tensor_less():
     assert modeling.sparse_tied_lookup(model, torch.device("cpu"))
     sparse_peak, sparse = backward()
     table = 32000 * 64 * 4
-    print(f"\n[tied table] backward's peak above the weights: dense lookup {dense_peak / 2**20:.1f} MiB, "
-          f"sparse {sparse_peak / 2**20:.1f} MiB (a table {table / 2**20:.1f})")
+    print(
+        f"\n[tied table] backward's peak above the weights: dense lookup {dense_peak / 2**20:.1f} MiB, "
+        f"sparse {sparse_peak / 2**20:.1f} MiB (a table {table / 2**20:.1f})"
+    )
     assert not sparse["model.embed_tokens.weight"].is_sparse  # what FSDP2, DDP and AdamW take
     torch.testing.assert_close(sparse, dense, rtol=1e-6, atol=1e-9)
     assert dense_peak - sparse_peak >= 0.9 * table

@@ -17,16 +17,19 @@ import jsonschema
 import pytest
 import ray.autoscaler
 import yaml
+from conftest import REPO
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from conftest import REPO
 from raytrain.job.spec import JobSpec
 
 CONFIGS = {"aws": REPO / "cluster" / "aws.yaml", "gcp": REPO / "cluster" / "gcp.yaml"}
 RAY_SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, whatever PATH says
-GPU_JOBS = [s for s in (JobSpec.model_validate(yaml.safe_load(p.read_text())) for p in sorted((REPO / "jobs").glob("*.yaml")))
-            if s.scaling.use_gpu]
+GPU_JOBS = [
+    s
+    for s in (JobSpec.model_validate(yaml.safe_load(p.read_text())) for p in sorted((REPO / "jobs").glob("*.yaml")))
+    if s.scaling.use_gpu
+]
 
 
 def load(cloud: str) -> dict:
@@ -68,8 +71,12 @@ def test_on_demand_head_and_autoscaling_spot_gpu_workers(cloud):
     assert GPU_JOBS, "jobs/ has no GPU job to size the cluster for"
     for spec in GPU_JOBS:
         _, hi = spec.scaling.worker_range
-        fits = [t for t in workers if t["resources"]["CPU"] / t["resources"]["GPU"] >= spec.scaling.cpus_per_worker + 1
-                and t["resources"]["GPU"] >= (spec.scaling.workers_per_node or 1)]
+        fits = [
+            t
+            for t in workers
+            if t["resources"]["CPU"] / t["resources"]["GPU"] >= spec.scaling.cpus_per_worker + 1
+            and t["resources"]["GPU"] >= (spec.scaling.workers_per_node or 1)
+        ]
         assert sum(t["max_workers"] * t["resources"]["GPU"] for t in fits) >= hi, spec.name
 
 

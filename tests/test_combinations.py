@@ -1,26 +1,22 @@
 """Every option trains with every other, or `raytrain validate` refuses the pair naming both.
 
-tests/combinations.py reads the options from the config's own types, picks an all-pairs covering
-set of cases that validate (each pair of option values in at least one case) and finds the pairs
-validate refuses on their own. Each case trains 2 steps on 4 gloo ranks with the product's strategy
-and step, and its per-step losses and grad norms must equal its plain data-parallel reference's
-(DDP, no sequence/tensor parallelism, every other option off, the same objective, fine-tuning,
-packing, precision and model) on the same rows: fp32 to 1e-5, bf16 compute to bf16's rounding.
-Rows as the token store writes them: packed rows that start mid-document, padded rows whose
-padding continues their positions. flash_attention_2 is transformers' integration with
-flash-attn's kernels in plain torch (tests/varlen.py); copies of three sdpa cases (packed SFT rows, a
-sliding window under sequence parallelism, compiled blocks) run torch's varlen kernel, what GPU workers
-run for sdpa, through a reference of its calling convention, against their references' masks. GRPO's cases sample what they train (the
-demo prompts, 4 completions each, the lipogram reward, and in some a reward model beside it and a
-second update on each rollout): the same completions and rewards as the reference's, and then the
-same losses; under bf16 its first step (later ones sample from weights
-bf16 rounded differently).
+tests/combinations.py reads the options from the config's own types, picks an all-pairs covering set of cases that
+validate (each pair of option values in at least one case) and finds the pairs validate refuses on their own. Each case
+trains 2 steps on 4 gloo ranks with the product's strategy and step, and its per-step losses and grad norms must equal
+its plain data-parallel reference's (DDP, no sequence/tensor parallelism, every other option off, the same objective,
+fine-tuning, packing, precision and model) on the same rows: fp32 to 1e-5, bf16 compute to bf16's rounding. Rows as the
+token store writes them: packed rows that start mid-document, padded rows whose padding continues their positions.
+flash_attention_2 is transformers' integration with flash-attn's kernels in plain torch (tests/varlen.py); copies of
+three sdpa cases (packed SFT rows, a sliding window under sequence parallelism, compiled blocks) run torch's varlen
+kernel, what GPU workers run for sdpa, through a reference of its calling convention, against their references' masks.
+GRPO's cases sample what they train (the demo prompts, 4 completions each, the lipogram reward, and in some a reward
+model beside it and a second update on each rollout): the same completions and rewards as the reference's, and then the
+same losses; under bf16 its first step (later ones sample from weights bf16 rounded differently).
 
-Resume is an axis of every case: its checkpoint after step 2 (the job's own commit, signed), restored
-by a fresh strategy and objective, takes step 3 exactly as the strategy that went on. The models are
-the families users start from (tests/families.py): the pair axis's untied Llama and tied, windowed
-Mistral, and a tied Qwen2, Phi-3, Gemma and GPT-NeoX each in a LoRA case and a full one.
-"""
+Resume is an axis of every case: its checkpoint after step 2 (the job's own commit, signed), restored by a fresh
+strategy and objective, takes step 3 exactly as the strategy that went on. The models are the families users start from
+(tests/families.py): the pair axis's untied Llama and tied, windowed Mistral, and a tied Qwen2, Phi-3, Gemma and
+GPT-NeoX each in a LoRA case and a full one."""
 
 from __future__ import annotations
 
@@ -29,11 +25,10 @@ import math
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 import combinations as C
 import families
+import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import local_run  # noqa: E402
@@ -58,8 +53,9 @@ def reward_model(assets: Path, out: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(str(assets / "model"))
     torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(str(assets / "model"), num_labels=1,
-                                                       pad_token_id=tok.pad_token_id).save_pretrained(str(out))
+    AutoModelForSequenceClassification.from_pretrained(
+        str(assets / "model"), num_labels=1, pad_token_id=tok.pad_token_id
+    ).save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
 
@@ -67,9 +63,17 @@ def reward_model(assets: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def combos(assets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("combos")
-    models = {family: str(families.build(family, assets, tmp / family.replace(" ", "-"))) for family in families.FAMILIES}
-    models.update({"text": str(assets / "text.jsonl"), "pairs": str(assets / "pairs.jsonl"),
-                   "prompts": str(assets / "prompts.jsonl"), "reward model": str(reward_model(assets, tmp / "reward-model"))})
+    models = {
+        family: str(families.build(family, assets, tmp / family.replace(" ", "-"))) for family in families.FAMILIES
+    }
+    models.update(
+        {
+            "text": str(assets / "text.jsonl"),
+            "pairs": str(assets / "pairs.jsonl"),
+            "prompts": str(assets / "prompts.jsonl"),
+            "reward model": str(reward_model(assets, tmp / "reward-model")),
+        }
+    )
     configs = {name: json.loads(Path(models[name], "config.json").read_text()) for name in families.FAMILIES}
     opts = C.options()
 
@@ -81,16 +85,25 @@ def combos(assets, tmp_path_factory):
     assert sum(c["attention"] == C.VARLEN for c in cases) == 3
     references = {C.key(c): C.key(C.reference_of(c, opts)) for c in cases}
     runs = sorted({C.key(c) for c in cases} | set(references.values()))
-    results = local_run.spawn(C.run_cases, C.WORLD, torch.device("cpu"), runs, models, str(tmp / "runs"),
-                              sorted(C.key(c) for c in cases))
-    return {"opts": opts, "cases": cases, "refused": refused_pairs, "references": references, "results": results,
-            "models": models}
+    results = local_run.spawn(
+        C.run_cases, C.WORLD, torch.device("cpu"), runs, models, str(tmp / "runs"), sorted(C.key(c) for c in cases)
+    )
+    return {
+        "opts": opts,
+        "cases": cases,
+        "refused": refused_pairs,
+        "references": references,
+        "results": results,
+        "models": models,
+    }
 
 
 def test_every_pair_of_options_is_trained_or_refused(combos):
     opts, cases, refused = combos["opts"], combos["cases"], combos["refused"]
-    print(f"\n[combinations] {len(opts)} options, {len(cases)} cases, {len(set(combos['references'].values()))} "
-          f"references, {len(refused['pairs'])} pairs refused")
+    print(
+        f"\n[combinations] {len(opts)} options, {len(cases)} cases, {len(set(combos['references'].values()))} "
+        f"references, {len(refused['pairs'])} pairs refused"
+    )
     assert not refused["unheld"], f"pairs neither in a case that validates nor refused alone: {refused['unheld']}"
     assert len(cases) >= max(len(v) for v in opts.values()) ** 2 // 2  # all pairs of two 3-valued options at least
     for ((a, va), (b, vb)), why in refused["pairs"].items():  # the refusal names both options and a fix
@@ -132,10 +145,16 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
             # rewards), and all after them: the second step must train, not match.
             assert same_rewards(case, got["rewards"][:1], want["rewards"][:1]), (name, got["rewards"], want["rewards"])
             assert grpo_losses_agree(case, got["losses"][:1], want["losses"][:1], BF16), (name, got, want)
-            assert abs(got["grad_norms"][0] - want["grad_norms"][0]) <= GRPO_BF16_NORM * want["grad_norms"][0], \
-                (name, got, want)
+            assert abs(got["grad_norms"][0] - want["grad_norms"][0]) <= GRPO_BF16_NORM * want["grad_norms"][0], (
+                name,
+                got,
+                want,
+            )
             assert all(math.isfinite(x) for x in got["losses"]) and all(g > 0 for g in got["grad_norms"]), name
-            print(f"[combinations] {got['seconds']:5.1f}s first step (bf16 GRPO; rewards {got['rewards']} vs {want['rewards']}) {name}")
+            print(
+                f"[combinations] {got['seconds']:5.1f}s first step (bf16 GRPO; rewards {got['rewards']} vs "
+                f"{want['rewards']}) {name}"
+            )
             continue
         if case["objective"] == "grpo":  # the same completions: the same rewards
             assert same_rewards(case, got["rewards"], want["rewards"]), (name, got["rewards"], want["rewards"])
@@ -145,14 +164,21 @@ def test_each_combination_trains_like_its_data_parallel_reference(combos):
         if case["objective"] == "grpo" and case["num_iterations"] == 1:
             assert grpo_losses_agree(case, got["losses"], want["losses"], tol), (name, got, want)
             compared = ("grad_norms",)
-        errors = [(abs(x - y) / max(abs(y), 1e-12), tol if step == 0 else later)
-                  for k in compared for step, (x, y) in enumerate(zip(got[k], want[k]))]
+        errors = [
+            (abs(x - y) / max(abs(y), 1e-12), tol if step == 0 else later)
+            for k in compared
+            for step, (x, y) in enumerate(zip(got[k], want[k]))
+        ]
         worst = max(e for e, _ in errors)
         print(f"[combinations] {worst:.1e} {got['seconds']:5.1f}s {name}")
         if not all(e <= allowed for e, allowed in errors):
-            bad.append(f"{name}: {got['losses']} vs {want['losses']}, grad norms {got['grad_norms']} vs {want['grad_norms']}")
+            bad.append(
+                f"{name}: {got['losses']} vs {want['losses']}, grad norms {got['grad_norms']} vs {want['grad_norms']}"
+            )
         if got["means"]:  # DPO's and SimPO's rewards, accuracies, margins, log-probs
-            assert all(abs(x - y) <= max(10 * later * abs(y), 10 * later) for x, y in zip(got["means"], want["means"])), name
+            assert all(
+                abs(x - y) <= max(10 * later * abs(y), 10 * later) for x, y in zip(got["means"], want["means"])
+            ), name
     for ref in set(combos["references"].values()):
         losses = results[ref]["losses"]
         if json.loads(ref)["objective"] == "grpo":  # its loss is no learning curve (advantages sum to ~0)

@@ -4,11 +4,11 @@ global order and the per-rank reads are in test_store.py)."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_job
+
 from raytrain.data import IGNORE, encode_chat, encode_text, pack, pad_rows
-from raytrain.train.loop import lr_at
 from raytrain.model.hub import load_tokenizer
+from raytrain.train.loop import lr_at
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,11 @@ def tok(spec):
     return load_tokenizer(spec)
 
 
-FOX = [{"role": "system", "content": "answer briefly."}, {"role": "user", "content": "what color is the fox?"},
-       {"role": "assistant", "content": "the fox is red."}]
+FOX = [
+    {"role": "system", "content": "answer briefly."},
+    {"role": "user", "content": "what color is the fox?"},
+    {"role": "assistant", "content": "the fox is red."},
+]
 
 
 def trained_text(tok, ids, labels) -> list[str]:
@@ -38,7 +41,10 @@ def trained_text(tok, ids, labels) -> list[str]:
 
 
 def test_chat_trains_on_assistant_content_and_end_of_turn_only(tok):
-    two_turns = FOX + [{"role": "user", "content": "and the owl?"}, {"role": "assistant", "content": "the owl is white."}]
+    two_turns = FOX + [
+        {"role": "user", "content": "and the owl?"},
+        {"role": "assistant", "content": "the owl is white."},
+    ]
     ids, labels = encode_chat(tok, two_turns)
     assert tok.decode(ids) == tok.apply_chat_template(two_turns, tokenize=False)
     # Hand-computed: each assistant turn's content and its <|im_end|>; no role header, no user text.
@@ -53,9 +59,11 @@ def test_a_template_that_injects_text_keeps_labels_exact(tok):
     from copy import copy
 
     dated = copy(tok)
-    dated.chat_template = ("<|im_start|>system\nToday is 2026-11-22.<|im_end|>\n{% for m in messages %}<|im_start|>"
-                           "{{ m['role'] }}\n{{ m['content'] | upper if m['role'] == 'user' else m['content'] }}"
-                           "<|im_end|>\n{% endfor %}")
+    dated.chat_template = (
+        "<|im_start|>system\nToday is 2026-11-22.<|im_end|>\n{% for m in messages %}<|im_start|>"
+        "{{ m['role'] }}\n{{ m['content'] | upper if m['role'] == 'user' else m['content'] }}"
+        "<|im_end|>\n{% endfor %}"
+    )
     ids, labels = encode_chat(dated, FOX)
     assert trained_text(dated, ids, labels) == ["the fox is red.<|im_end|>"]
 
@@ -64,11 +72,17 @@ def test_a_template_that_rewrites_an_earlier_assistant_turn_refuses_the_row(tok)
     from copy import copy
 
     stripping = copy(tok)  # like Qwen3: reasoning is dropped from assistant turns before the last one
-    stripping.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
-                               "not loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}"
-                               "{% endif %}<|im_end|>\n{% endfor %}")
-    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>greet</think>hello"},
-             {"role": "user", "content": "bye"}, {"role": "assistant", "content": "<think>part</think>goodbye"}]
+    stripping.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
+        "not loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}"
+        "{% endif %}<|im_end|>\n{% endfor %}"
+    )
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "<think>greet</think>hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "<think>part</think>goodbye"},
+    ]
     with pytest.raises(ValueError, match="does not render assistant turn 1 as written"):
         encode_chat(stripping, turns)
 
@@ -77,20 +91,47 @@ def test_alpaca_and_sharegpt_rows_become_the_same_conversation(assets, tmp_path)
     from raytrain.data import check_record
 
     alpaca = make_job(assets, tmp_path, data={"format": "alpaca"}).data
-    row = {"instruction": "what color is the fox?", "input": "", "output": "the fox is red.", "system": "answer briefly.",
-           "history": [["hi", "hello"]]}
+    row = {
+        "instruction": "what color is the fox?",
+        "input": "",
+        "output": "the fox is red.",
+        "system": "answer briefly.",
+        "history": [["hi", "hello"]],
+    }
     sharegpt = make_job(assets, tmp_path, data={"format": "sharegpt"}).data
-    share = {"system": "answer briefly.", "conversations": [
-        {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
-        {"from": "human", "value": "what color is the fox?"}, {"from": "gpt", "value": "the fox is red."}]}
-    assert check_record(alpaca, row) == check_record(sharegpt, share) == [
-        {"role": "system", "content": "answer briefly."}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"}] + FOX[1:]
+    share = {
+        "system": "answer briefly.",
+        "conversations": [
+            {"from": "human", "value": "hi"},
+            {"from": "gpt", "value": "hello"},
+            {"from": "human", "value": "what color is the fox?"},
+            {"from": "gpt", "value": "the fox is red."},
+        ],
+    }
+    assert (
+        check_record(alpaca, row)
+        == check_record(sharegpt, share)
+        == [
+            {"role": "system", "content": "answer briefly."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ]
+        + FOX[1:]
+    )
     assert check_record(alpaca, {**row, "input": "in one word"})[-2]["content"] == "what color is the fox?\nin one word"
-    mapped = make_job(assets, tmp_path, data={"format": "sharegpt", "columns": {"messages": "turns"}, "tags": {
-        "role_tag": "speaker", "content_tag": "text", "user_tag": "q", "assistant_tag": "a"}}).data
+    mapped = make_job(
+        assets,
+        tmp_path,
+        data={
+            "format": "sharegpt",
+            "columns": {"messages": "turns"},
+            "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "q", "assistant_tag": "a"},
+        },
+    ).data
     assert check_record(mapped, {"turns": [{"speaker": "q", "text": "hi"}, {"speaker": "a", "text": "hello"}]}) == [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
 
 
 def test_text_ends_with_eos_and_trains_every_token(tok):
@@ -115,23 +156,64 @@ def _mixed_rows() -> dict[str, list]:
     long = " ".join(["the red fox jumps over the wall."] * 30)
     bad = [b"", b"{not json", raw(["a", "list"]), b'{"text": "caf\xe9"}']
     return {
-        "text": [raw({"text": "the red fox jumps."}), raw({"text": 5}), raw({"text": "   "}), raw({"text": long}),
-                 {"text": "a row decoded from parquet"}, raw({"text": "a lone \ud800 surrogate"}), *bad],
-        "chat": [raw({"messages": FOX}), raw({"messages": FOX[:2]}), raw({"messages": [{"role": "bot", "content": "x"}]}),
-                 raw({"messages": FOX + [{"role": "user", "content": "and the owl?"}, {"role": "assistant", "content": "white."}]}),
-                 raw({"messages": [{"role": "user", "content": long}, {"role": "assistant", "content": long}]}), *bad],
-        "alpaca": [raw({"instruction": "what color is the fox?", "input": "", "output": "the fox is red.", "system": "be brief."}),
-                   raw({"instruction": "q", "input": "in one word", "output": "a", "history": [["hi", "hello"]]}),
-                   raw({"instruction": 3, "output": "a"}), raw({"instruction": long, "output": long}), *bad],
-        "sharegpt": [raw({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
-                     raw({"conversations": [{"from": "alien", "value": "hi"}]}), raw({"conversations": []}), *bad],
-        "pairs text": [raw({"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs."}),
-                       raw({"prompt": "p", "chosen": "", "rejected": "x"}), raw({"prompt": "p", "chosen": "a"}),
-                       raw({"prompt": long, "chosen": "a", "rejected": "b"}), raw({"prompt": "", "chosen": "a", "rejected": "c"}), *bad],
-        "pairs chat": [raw({"prompt": FOX[:2], "chosen": [FOX[2]], "rejected": "the fox is blue."}),
-                       raw({"chosen": FOX, "rejected": FOX[:2] + [{"role": "assistant", "content": "blue."}]}),
-                       raw({"prompt": FOX, "chosen": "a", "rejected": "b"}), raw({"prompt": FOX[:2], "chosen": "   ", "rejected": "b"}),
-                       raw({"prompt": FOX[1:2], "chosen": long, "rejected": "b"}), *bad],
+        "text": [
+            raw({"text": "the red fox jumps."}),
+            raw({"text": 5}),
+            raw({"text": "   "}),
+            raw({"text": long}),
+            {"text": "a row decoded from parquet"},
+            raw({"text": "a lone \ud800 surrogate"}),
+            *bad,
+        ],
+        "chat": [
+            raw({"messages": FOX}),
+            raw({"messages": FOX[:2]}),
+            raw({"messages": [{"role": "bot", "content": "x"}]}),
+            raw(
+                {
+                    "messages": FOX
+                    + [{"role": "user", "content": "and the owl?"}, {"role": "assistant", "content": "white."}]
+                }
+            ),
+            raw({"messages": [{"role": "user", "content": long}, {"role": "assistant", "content": long}]}),
+            *bad,
+        ],
+        "alpaca": [
+            raw(
+                {
+                    "instruction": "what color is the fox?",
+                    "input": "",
+                    "output": "the fox is red.",
+                    "system": "be brief.",
+                }
+            ),
+            raw({"instruction": "q", "input": "in one word", "output": "a", "history": [["hi", "hello"]]}),
+            raw({"instruction": 3, "output": "a"}),
+            raw({"instruction": long, "output": long}),
+            *bad,
+        ],
+        "sharegpt": [
+            raw({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
+            raw({"conversations": [{"from": "alien", "value": "hi"}]}),
+            raw({"conversations": []}),
+            *bad,
+        ],
+        "pairs text": [
+            raw({"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs."}),
+            raw({"prompt": "p", "chosen": "", "rejected": "x"}),
+            raw({"prompt": "p", "chosen": "a"}),
+            raw({"prompt": long, "chosen": "a", "rejected": "b"}),
+            raw({"prompt": "", "chosen": "a", "rejected": "c"}),
+            *bad,
+        ],
+        "pairs chat": [
+            raw({"prompt": FOX[:2], "chosen": [FOX[2]], "rejected": "the fox is blue."}),
+            raw({"chosen": FOX, "rejected": FOX[:2] + [{"role": "assistant", "content": "blue."}]}),
+            raw({"prompt": FOX, "chosen": "a", "rejected": "b"}),
+            raw({"prompt": FOX[:2], "chosen": "   ", "rejected": "b"}),
+            raw({"prompt": FOX[1:2], "chosen": long, "rejected": "b"}),
+            *bad,
+        ],
     }
 
 
@@ -141,14 +223,16 @@ def test_a_batch_gives_each_row_exactly_what_encoding_it_alone_gives(tok, pack):
     # must be what encode_row / encode_pair give it alone, whatever the batch around it.
     from copy import copy
 
-    from raytrain.job.spec import DataSpec
+    from raytrain.data import encode_row
     from raytrain.data.pairs import encode_pair, encode_pairs
     from raytrain.data.records import encode_rows
-    from raytrain.data import encode_row
+    from raytrain.job.spec import DataSpec
 
     stripping = copy(tok)  # rewrites an earlier assistant turn: that row is refused, the others not
-    stripping.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if loop.last or "
-                               "m['role'] != 'assistant' else 'x' }}<|im_end|>\n{% endfor %}")
+    stripping.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if loop.last or "
+        "m['role'] != 'assistant' else 'x' }}<|im_end|>\n{% endfor %}"
+    )
     refusals = []
     for name, rows in _mixed_rows().items():
         pairs, fmt = name.startswith("pairs"), name.split()[-1]
@@ -163,14 +247,26 @@ def test_a_batch_gives_each_row_exactly_what_encoding_it_alone_gives(tok, pack):
                 except ValueError as why:
                     alone.append(f"ValueError: {why}")
             for size in (1, 3, len(rows)):
-                batched = [r for i in range(0, len(rows), size)
-                           for r in (encode_pairs if pairs else encode_rows)(t, d, rows[i:i + size])]
+                batched = [
+                    r
+                    for i in range(0, len(rows), size)
+                    for r in (encode_pairs if pairs else encode_rows)(t, d, rows[i : i + size])
+                ]
                 assert [f"ValueError: {r}" if isinstance(r, ValueError) else r for r in batched] == alone, (name, size)
             assert any(not isinstance(r, str) for r in alone), name  # good rows too
             refusals += [r for r in alone if isinstance(r, str)]
     # The mix holds every kind of refusal, the over-long rows included.
-    kinds = ["not valid JSON", "empty line", "expected a JSON object", "not UTF-8", "not valid Unicode text (a lone surrogate",
-             "column 'text' is empty", "must be a string, got int", "no assistant message", "does not render assistant turn"]
+    kinds = [
+        "not valid JSON",
+        "empty line",
+        "expected a JSON object",
+        "not UTF-8",
+        "not valid Unicode text (a lone surrogate",
+        "column 'text' is empty",
+        "must be a string, got int",
+        "no assistant message",
+        "does not render assistant turn",
+    ]
     kinds += [] if pack else ["longer than data.seq_len=48 (raise seq_len", "(pairs are never truncated"]
     assert [k for k in kinds if not any(k in r for r in refusals)] == []
 
@@ -201,20 +297,20 @@ def test_a_packed_document_sees_only_itself(assets, tok):
         start = 0
         for doc, _ in docs:
             alone = model(input_ids=torch.tensor([doc])).logits[0]
-            torch.testing.assert_close(packed[start:start + len(doc)], alone, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed[start : start + len(doc)], alone, rtol=1e-5, atol=1e-5)
             start += len(doc)
         # Without the positions the second document attends to the first: the check can fail.
         plain = model(input_ids=torch.tensor(ids).long()).logits[0]
-        assert not torch.allclose(plain[len(docs[0][0]):len(docs[0][0]) + 3], packed[len(docs[0][0]):len(docs[0][0]) + 3],
-                                  atol=1e-4)
+        assert not torch.allclose(
+            plain[len(docs[0][0]) : len(docs[0][0]) + 3], packed[len(docs[0][0]) : len(docs[0][0]) + 3], atol=1e-4
+        )
 
 
 def test_lr_warmup_then_cosine_to_floor(assets, tmp_path):
-    spec = make_job(assets, tmp_path, optimizer={"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1},
-                    training={"max_steps": 20})
+    spec = make_job(
+        assets, tmp_path, optimizer={"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1}, training={"max_steps": 20}
+    )
     assert [lr_at(s, spec) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     # Steps 0..19 are trained: the first after warmup runs at the peak, the last one trained at the floor.
     assert lr_at(4, spec) == pytest.approx(1.0) and lr_at(19, spec) == pytest.approx(0.1)
     assert lr_at(18, spec) > 0.1 and all(lr_at(s, spec) > lr_at(s + 1, spec) for s in range(4, 19))
-
-

@@ -35,7 +35,6 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-
 from conftest import REPO, free_port, make_job
 
 pytestmark = pytest.mark.slow
@@ -81,14 +80,35 @@ def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
     login = {"MLFLOW_TRACKING_USERNAME": "raytrain", "MLFLOW_TRACKING_PASSWORD": secrets.token_hex(12)}
-    server_env = {**os.environ, "MLFLOW_AUTH_ADMIN_USERNAME": login["MLFLOW_TRACKING_USERNAME"],
-                  "MLFLOW_AUTH_ADMIN_PASSWORD": login["MLFLOW_TRACKING_PASSWORD"],
-                  "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
+    server_env = {
+        **os.environ,
+        "MLFLOW_AUTH_ADMIN_USERNAME": login["MLFLOW_TRACKING_USERNAME"],
+        "MLFLOW_AUTH_ADMIN_PASSWORD": login["MLFLOW_TRACKING_PASSWORD"],
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+    }
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-                             "--artifacts-destination", str(root / "artifacts")], stdout=log, stderr=log, cwd=root,
-                            env=server_env)
+    proc = subprocess.Popen(
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--app-name",
+            "basic-auth",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{root}/mlflow.db",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+        ],
+        stdout=log,
+        stderr=log,
+        cwd=root,
+        env=server_env,
+    )
     wait_http(f"http://127.0.0.1:{port}/health", proc)
     uri = f"http://127.0.0.1:{port}"
     with pytest.raises(urllib.error.HTTPError, match="401"):  # no login, no runs
@@ -107,8 +127,9 @@ class Cluster:
     state: Path
 
     def ray(self, *args: str, timeout: float = 180, check: bool = True) -> str:
-        proc = subprocess.run([str(BIN / "ray"), *args], cwd=REPO, env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [str(BIN / "ray"), *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # the CLI colours some lines
         assert not check or proc.returncode == 0, out
         return out
@@ -126,7 +147,9 @@ class Cluster:
     def wait(self, job_id: str, timeout: float = 600) -> str:
         deadline = time.monotonic() + timeout
         while (status := self.status(job_id)) not in TERMINAL:
-            assert time.monotonic() < deadline, f"job {job_id} still {status}:\n{self.ray('job', 'logs', job_id)[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"job {job_id} still {status}:\n{self.ray('job', 'logs', job_id)[-3000:]}"
+            )
             time.sleep(3)
         return status
 
@@ -149,11 +172,20 @@ def cluster(s3, mlflow_server):
     credentials and the MLflow login are in the head's environment, as a Secret's would be in a pod's."""
     state = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env.update(s3[0], **mlflow_server[1], RAYTRAIN_CLUSTER_DIR=str(state), RAYTRAIN_NUM_CPUS="6", RAYTRAIN_STOP_WAIT_S="120",
-               RAYTRAIN_GCS_PORT=str(free_port()), RAYTRAIN_DASHBOARD_PORT=str(free_port()),
-               RAYTRAIN_CLIENT_PORT=str(free_port()), RAYTRAIN_AGENT_PORT=str(free_port()), RAY_DEDUP_LOGS="0",
-               # A user's shell after the README's command 1: the venv is not activated.
-               PATH=":".join(p for p in env.get("PATH", "").split(":") if p and Path(p).resolve() != BIN.resolve()))
+    env.update(
+        s3[0],
+        **mlflow_server[1],
+        RAYTRAIN_CLUSTER_DIR=str(state),
+        RAYTRAIN_NUM_CPUS="6",
+        RAYTRAIN_STOP_WAIT_S="120",
+        RAYTRAIN_GCS_PORT=str(free_port()),
+        RAYTRAIN_DASHBOARD_PORT=str(free_port()),
+        RAYTRAIN_CLIENT_PORT=str(free_port()),
+        RAYTRAIN_AGENT_PORT=str(free_port()),
+        RAY_DEDUP_LOGS="0",
+        # A user's shell after the README's command 1: the venv is not activated.
+        PATH=":".join(p for p in env.get("PATH", "").split(":") if p and Path(p).resolve() != BIN.resolve()),
+    )
     script = str(REPO / "cluster" / "local-cluster.sh")
     started = subprocess.run([script, "start"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stdout + started.stderr
@@ -197,18 +229,40 @@ def mlflow_run(server: tuple[str, dict], experiment: str):
 
 # ---------------------------------------------------------------- submit, a worker killed, stop, submit again
 def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_finishes_its_run(
-        cluster, s3, mlflow_server, assets, tmp_path, monkeypatch):
+    cluster, s3, mlflow_server, assets, tmp_path, monkeypatch
+):
     s3_env, client = s3
     client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")
 
     def submit(max_steps: int, *flags: str) -> tuple[str, str]:
-        job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="on-s3",
-                        data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": max_steps},
-                        checkpoint={"every_n_steps": 5}, failure={"max_failures": 1},
-                        tracking={"uri": mlflow_server[0], "experiment": "deploy-s3", "log_model": True})
+        job = write_job(
+            tmp_path / "job.yaml",
+            assets,
+            f"s3://{BUCKET}/runs",
+            name="on-s3",
+            data={"path": f"s3://{BUCKET}/data/text.jsonl"},
+            training={"max_steps": max_steps},
+            checkpoint={"every_n_steps": 5},
+            failure={"max_failures": 1},
+            tracking={"uri": mlflow_server[0], "experiment": "deploy-s3", "log_model": True},
+        )
         job_id = submission_id("on-s3")
-        return job_id, cluster.ray("job", "submit", *flags, "--submission-id", job_id, "--working-dir", ".", "--",
-                                   "python", "-m", "raytrain", "run", str(job), timeout=600)
+        return job_id, cluster.ray(
+            "job",
+            "submit",
+            *flags,
+            "--submission-id",
+            job_id,
+            "--working-dir",
+            ".",
+            "--",
+            "python",
+            "-m",
+            "raytrain",
+            "run",
+            str(job),
+            timeout=600,
+        )
 
     def committed_step() -> int:  # the latest checkpoint Ray Train registered, read from S3
         try:
@@ -221,8 +275,9 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     def wait_until(ready, job_id: str) -> None:
         deadline = time.monotonic() + 420
         while not ready():
-            assert cluster.status(job_id) not in TERMINAL and time.monotonic() < deadline, \
-                cluster.ray("job", "logs", job_id)[-3000:]
+            assert cluster.status(job_id) not in TERMINAL and time.monotonic() < deadline, cluster.ray(
+                "job", "logs", job_id
+            )[-3000:]
             time.sleep(0.5)
 
     # 1. Submitted; once a checkpoint is committed on S3, a training worker is SIGKILLed.
@@ -232,8 +287,14 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     # second `raytrain run` on a laptop starts), sharing the bucket: the lease on S3 refuses it,
     # naming the first, once it saw the first renew (lease.py).
     env = {k: v for k, v in cluster.env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    other = subprocess.Popen([sys.executable, "-m", "raytrain", "run", str(tmp_path / "job.yaml")], env=env,
-                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    other = subprocess.Popen(
+        [sys.executable, "-m", "raytrain", "run", str(tmp_path / "job.yaml")],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     before, old = committed_step(), cluster.train_workers()
     assert old, "no Ray Train worker process found"
     victim = psutil.Process(min(old))
@@ -251,7 +312,9 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     mlflow, run, history = mlflow_run(mlflow_server, "deploy-s3")
     live = {m.step for m in mlflow.get_metric_history(run.info.run_id, "live/loss")}
     assert run.info.status == "KILLED" and stopped_at == max(live)  # the stop committed the last step trained
-    state = json.loads(client.get_object(Bucket=BUCKET, Key=f"runs/on-s3/step_{stopped_at:08d}/train_state.json")["Body"].read())
+    state = json.loads(
+        client.get_object(Bucket=BUCKET, Key=f"runs/on-s3/step_{stopped_at:08d}/train_state.json")["Body"].read()
+    )
     assert state["step"] == stopped_at
 
     # 2. The same job submitted again with 3 more steps: it resumes there and finishes the same MLflow run.
@@ -264,7 +327,9 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     last = stopped_at + 3
     assert committed_step() == last
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="runs/on-s3/")["Contents"]}
-    assert {f"runs/on-s3/step_{last:08d}-g2/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json")} <= keys
+    assert {
+        f"runs/on-s3/step_{last:08d}-g2/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json")
+    } <= keys
     assert "runs/on-s3/final_model/adapter_config.json" in keys
 
     # One MLflow run saw every step; the steps up to the checkpoint committed before the kill ran
@@ -273,7 +338,10 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
     steps = [step for step, _ in history]
     assert run.info.status == "FINISHED" and run.info.run_name == "on-s3" and set(steps) == set(range(1, last + 1))
     assert all(steps.count(s) == 1 for s in range(1, before + 1)), (before, sorted(steps))
-    assert run.data.params["training.strategy"] == "fsdp2" and run.data.tags["raytrain.run_dir"] == f"s3://{BUCKET}/runs/on-s3"
+    assert (
+        run.data.params["training.strategy"] == "fsdp2"
+        and run.data.tags["raytrain.run_dir"] == f"s3://{BUCKET}/runs/on-s3"
+    )
     for key, value in s3_env.items():  # the run's artifacts are on S3 too: read with the nodes' S3 settings
         monkeypatch.setenv(key, value)
     assert run.data.tags["raytrain.final_model"] == f"s3://{BUCKET}/runs/on-s3/final_model"
@@ -282,26 +350,47 @@ def test_a_job_on_s3_survives_a_killed_worker_and_a_stop_and_a_second_submit_fin
 
 # ---------------------------------------------------------------- a node that joins after the submit
 def test_a_node_that_joins_after_the_submit_gets_the_secrets_it_lacks_from_the_driver(
-        cluster, s3, mlflow_server, assets, tmp_path, monkeypatch):
+    cluster, s3, mlflow_server, assets, tmp_path, monkeypatch
+):
     """A spot node the autoscaler adds mid-run, without the cluster's secrets (no signing key, no
     MLflow login, no S3 keys): the job's worker runs there (only that node has the resource it
     asks for), gets what the node lacks from the driver as it starts, says so by name, and its
     checkpoints verify with the driver's key. No secret value is in the job's runtime_env."""
     from raytrain import cli
-    from raytrain.rundir import signing
     from raytrain.driver import worker_env
+    from raytrain.rundir import signing
     from raytrain.train import entry
 
     s3_env, client = s3
     if "Contents" not in client.list_objects_v2(Bucket=BUCKET, Prefix="data/text.jsonl"):
         client.upload_file(str(assets / "text.jsonl"), BUCKET, "data/text.jsonl")  # as the first test has
-    job = write_job(tmp_path / "job.yaml", assets, f"s3://{BUCKET}/runs", name="late-node",
-                    data={"path": f"s3://{BUCKET}/data/text.jsonl"}, training={"max_steps": 4},
-                    checkpoint={"every_n_steps": 2}, scaling={"num_workers": 1, "resources_per_worker": {"late": 1}},
-                    tracking={"uri": mlflow_server[0], "experiment": "deploy-late"})
+    job = write_job(
+        tmp_path / "job.yaml",
+        assets,
+        f"s3://{BUCKET}/runs",
+        name="late-node",
+        data={"path": f"s3://{BUCKET}/data/text.jsonl"},
+        training={"max_steps": 4},
+        checkpoint={"every_n_steps": 2},
+        scaling={"num_workers": 1, "resources_per_worker": {"late": 1}},
+        tracking={"uri": mlflow_server[0], "experiment": "deploy-late"},
+    )
     job_id = submission_id("late-node")
-    cluster.ray("job", "submit", "--no-wait", "--submission-id", job_id, "--working-dir", ".", "--",
-                "python", "-m", "raytrain", "run", str(job))
+    cluster.ray(
+        "job",
+        "submit",
+        "--no-wait",
+        "--submission-id",
+        job_id,
+        "--working-dir",
+        ".",
+        "--",
+        "python",
+        "-m",
+        "raytrain",
+        "run",
+        str(job),
+    )
 
     # The node joins once the token store is ready: Ray Data's prepare tasks (spread over the
     # nodes) are no train workers and get nothing from the relay (on a cloud, S3 comes from the
@@ -311,14 +400,37 @@ def test_a_node_that_joins_after_the_submit_gets_the_secrets_it_lacks_from_the_d
         assert time.monotonic() < deadline and cluster.status(job_id) not in TERMINAL, logs[-3000:]
     secrets_here = [k for k in worker_env.SECRETS_ENV if k in cluster.env]
     node_env = {k: v for k, v in cluster.env.items() if k not in worker_env.SECRETS_ENV}
-    home, temp = tmp_path / "late-home", Path(tempfile.mkdtemp(prefix="rt-late-", dir="/tmp"))  # socket paths stay short
+    home, temp = (
+        tmp_path / "late-home",
+        Path(tempfile.mkdtemp(prefix="rt-late-", dir="/tmp")),
+    )  # socket paths stay short
     home.mkdir()
     node_env.update(HOME=str(home), AWS_EC2_METADATA_DISABLED="true")  # no ~/.raytrain/checkpoint.key; not on EC2
     node = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--address", f"127.0.0.1:{cluster.env['RAYTRAIN_GCS_PORT']}",
-         "--node-ip-address", "127.0.0.1", "--resources", '{"late": 2}', "--num-cpus", "2", "--temp-dir", str(temp),
-         "--dashboard-agent-listen-port", str(free_port()), "--disable-usage-stats", "--block"],
-        cwd=tmp_path, env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--address",
+            f"127.0.0.1:{cluster.env['RAYTRAIN_GCS_PORT']}",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--resources",
+            '{"late": 2}',
+            "--num-cpus",
+            "2",
+            "--temp-dir",
+            str(temp),
+            "--dashboard-agent-listen-port",
+            str(free_port()),
+            "--disable-usage-stats",
+            "--block",
+        ],
+        cwd=tmp_path,
+        env=node_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         status = cluster.wait(job_id, timeout=300)
         logs = cluster.ray("job", "logs", job_id)
@@ -336,7 +448,9 @@ def test_a_node_that_joins_after_the_submit_gets_the_secrets_it_lacks_from_the_d
         assert entry.WANTED_ENV in shown and "runtime_env" in shown, shown[-3000:]
         for name in secrets_here:
             value = cluster.env[name]
-            assert len(value) < 12 or (value not in shown and value not in logs), name  # S3's dummy "testing" is no secret
+            assert len(value) < 12 or (value not in shown and value not in logs), (
+                name
+            )  # S3's dummy "testing" is no secret
     finally:
         stop_node(node)
         shutil.rmtree(temp, ignore_errors=True)

@@ -12,13 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-from stand_in_device import DEVICE, FakeAccelerator
 from conftest import REPO, free_port, make_job
+from stand_in_device import DEVICE, FakeAccelerator
 
-from raytrain.model import modeling
-
-from raytrain.model import hub
+from raytrain.model import hub, modeling
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +23,9 @@ def group():
     """A world-1 gloo process group in this process (the strategies' collectives run for real)."""
     if not dist.is_initialized():
         # gloo for the stand-in device too (it reduces the host copies): NCCL's place on a GPU
-        dist.init_process_group(f"cpu:gloo,{DEVICE.type}:gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1)
+        dist.init_process_group(
+            f"cpu:gloo,{DEVICE.type}:gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
     yield
     dist.destroy_process_group()
 
@@ -58,8 +56,9 @@ def test_weights_are_read_into_device_shards_through_a_bounded_host_buffer(split
                 part = torch.zeros(value.shape, dtype=dtype, device=DEVICE)
                 files.read_rows(key, half, value.shape[0] - half, part.narrow(0, half, value.shape[0] - half))
                 assert torch.equal(part.cpu()[half:], value[half:].to(dtype)) and not part.cpu()[:half].any(), key
-    assert files.buffer.numel() <= 32 or files.buffer.numel() == max(v[0].numel() * v.dtype.itemsize for v in
-                                                                      expected.values() if v.dim())
+    assert files.buffer.numel() <= 32 or files.buffer.numel() == max(
+        v[0].numel() * v.dtype.itemsize for v in expected.values() if v.dim()
+    )
     assert all(s.kind == "copy" for s in accel.syncs)  # only the test's own .cpu() reads
 
 
@@ -68,7 +67,9 @@ def test_fsdp2_sharded_read_fills_device_targets_as_from_pretrained(assets, spli
     # staging, all into device tensors (world 1: each target is the whole weight).
     from raytrain.strategies import weights
 
-    spec = make_job(assets, tmp_path, model={"path": str(split_model), "dtype": "bfloat16"}, training={"finetune": "full"})
+    spec = make_job(
+        assets, tmp_path, model={"path": str(split_model), "dtype": "bfloat16"}, training={"finetune": "full"}
+    )
     reference = modeling.load_model(spec).state_dict()
     with FakeAccelerator():
         targets = {k: torch.empty(v.shape, dtype=torch.float32, device=DEVICE) for k, v in reference.items()}
@@ -87,7 +88,9 @@ def test_rank0_fallback_and_restore_fill_device_models(group, assets, split_mode
     from raytrain.strategies import weights
     from raytrain.strategies.dcp_files import read_checkpoint
 
-    spec = make_job(assets, tmp_path, model={"path": str(split_model), "dtype": "bfloat16"}, training={"finetune": "full"})
+    spec = make_job(
+        assets, tmp_path, model={"path": str(split_model), "dtype": "bfloat16"}, training={"finetune": "full"}
+    )
     reference = modeling.load_model(spec).state_dict()
     step = tmp_path / "step_00000004"
     trained = {k: v + 1 for k, v in reference.items()}
@@ -136,11 +139,16 @@ def test_a_step_syncs_the_host_once_and_matches_the_cpu_step(group, assets, tmp_
     from raytrain.train.loop import train_step
 
     data = {"path": str(assets / "pairs.jsonl")} if objective == "dpo" else {}
-    spec = make_job(assets, tmp_path, data=data, training={"finetune": "full", "objective": objective,
-                                                           "precision": "fp32", "micro_batch_size": 2})
+    spec = make_job(
+        assets,
+        tmp_path,
+        data=data,
+        training={"finetune": "full", "objective": objective, "precision": "fp32", "micro_batch_size": 2},
+    )
     batch = micro_batches(spec, 4)
-    results, syncs = on_cpu_and_device(spec, lambda strategy, objective, stops: [
-        train_step(strategy, objective, batch, 1e-3, stops) for _ in range(3)])
+    results, syncs = on_cpu_and_device(
+        spec, lambda strategy, objective, stops: [train_step(strategy, objective, batch, 1e-3, stops) for _ in range(3)]
+    )
     # One a step, raytrain's, host-to-device copies counted: every micro-batch (ids, positions,
     # targets, DPO's counts) is uploaded from pinned memory without waiting (before: 4 pageable
     # uploads per micro-batch, and transformers read the device once per forward to learn whether
@@ -169,9 +177,19 @@ def test_a_grpo_step_rolls_out_scores_and_trains_on_the_device_as_on_the_cpu(gro
     from raytrain.data.batches import micro_batches as product_micro_batches
     from raytrain.train.loop import train_step
 
-    spec = make_job(assets, tmp_path, data={"path": str(assets / "prompts.jsonl"), "format": "prompt", "seq_len": 64},
-                    training={"objective": "grpo", "finetune": "full", "precision": "fp32", "micro_batch_size": 2,
-                              "global_batch_size": 4, "grpo": mesh_cases.GRPO})
+    spec = make_job(
+        assets,
+        tmp_path,
+        data={"path": str(assets / "prompts.jsonl"), "format": "prompt", "seq_len": 64},
+        training={
+            "objective": "grpo",
+            "finetune": "full",
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+            "grpo": mesh_cases.GRPO,
+        },
+    )
     rows = mesh_cases.grpo_rows(str(assets / "model"), 4, seq=64)
     batch = product_micro_batches([mesh_cases._Rows(rows)], [(0, r) for r in range(4)], 2)
 
@@ -179,7 +197,9 @@ def test_a_grpo_step_rolls_out_scores_and_trains_on_the_device_as_on_the_cpu(gro
         out = []
         for step in range(2):
             objective.at(step, [(0, 0, r) for r in range(4)])
-            out.append((train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2, stops), objective.host["reward"]))
+            out.append(
+                (train_step(strategy, objective, [dict(mb) for mb in batch], 1e-2, stops), objective.host["reward"])
+            )
         return out
 
     both, syncs = on_cpu_and_device(spec, steps)
@@ -190,8 +210,11 @@ def test_a_grpo_step_rolls_out_scores_and_trains_on_the_device_as_on_the_cpu(gro
     # before the 8th). transformers' sdpa mask reads the padding mask once per forward (fast_all in
     # masking_utils._ignore_causal_mask_sdpa), as in its own generate: 1 prefill + 7 decode forwards a rollout.
     ours = collections.Counter((s.kind, s.where) for s in syncs["device"] if s.origin == "raytrain")
-    assert ours == {("upload", "rl/sampling.py:rollout"): 16, ("copy", "rl/sampling.py:rollout"): 4,
-                    ("copy", "loop.py:host_values"): 2}, ours
+    assert ours == {
+        ("upload", "rl/sampling.py:rollout"): 16,
+        ("copy", "rl/sampling.py:rollout"): 4,
+        ("copy", "loop.py:host_values"): 2,
+    }, ours
     theirs = collections.Counter((s.kind, s.origin) for s in syncs["device"] if s.origin != "raytrain")
     assert theirs[("scalar", "transformers")] == 2 * 2 * 8, theirs
     assert rewards["device"] == rewards["cpu"] and len(set(rewards["cpu"])) == 2, rewards
@@ -227,8 +250,11 @@ def test_a_step_with_non_finite_gradients_changes_nothing(group, assets, tmp_pat
                     hook.remove()
                     assert not any(p.grad is not None for p in strategy.params)  # zeroed for the next step
             assert [s.where for s in accel.syncs[before:]] == ["loop.py:host_values"] * len(batches)
-            runs[name] = (results, {k: v.cpu() for k, v in strategy.model.state_dict().items()},
-                          [int(s["step"]) for s in strategy.optimizer.state.values()])
+            runs[name] = (
+                results,
+                {k: v.cpu() for k, v in strategy.model.state_dict().items()},
+                [int(s["step"]) for s in strategy.optimizer.state.values()],
+            )
     (skipped, applied), clean = runs["skipped first"][0], runs["clean"][0][0]
     assert not skipped.applied and math.isnan(skipped.grad_norm) and math.isfinite(skipped.loss)
     assert applied.applied and clean.applied and applied.loss == clean.loss and applied.grad_norm == clean.grad_norm
@@ -292,7 +318,10 @@ def test_full_export_from_device_weights_loads_with_from_pretrained(group, asset
         expected = {k: v.cpu() for k, v in strategy.hf_model.state_dict().items()}
         strategy.export(str(tmp_path / "out"), hub.load_tokenizer(spec))
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    assert exported.dtype == torch.bfloat16 and exported.config.tie_word_embeddings == strategy.hf_model.config.tie_word_embeddings
+    assert (
+        exported.dtype == torch.bfloat16
+        and exported.config.tie_word_embeddings == strategy.hf_model.config.tie_word_embeddings
+    )
     got = exported.state_dict()
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in expected.items())

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from chaos import compare, final_lineage
 
 pytestmark = pytest.mark.slow
@@ -20,8 +19,9 @@ CHAOS = Path(__file__).with_name("chaos.py")
 
 
 def run_chaos(tmp_path, *args) -> dict:
-    proc = subprocess.run([sys.executable, str(CHAOS), *args, "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, str(CHAOS), *args, "--out", str(tmp_path)], capture_output=True, text=True, timeout=1500
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHAOS-SUMMARY ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(lines[-1].removeprefix("CHAOS-SUMMARY "))
@@ -50,7 +50,9 @@ def test_lineage_accounting_catches_duplicates_and_gaps(tmp_path):
     # fine, a sample trained twice or a step with a short batch is not.
     def write(rank, attempt, step, samples, world=1):
         with open(tmp_path / f"rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": step, "samples": samples}) + "\n")
+            f.write(
+                json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": step, "samples": samples}) + "\n"
+            )
 
     write(0, "1.0-1", 1, [[0, 0], [0, 1]])
     write(0, "1.0-1", 2, [[0, 2], [0, 3]])
@@ -62,10 +64,13 @@ def test_lineage_accounting_catches_duplicates_and_gaps(tmp_path):
     assert any("twice" in p for p in problems) and any("different samples" in p for p in problems)
 
 
-def test_an_elastic_restart_waits_briefly_for_the_old_size_and_the_submitters_setting_wins(assets, tmp_path, monkeypatch):
+def test_an_elastic_restart_waits_briefly_for_the_old_size_and_the_submitters_setting_wins(
+    assets, tmp_path, monkeypatch
+):
     # The policy behind chaos.py spot's reclaim: Ray counts a draining node's resources as ready,
     # so an elastic restart must not wait Ray's full 60 s for a group of the old size.
     from conftest import make_job
+
     from raytrain.driver import worker_env
 
     elastic = make_job(assets, tmp_path, scaling={"num_workers": None, "min_workers": 1, "max_workers": 2})

@@ -8,10 +8,9 @@ import shutil
 from pathlib import Path
 
 import torch
-
 from conftest import make_job
 
-MODELING = '''
+MODELING = """
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -21,27 +20,29 @@ class TinyConfig(LlamaConfig):
 
 class TinyForCausalLM(LlamaForCausalLM):
     config_class = TinyConfig
-'''
+"""
 
 
 def test_full_export_of_a_model_with_its_own_code(assets, tmp_path):
     # It used to rebuild the plain copy without trust_remote_code and fail after training.
     from transformers import AutoModelForCausalLM
 
-    from raytrain.model import modeling
-
-    from raytrain.model import hub
+    from raytrain.model import hub, modeling
     from raytrain.strategies.hf_files import write_hf_export
 
     folder = tmp_path / "custom"
     shutil.copytree(assets / "model", folder)
     (folder / "modeling_tiny.py").write_text(MODELING)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="tiny-custom", architectures=["TinyForCausalLM"],
-                  auto_map={"AutoConfig": "modeling_tiny.TinyConfig", "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"})
+    config.update(
+        model_type="tiny-custom",
+        architectures=["TinyForCausalLM"],
+        auto_map={"AutoConfig": "modeling_tiny.TinyConfig", "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"},
+    )
     (folder / "config.json").write_text(json.dumps(config))
-    spec = make_job(assets, tmp_path, model={"path": str(folder), "trust_remote_code": True},
-                    training={"finetune": "full"})
+    spec = make_job(
+        assets, tmp_path, model={"path": str(folder), "trust_remote_code": True}, training={"finetune": "full"}
+    )
     model = modeling.load_model(spec)
     assert type(model).__name__ == "TinyForCausalLM"
     write_hf_export(spec, model, model.state_dict(), str(tmp_path / "out"), hub.load_tokenizer(spec))
@@ -49,7 +50,9 @@ def test_full_export_of_a_model_with_its_own_code(assets, tmp_path):
     assert type(exported).__name__ == "TinyForCausalLM"
     probe = torch.tensor([[5, 17, 42, 9, 33]])
     with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=probe).logits, model.eval()(input_ids=probe).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            exported(input_ids=probe).logits, model.eval()(input_ids=probe).logits, rtol=0, atol=0
+        )
 
 
 def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4, optim: dict | None = None):
@@ -67,8 +70,10 @@ def _committed_checkpoint(spec, state: dict, tmp_path, step_number: int = 4, opt
     dcp.save({"model": state, **({"optim": optim} if optim else {})}, storage_writer=SplitWriter(str(step)))
     (step / STATE_FILE).write_text("{}")
     signing.sign_checkpoint(str(step), spec.run_dir, step.name)  # as one process signs all it wrote
-    storage.write_text(storage.join(spec.run_dir, RAY_SNAPSHOT),  # local, or where the run directory is
-                       json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": step.name}}))
+    storage.write_text(
+        storage.join(spec.run_dir, RAY_SNAPSHOT),  # local, or where the run directory is
+        json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": step.name}}),
+    )
     return step
 
 
@@ -77,8 +82,8 @@ def test_export_refuses_a_checkpoint_whose_weights_do_not_match_the_model(assets
     # export looked fine. Now the mismatch is named; the frozen LoRA base stays the one absence.
     import pytest
 
-    from raytrain.model import modeling
     from raytrain.errors import JobError
+    from raytrain.model import modeling
     from raytrain.train.export import export_checkpoint
 
     spec = make_job(assets, tmp_path / "runs", name="renamed", training={"finetune": "full"})
@@ -98,8 +103,9 @@ def test_export_refuses_a_checkpoint_whose_weights_do_not_match_the_model(assets
     from safetensors.torch import load_file
 
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    assert len(saved) == len(trained) and all(torch.equal(v, trained[k].to(v.dtype)) for k, v in
-                                              zip(sorted(trained), [saved[k] for k in sorted(saved)]))
+    assert len(saved) == len(trained) and all(
+        torch.equal(v, trained[k].to(v.dtype)) for k, v in zip(sorted(trained), [saved[k] for k in sorted(saved)])
+    )
 
 
 def test_export_reads_a_run_directory_on_s3(assets, tmp_path, s3_server, monkeypatch):
@@ -125,8 +131,9 @@ def test_export_reads_a_run_directory_on_s3(assets, tmp_path, s3_server, monkeyp
     used = export_checkpoint("s3://exports/runs/adapter", str(tmp_path / "out"))
     assert used == "s3://exports/runs/adapter/step_00000008"
     saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
-    assert len(saved) == len(trained) and all(torch.equal(saved[k], trained[k2].to(saved[k].dtype))
-                                              for k, k2 in zip(sorted(saved), sorted(trained)))
+    assert len(saved) == len(trained) and all(
+        torch.equal(saved[k], trained[k2].to(saved[k].dtype)) for k, k2 in zip(sorted(saved), sorted(trained))
+    )
 
 
 def test_raytrain_export_of_a_full_checkpoint_loads_with_from_pretrained(assets, tmp_path):
@@ -152,14 +159,18 @@ def test_raytrain_export_of_a_full_checkpoint_loads_with_from_pretrained(assets,
     # What it read: the metadata and the model's files, none of the optimizer's (twice the model
     # again under AdamW; export used to fetch each rank's one file of both), in loads small
     # enough that many share one parse of the metadata.
-    from raytrain.train import export
     from raytrain.rundir import signing
+    from raytrain.train import export
 
     export.BATCH_BYTES = 64 << 10  # several loads of this tiny model through one reader
     with signing.SignedCheckpoint(str(step), spec.run_dir, step.name) as checkpoint:
         export.write_full_from_checkpoint(spec, checkpoint, str(tmp_path / "again"))
         fetched = sorted(p.name for p in Path(checkpoint.fetch()).iterdir())
         read = checkpoint.bytes_read
-    assert fetched == [".metadata", "__0_shared0.distcp"] and "__0_sharedoptim0.distcp" in checkpoint.names  # as DDP writes
+    assert (
+        fetched == [".metadata", "__0_shared0.distcp"] and "__0_sharedoptim0.distcp" in checkpoint.names
+    )  # as DDP writes
     assert read == sum((step / name).stat().st_size for name in fetched)
-    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
+        tmp_path / "out" / "model.safetensors"
+    ).read_bytes()

@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from raytrain.job.spec import DataSpec
 from raytrain.data.prompts import columns_of, encode_prompts, stored_columns, to_prompt
 from raytrain.errors import JobError
+from raytrain.job.grpo import RewardSpec
+from raytrain.job.spec import DataSpec
 from raytrain.rl.losses import advantages, summed_loss, token_terms, units_of
 from raytrain.rl.rewards import Reward, RewardError, answer_of, same_answer, score
 from raytrain.rl.sampling import completion_key, sample, uniforms
-from raytrain.job.grpo import RewardSpec
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +42,48 @@ def trl_loss(logps, mask, old, ref, adv, g, is_ratio=None):
     the policy's log-probs given (the model's forward is not what is compared), `g` a GRPOSpec."""
     from trl import GRPOTrainer
 
-    accelerator = SimpleNamespace(num_processes=1, process_index=0, gather=lambda t: t, gather_for_metrics=lambda t: t,
-                                  reduce=lambda t, reduction="sum": t)
+    accelerator = SimpleNamespace(
+        num_processes=1,
+        process_index=0,
+        gather=lambda t: t,
+        gather_for_metrics=lambda t: t,
+        reduce=lambda t, reduction="sum": t,
+    )
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=g.importance_sampling_level,
-        beta=g.beta, epsilon_low=g.epsilon, epsilon_high=g.high, loss_type=g.loss_type, use_vllm=is_ratio is not None,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=g.importance_sampling_level,
+        beta=g.beta,
+        epsilon_low=g.epsilon,
+        epsilon_high=g.high,
+        loss_type=g.loss_type,
+        use_vllm=is_ratio is not None,
         vllm_importance_sampling_correction=is_ratio is not None,
-        max_completion_length=T, current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)),
+        max_completion_length=T,
+        current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        model=SimpleNamespace(training=True),
+        _metrics=defaultdict(lambda: defaultdict(list)),
         accelerator=accelerator,
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
-                             sapo_temperature_pos=g.sapo_temperature_pos, sapo_temperature_neg=g.sapo_temperature_neg))
-    inputs = {"prompt_ids": torch.ones(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": mask.long(),
-              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+        args=SimpleNamespace(
+            delta=None,
+            use_bias_correction_kl=False,
+            steps_per_generation=1,
+            sapo_temperature_pos=g.sapo_temperature_pos,
+            sapo_temperature_neg=g.sapo_temperature_neg,
+        ),
+    )
+    inputs = {
+        "prompt_ids": torch.ones(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.ones(B, T, dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "num_items_in_batch": mask.sum(),
+    }
     if g.beta:
         inputs["ref_per_token_logps"] = ref
     if is_ratio is not None:
@@ -75,8 +102,12 @@ LOSSES = [(t, level) for t in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo
 def test_the_loss_and_its_gradient_equal_trls_for_each_loss_type(loss_type, level, beta):
     from raytrain.job.grpo import GRPOSpec
 
-    g = GRPOSpec(loss_type=loss_type, importance_sampling_level=level, beta=beta,
-                 epsilon_high=1.1 if loss_type == "cispo" else 0.28)
+    g = GRPOSpec(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        epsilon_high=1.1 if loss_type == "cispo" else 0.28,
+    )
     gen = torch.Generator().manual_seed(0)
     logps = (-2 * torch.rand(B, T, generator=gen, dtype=torch.float64)).requires_grad_()
     mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).double()
@@ -145,12 +176,19 @@ def trl_importance_ratio(trainer, engine, mask, g):
     begin = source.index("per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask")
     begin = source.rindex("\n", 0, begin) + 1
     end = source.index("# Compute the per-token log probabilities for the reference model", begin)
-    block = textwrap.dedent(source[begin:source.rindex("\n", 0, end) + 1])
-    names = {"torch": torch, "math": math, "mask": mask, "old_per_token_logps": trainer,
-             "sampling_per_token_logps": engine,
-             "self": SimpleNamespace(vllm_importance_sampling_mode=g.vllm_importance_sampling_mode,
-                                     vllm_importance_sampling_clip_min=g.vllm_importance_sampling_clip_min,
-                                     vllm_importance_sampling_clip_max=g.vllm_importance_sampling_clip_max)}
+    block = textwrap.dedent(source[begin : source.rindex("\n", 0, end) + 1])
+    names = {
+        "torch": torch,
+        "math": math,
+        "mask": mask,
+        "old_per_token_logps": trainer,
+        "sampling_per_token_logps": engine,
+        "self": SimpleNamespace(
+            vllm_importance_sampling_mode=g.vllm_importance_sampling_mode,
+            vllm_importance_sampling_clip_min=g.vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max=g.vllm_importance_sampling_clip_max,
+        ),
+    }
     exec(compile(block, "trl/trainer/grpo_trainer.py", "exec"), names)
     return names["vllm_importance_sampling_ratio"]
 
@@ -159,11 +197,15 @@ def trl_importance_ratio(trainer, engine, mask, g):
 def test_the_engine_mismatch_correction_equals_trls(mode):
     """engine: vllm's truncated importance sampling: TRL's ratio (its code) in each mode, bounds on
     both sides, and the loss it weights equal to TRL's _compute_loss with the correction on."""
-    from raytrain.rl.losses import importance_ratio
     from raytrain.job.grpo import GRPOSpec
+    from raytrain.rl.losses import importance_ratio
 
-    g = GRPOSpec(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,
-                 vllm_importance_sampling_clip_max=1.5, loss_type="dapo")
+    g = GRPOSpec(
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=0.5,
+        vllm_importance_sampling_clip_max=1.5,
+        loss_type="dapo",
+    )
     gen = torch.Generator().manual_seed(1)
     logps = (-2 * torch.rand(B, T, generator=gen, dtype=torch.float64)).requires_grad_()
     mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).double()
@@ -196,20 +238,39 @@ def trl_advantages(scores, weights, group, scale):
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     begin = source.index("        unscorable_mask = torch.isnan(rewards_per_func)")
     last = "        advantages = torch.nan_to_num(advantages, nan=0.0)\n"
-    block = textwrap.dedent(source[begin:source.index(last, begin) + len(last)])
-    names = {"torch": torch, "nanstd": nanstd, "rewards_per_func": scores, "num_generations": group, "device": "cpu",
-             "self": SimpleNamespace(multi_objective_aggregation="sum_then_normalize", reward_weights=weights,
-                                     scale_rewards=scale)}
+    block = textwrap.dedent(source[begin : source.index(last, begin) + len(last)])
+    names = {
+        "torch": torch,
+        "nanstd": nanstd,
+        "rewards_per_func": scores,
+        "num_generations": group,
+        "device": "cpu",
+        "self": SimpleNamespace(
+            multi_objective_aggregation="sum_then_normalize", reward_weights=weights, scale_rewards=scale
+        ),
+    }
     exec(compile(block, "trl/trainer/grpo_trainer.py", "exec"), names)
     return names["advantages"], names["rewards"], names["is_std_zero"]
 
 
 nan = math.nan
-SCORES = torch.tensor([
-    [1.0, 0.2], [0.0, nan], [1.0, 0.9], [0.0, 0.1],  # a reward returned None once: nansum keeps the other
-    [nan, nan], [1.0, 0.5], [0.0, 0.3], [1.0, 0.0],  # no reward judged the first: unscorable, out of the baseline
-    [1.0, 0.5], [1.0, 0.5], [1.0, 0.5], [1.0, 0.5],  # all equal: std 0, advantage exactly 0
-], dtype=torch.float64)
+SCORES = torch.tensor(
+    [
+        [1.0, 0.2],
+        [0.0, nan],
+        [1.0, 0.9],
+        [0.0, 0.1],  # a reward returned None once: nansum keeps the other
+        [nan, nan],
+        [1.0, 0.5],
+        [0.0, 0.3],
+        [1.0, 0.0],  # no reward judged the first: unscorable, out of the baseline
+        [1.0, 0.5],
+        [1.0, 0.5],
+        [1.0, 0.5],
+        [1.0, 0.5],  # all equal: std 0, advantage exactly 0
+    ],
+    dtype=torch.float64,
+)
 WEIGHTS = torch.tensor([1.0, 0.5], dtype=torch.float64)
 
 
@@ -241,7 +302,7 @@ def test_sampling_is_a_function_of_its_key_not_of_the_batch():
     keys = torch.tensor([completion_key(0, 3, (0, 0, r), k) for r, k in [(0, 0), (0, 1), (1, 0), (2, 5)]])
     for t in range(4):
         batch = sample(logits, keys, t, 0.9, 0.95)
-        alone = torch.stack([sample(logits[i:i + 1], keys[i:i + 1], t, 0.9, 0.95)[0] for i in range(4)])
+        alone = torch.stack([sample(logits[i : i + 1], keys[i : i + 1], t, 0.9, 0.95)[0] for i in range(4)])
         order = torch.tensor([2, 0, 3, 1])
         assert torch.equal(batch, alone) and torch.equal(sample(logits[order], keys[order], t, 0.9, 0.95), batch[order])
 
@@ -275,34 +336,45 @@ def test_uniforms_and_keys():
     u = uniforms(keys, 5)
     assert u.shape == (100_000,) and u.dtype == torch.float64
     assert (u > 0).all() and (u < 1).all()  # strictly inside: a draw never lands on a cdf's end
-    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.std().item() - 12 ** -0.5) < 0.01
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.std().item() - 12**-0.5) < 0.01
     assert u.unique().numel() > 99_000  # no repeats across keys
     assert (uniforms(keys, 6) != u).float().mean() > 0.999  # another position, another draw
     base = completion_key(0, 3, (0, 1, 5), 2)
-    for other in [(1, 3, (0, 1, 5), 2), (0, 4, (0, 1, 5), 2), (0, 3, (1, 1, 5), 2), (0, 3, (0, 2, 5), 2),
-                  (0, 3, (0, 1, 6), 2), (0, 3, (0, 1, 5), 3)]:
+    for other in [
+        (1, 3, (0, 1, 5), 2),
+        (0, 4, (0, 1, 5), 2),
+        (0, 3, (1, 1, 5), 2),
+        (0, 3, (0, 2, 5), 2),
+        (0, 3, (0, 1, 6), 2),
+        (0, 3, (0, 1, 5), 3),
+    ]:
         assert completion_key(*other) != base, other
     assert completion_key(0, 3, (0, 1, 5), 2) == base  # a restart resamples the same completion
 
 
 # ---------------------------------------------------------------- rewards
-@pytest.mark.parametrize("completion, reference, pattern, same", [
-    ("so 8 * 9 = 72.\n#### 72", "The answer is 72.", None, True),  # GSM8K's mark and a sentence
-    ("we get \\boxed{1,000} in all", "1000", None, True),
-    ("it costs 3.50", "$3.5", None, True),
-    ("first 12, then 13", "12", None, False),  # the last number is the answer
-    ("<think>5 or 6</think><answer> 42 </answer> and 7", "42", r"<answer>(.*?)</answer>", True),
-    ("<think>42</think> no answer tag", "42", r"<answer>(.*?)</answer>", False),
-    ("I do not know", "0", None, False),  # no number is no answer, not 0
-])
+@pytest.mark.parametrize(
+    "completion, reference, pattern, same",
+    [
+        ("so 8 * 9 = 72.\n#### 72", "The answer is 72.", None, True),  # GSM8K's mark and a sentence
+        ("we get \\boxed{1,000} in all", "1000", None, True),
+        ("it costs 3.50", "$3.5", None, True),
+        ("first 12, then 13", "12", None, False),  # the last number is the answer
+        ("<think>5 or 6</think><answer> 42 </answer> and 7", "42", r"<answer>(.*?)</answer>", True),
+        ("<think>42</think> no answer tag", "42", r"<answer>(.*?)</answer>", False),
+        ("I do not know", "0", None, False),  # no number is no answer, not 0
+    ],
+)
 def test_answers_compare_as_numbers(completion, reference, pattern, same):
     assert same_answer(answer_of(completion, pattern), answer_of(reference)) is same
 
 
 def test_the_builtin_rewards():
-    completions = [[{"role": "assistant", "content": "<think>6 x 12</think> #### 72"}],
-                   [{"role": "assistant", "content": "it is 70"}],
-                   [{"role": "assistant", "content": "I cannot say"}]]
+    completions = [
+        [{"role": "assistant", "content": "<think>6 x 12</think> #### 72"}],
+        [{"role": "assistant", "content": "it is 70"}],
+        [{"role": "assistant", "content": "I cannot say"}],
+    ]
     ids, columns, rows = [[5, 6, 7, 0], [5, 6], [1] * 8], {"solution": ["72", "72", "72"]}, [(0, 0, 1)] * 3
     prompts = [[{"role": "user", "content": "6 x 12?"}]] * 3
     accuracy = Reward(RewardSpec(builtin="accuracy", column="solution"), 8)
@@ -316,13 +388,17 @@ def test_the_builtin_rewards():
     # A column the rows lack: named, with the ones they have. A JobError raised in a worker ends the
     # job with its one line, not retried (as a tampered checkpoint's refusal does in test_strategies.py).
     assert issubclass(RewardError, JobError)
-    with pytest.raises(RewardError, match=r"accuracy reads column 'solution', which row \(0, 0, 1\) does not have "
-                                          r"\(its columns: \['answer'\]\); set `column` to one of them"):
-        Reward(RewardSpec(builtin="accuracy", column="solution"), 8)(prompts, completions, ids, {"answer": ["72"] * 3},
-                                                                     rows)
+    with pytest.raises(
+        RewardError,
+        match=r"accuracy reads column 'solution', which row \(0, 0, 1\) does not have "
+        r"\(its columns: \['answer'\]\); set `column` to one of them",
+    ):
+        Reward(RewardSpec(builtin="accuracy", column="solution"), 8)(
+            prompts, completions, ids, {"answer": ["72"] * 3}, rows
+        )
 
 
-USER_REWARDS = '''
+USER_REWARDS = """
 SEEN = []
 
 def judge(prompts, completions, completion_ids, **columns):
@@ -339,7 +415,7 @@ def wordy(prompts, completions, **kw):
     return ["good"] * len(completions)
 
 not_a_function = 3
-'''
+"""
 
 
 def test_a_users_reward_function_and_its_errors(tmp_path, monkeypatch):
@@ -371,11 +447,18 @@ def trl_model_rewards(model, tokenizer, prompts, completions):
 
     trainer = GRPOTrainer.__new__(GRPOTrainer)  # TRL's method on a bare instance: only what it reads is set
     trainer.__dict__.update(
-        accelerator=SimpleNamespace(device=torch.device("cpu"), is_main_process=True), reward_funcs=[model],
-        reward_processing_classes=[tokenizer], reward_func_names=["rm"], chat_template_kwargs={},
+        accelerator=SimpleNamespace(device=torch.device("cpu"), is_main_process=True),
+        reward_funcs=[model],
+        reward_processing_classes=[tokenizer],
+        reward_func_names=["rm"],
+        chat_template_kwargs={},
         state=SimpleNamespace(global_step=0),
-        environments=None, _log_completion_extra=None, _log_metric=None, is_deepspeed_enabled=False,
-        args=SimpleNamespace(device=torch.device("cpu"), log_completions=False, report_to=[]))
+        environments=None,
+        _log_completion_extra=None,
+        _log_metric=None,
+        is_deepspeed_enabled=False,
+        args=SimpleNamespace(device=torch.device("cpu"), log_completions=False, report_to=[]),
+    )
     import trl.trainer.grpo_trainer as g
 
     gather = g.gather
@@ -396,20 +479,29 @@ def test_a_reward_model_scores_as_trls_grpo_trainer(assets, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(str(assets / "model"))
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(assets / "model"), num_labels=1,
-                                                               pad_token_id=tok.pad_token_id).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(assets / "model"), num_labels=1, pad_token_id=tok.pad_token_id
+    ).eval()
     whole = tmp_path / "rm"
     model.save_pretrained(str(whole))
     tok.save_pretrained(str(whole))
-    lora = get_peft_model(AutoModelForSequenceClassification.from_pretrained(
-        str(assets / "model"), num_labels=1, pad_token_id=tok.pad_token_id),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS", init_lora_weights=False))
+    lora = get_peft_model(
+        AutoModelForSequenceClassification.from_pretrained(
+            str(assets / "model"), num_labels=1, pad_token_id=tok.pad_token_id
+        ),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS", init_lora_weights=False
+        ),
+    )
     adapter = tmp_path / "rm-lora"
     lora.save_pretrained(str(adapter))
     merged = lora.merge_and_unload().eval()
 
     plain = (["the red fox", "a blue owl", "the red fox"], [" jumps over.", " sees", " sleeps all day long"])
-    chat = ([[{"role": "user", "content": p}] for p in plain[0]], [[{"role": "assistant", "content": c}] for c in plain[1]])
+    chat = (
+        [[{"role": "user", "content": p}] for p in plain[0]],
+        [[{"role": "assistant", "content": c}] for c in plain[1]],
+    )
     for folder, reference in ((whole, model), (adapter, merged)):
         reward = Reward(RewardSpec(model=str(folder)), 16)
         assert reward.name == folder.name
@@ -426,8 +518,14 @@ def test_a_reward_model_scores_as_trls_grpo_trainer(assets, tmp_path):
 # ---------------------------------------------------------------- prompt rows
 def test_prompt_rows_as_the_store_keeps_them(tok):
     data = DataSpec(path="x", format="prompt", seq_len=256)
-    row = {"prompt": "the red fox jumps over the hill. what color is the fox?", "solution": "red",
-           "note": "naïve café — 日本語 ✓", "level": 3, "tags": ["a", None], "meta": {"k": 1.5}}
+    row = {
+        "prompt": "the red fox jumps over the hill. what color is the fox?",
+        "solution": "red",
+        "note": "naïve café — 日本語 ✓",
+        "level": 3,
+        "tags": ["a", None],
+        "meta": {"k": 1.5},
+    }
     prompt, columns = to_prompt(data, row)
     assert prompt == row["prompt"] and columns == row  # the rewards get every column back as written
     assert columns_of(stored_columns(columns)) == row
@@ -448,23 +546,45 @@ def test_prompt_rows_as_the_store_keeps_them(tok):
 
 def test_sft_rows_are_prompts_with_their_last_assistant_turn_as_the_answer(tok):
     # LLaMA-Factory's alpaca and sharegpt rows, as users keep them for SFT
-    alpaca = {"instruction": "add the numbers", "input": "2 and 3", "output": "5", "system": "be brief.",
-              "history": [["hi", "hello"]], "level": 1}
+    alpaca = {
+        "instruction": "add the numbers",
+        "input": "2 and 3",
+        "output": "5",
+        "system": "be brief.",
+        "history": [["hi", "hello"]],
+        "level": 1,
+    }
     prompt, columns = to_prompt(DataSpec(path="x", format="alpaca", seq_len=512), alpaca)
-    assert prompt == [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "hello"}, {"role": "user", "content": "add the numbers\n2 and 3"}]
+    assert prompt == [
+        {"role": "system", "content": "be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "add the numbers\n2 and 3"},
+    ]
     assert columns == {"level": 1, "answer": "5", "prompt": prompt}  # the mapped columns consumed, the rest kept
-    sharegpt = {"conversations": [{"from": "human", "value": "2 + 3?"}, {"from": "gpt", "value": "\\boxed{5}"}],
-                "source": "gsm"}
+    sharegpt = {
+        "conversations": [{"from": "human", "value": "2 + 3?"}, {"from": "gpt", "value": "\\boxed{5}"}],
+        "source": "gsm",
+    }
     data = DataSpec(path="x", format="sharegpt", seq_len=512)
     prompt, columns = to_prompt(data, sharegpt)
     assert prompt == [{"role": "user", "content": "2 + 3?"}] and columns["answer"] == "\\boxed{5}"
     assert columns["source"] == "gsm" and "conversations" not in columns
     (ids, _), (raw, _) = encode_prompts(tok, data, [sharegpt], completion_room=128)[0]
-    assert ids == tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
-                      add_special_tokens=False)["input_ids"] and columns_of(raw) == columns
-    ends_with_user = {"conversations": [{"from": "human", "value": "2 + 3?"}, {"from": "gpt", "value": "5"},
-                                        {"from": "human", "value": "and 4 + 4?"}]}
+    assert (
+        ids
+        == tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"
+        ]
+        and columns_of(raw) == columns
+    )
+    ends_with_user = {
+        "conversations": [
+            {"from": "human", "value": "2 + 3?"},
+            {"from": "gpt", "value": "5"},
+            {"from": "human", "value": "and 4 + 4?"},
+        ]
+    }
     with pytest.raises(ValueError, match="must end with an assistant turn"):
         to_prompt(data, ends_with_user)
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from raytrain.rundir import storage
-from raytrain.job.spec import DataSpec
-from raytrain.job.plan import RunPlan
 from conftest import KNOWN_CONFIGS, hub_cache
 from test_validate import cli
+
+from raytrain.job.plan import RunPlan
+from raytrain.job.spec import DataSpec
+from raytrain.rundir import storage
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
@@ -40,7 +40,9 @@ def unreachable_here(job: dict, workdir: Path) -> set[str]:
     model = job["model"]["path"]
     if not (workdir / model).exists() and not Path(model).exists():
         out.add("model.path")
-    out |= {field for field, data in DataSpec.model_validate(job["data"]).named_inputs() if storage.is_remote(data.path)}
+    out |= {
+        field for field, data in DataSpec.model_validate(job["data"]).named_inputs() if storage.is_remote(data.path)
+    }
     if storage.is_remote((job.get("checkpoint") or {}).get("storage_path", "")):
         out.add("checkpoint.storage_path")
     if str((job.get("tracking") or {}).get("uri") or "").startswith("http"):
@@ -54,7 +56,9 @@ def test_there_are_jobs():
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
 def test_job_file_validates_and_says_what_it_could_not_check(job, workdir):
-    code, out, err = cli("validate", str(job), "--json", cwd=workdir, env={"HF_HUB_CACHE": str(workdir / "empty-cache")})
+    code, out, err = cli(
+        "validate", str(job), "--json", cwd=workdir, env={"HF_HUB_CACHE": str(workdir / "empty-cache")}
+    )
     report = json.loads(out)
     assert code == 0 and report["valid"], report["problems"] or err
     noted = {n["field"] for n in report["notes"]}
@@ -62,8 +66,9 @@ def test_job_file_validates_and_says_what_it_could_not_check(job, workdir):
     assert "Traceback" not in out + err
 
 
-@pytest.mark.parametrize("job", [p for p in JOBS if yaml.safe_load(p.read_text())["model"]["path"] in KNOWN_CONFIGS],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "job", [p for p in JOBS if yaml.safe_load(p.read_text())["model"]["path"] in KNOWN_CONFIGS], ids=lambda p: p.name
+)
 def test_hub_model_job_fits_its_declared_memory_and_less_is_refused(job, workdir):
     """The declared accelerator memory holds what every rank must keep whatever the estimator
     says (counted here from the model's config: the trained weights' fp32 masters, gradients and

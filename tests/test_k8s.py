@@ -17,20 +17,20 @@ import subprocess
 import sys
 import tempfile
 from functools import lru_cache
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from conftest import KNOWN_CONFIGS, REPO, hub_cache
+
 from raytrain import cli
 from raytrain.deploy import k8s, pod_sizing
-from raytrain.validate import memory, preflight
-from raytrain.model.facts import DTYPE_BYTES, ModelFacts, layout_from_config
 from raytrain.job.spec import JobSpec
+from raytrain.model.facts import DTYPE_BYTES, ModelFacts, layout_from_config
+from raytrain.validate import memory, preflight
 
 SCHEMAS = REPO.parent / "shared" / "schemas" / "kuberay"
 CRDS = {("ray.io/v1", "RayJob"): "ray.io_rayjobs.yaml", ("ray.io/v1", "RayCluster"): "ray.io_rayclusters.yaml"}
@@ -56,7 +56,11 @@ def _strict(schema):
             out[key] = _strict(value)
         else:
             out[key] = value
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -100,8 +104,10 @@ def _core_errors(doc: dict) -> list[str]:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            errors.append(f"{doc['kind']} {doc['metadata'].get('name')} (k8s {version}) at "
-                          f"{'.'.join(map(str, exc.path))}: {exc.message}")
+            errors.append(
+                f"{doc['kind']} {doc['metadata'].get('name')} (k8s {version}) at "
+                f"{'.'.join(map(str, exc.path))}: {exc.message}"
+            )
     return errors
 
 
@@ -130,8 +136,9 @@ def validation_errors(doc: dict) -> list[str]:
 def pod_templates(doc: dict) -> list[dict]:
     if doc["kind"] == "RayJob":
         cluster = doc["spec"]["rayClusterSpec"]
-        return ([doc["spec"]["submitterPodTemplate"], cluster["headGroupSpec"]["template"]]
-                + [g["template"] for g in cluster["workerGroupSpecs"]])
+        return [doc["spec"]["submitterPodTemplate"], cluster["headGroupSpec"]["template"]] + [
+            g["template"] for g in cluster["workerGroupSpecs"]
+        ]
     if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
         return [doc["spec"]["template"]]
     return []
@@ -143,8 +150,12 @@ def ray_pods(rayjob: dict) -> list[dict]:
 
 
 def manifest_docs() -> list[tuple[str, dict]]:
-    return [(f"{p.name}:{d['kind']}/{d['metadata']['name']}", d)
-            for p in MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    return [
+        (f"{p.name}:{d['kind']}/{d['metadata']['name']}", d)
+        for p in MANIFESTS
+        for d in yaml.safe_load_all(p.read_text())
+        if d
+    ]
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -212,8 +223,10 @@ def test_rendered_objects_validate_and_follow_the_job(job):
     # The PDB covers exactly this job's Ray pods.
     for pod in ray_pods(rayjob):
         assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-    assert not pdb["spec"]["selector"]["matchLabels"].items() <= \
-        rayjob["spec"]["submitterPodTemplate"]["metadata"]["labels"].items()
+    assert (
+        not pdb["spec"]["selector"]["matchLabels"].items()
+        <= rayjob["spec"]["submitterPodTemplate"]["metadata"]["labels"].items()
+    )
 
 
 def matches(selector: dict, labels: dict) -> bool:
@@ -235,8 +248,12 @@ def test_only_the_jobs_own_pods_and_the_operator_reach_its_ray_ports(job):
             ports = {p["port"] for p in rule.get("ports", [])}
             for peer in rule["from"]:
                 same_namespace = "namespaceSelector" not in peer
-                namespace_ok = same_namespace and namespace_labels.get("kubernetes.io/metadata.name") == "raytrain" \
-                    or not same_namespace and matches(peer["namespaceSelector"], namespace_labels)
+                namespace_ok = (
+                    same_namespace
+                    and namespace_labels.get("kubernetes.io/metadata.name") == "raytrain"
+                    or not same_namespace
+                    and matches(peer["namespaceSelector"], namespace_labels)
+                )
                 if namespace_ok and matches(peer.get("podSelector", {}), labels) and (not ports or port in ports):
                     return True
         return False
@@ -285,9 +302,13 @@ def test_worker_pods_are_whole_nodes_sized_from_the_job(job, assets):
     volumes = {v["name"]: v for v in pod["volumes"]}
     shm, tmp = gib(volumes["dshm"]["emptyDir"]["sizeLimit"]), gib(volumes["tmp"]["emptyDir"]["sizeLimit"])
     assert tmp == gib(res["ephemeral-storage"])  # the kubelet evicts at the volume's limit: they agree
-    facts = preflight.model_facts(spec) if not hub else \
-        ModelFacts(KNOWN_CONFIGS[spec.model.path],
-                               layout_from_config(KNOWN_CONFIGS[spec.model.path]), "config", False)
+    facts = (
+        preflight.model_facts(spec)
+        if not hub
+        else ModelFacts(
+            KNOWN_CONFIGS[spec.model.path], layout_from_config(KNOWN_CONFIGS[spec.model.path]), "config", False
+        )
+    )
     # What must fit, counted here independently of pod_sizing: the full copies a load holds
     # (one per rank under ddp; fsdp2 and zero3 read shards / one module at a time), a process per
     # rank, /dev/shm (memory-backed);
@@ -303,24 +324,39 @@ def test_worker_pods_are_whole_nodes_sized_from_the_job(job, assets):
 
 def test_a_model_not_readable_here_keeps_the_template_sizes_and_says_how_to_size(tmp_path):
     job = tmp_path / "unknown.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "unknown", "model": {"path": "org/not-cached"}, "data": {"path": "s3://b/d/"},
-        "training": {"global_batch_size": 16, "micro_batch_size": 1}, "scaling": {"num_workers": 4, "use_gpu": True},
-        "checkpoint": {"storage_path": "s3://b/runs"}, "tracking": {"uri": "http://mlflow:5000"}}))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "unknown",
+                "model": {"path": "org/not-cached"},
+                "data": {"path": "s3://b/d/"},
+                "training": {"global_batch_size": 16, "micro_batch_size": 1},
+                "scaling": {"num_workers": 4, "use_gpu": True},
+                "checkpoint": {"storage_path": "s3://b/runs"},
+                "tracking": {"uri": "http://mlflow:5000"},
+            }
+        )
+    )
     code, out, err = run_cli("k8s", str(job))
     assert code == 0, err
     (group,) = by_kind(yaml.safe_load_all(out))["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     template = k8s.load_template()["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     limits, template_limits = (g["template"]["spec"]["containers"][0]["resources"]["limits"] for g in (group, template))
-    assert (limits["memory"], limits["ephemeral-storage"]) == (template_limits["memory"], template_limits["ephemeral-storage"])
+    assert (limits["memory"], limits["ephemeral-storage"]) == (
+        template_limits["memory"],
+        template_limits["ephemeral-storage"],
+    )
     assert "hf download org/not-cached config.json" in err
 
 
 def test_sizing_counts_each_workers_share_per_node():
-    facts = ModelFacts(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"],
-                                   layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]), "config", False)
+    facts = ModelFacts(
+        KNOWN_CONFIGS["Qwen/Qwen2.5-7B"], layout_from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]), "config", False
+    )
     base = spec_of(JOBS[-1])  # qwen full zero3, 8 workers
-    one = pod_sizing.size_pods(base.model_copy(update={"scaling": base.scaling.model_copy(update={"workers_per_node": 1})}), facts)
+    one = pod_sizing.size_pods(
+        base.model_copy(update={"scaling": base.scaling.model_copy(update={"workers_per_node": 1})}), facts
+    )
     eight = pod_sizing.size_pods(base, facts)
     assert (one.pods, one.gpus, eight.pods, eight.gpus) == ((8, 8), 1, (1, 1), 8)
     # Each rank's process and /dev/shm share count once per rank in the pod (ZeRO-3 fills its
@@ -353,8 +389,12 @@ def pods_as_deployed(doc: dict) -> list[dict]:
     if doc["kind"] == "RayJob":
         options = doc["spec"]["rayClusterSpec"]["autoscalerOptions"]
         head = pods[1]  # submitter, head, workers
-        head["containers"].append({"name": "autoscaler", **{k: v for k, v in options.items()
-                                                            if k in ("securityContext", "resources", "volumeMounts")}})
+        head["containers"].append(
+            {
+                "name": "autoscaler",
+                **{k: v for k, v in options.items() if k in ("securityContext", "resources", "volumeMounts")},
+            }
+        )
     return pods
 
 
@@ -370,39 +410,78 @@ def effective(pod: dict, container: dict, key: str):
 # The Pod Security Standards' `restricted` profile (which includes `baseline`), rule by rule as
 # https://kubernetes.io/docs/concepts/security/pod-security-standards/ states them, plus
 # raytrain's own read-only root filesystem. Each returns what violates it.
-SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-                "net.ipv4.tcp_keepalive_probes"}
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
-                      "secret"}
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+}
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 PSS_RULES = {
-    "HostProcess": lambda pod: [c["name"] for c in containers(pod)
-                                if (effective(pod, c, "windowsOptions") or {}).get("hostProcess")],
+    "HostProcess": lambda pod: [
+        c["name"] for c in containers(pod) if (effective(pod, c, "windowsOptions") or {}).get("hostProcess")
+    ],
     "Host Namespaces": lambda pod: [k for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)],
-    "Privileged Containers": lambda pod: [c["name"] for c in containers(pod) if c.get("securityContext", {}).get("privileged")],
-    "Capabilities": lambda pod: [c["name"] for c in containers(pod)
-                                 if "ALL" not in c.get("securityContext", {}).get("capabilities", {}).get("drop", [])
-                                 or set(c["securityContext"]["capabilities"].get("add", [])) - {"NET_BIND_SERVICE"}],
+    "Privileged Containers": lambda pod: [
+        c["name"] for c in containers(pod) if c.get("securityContext", {}).get("privileged")
+    ],
+    "Capabilities": lambda pod: [
+        c["name"]
+        for c in containers(pod)
+        if "ALL" not in c.get("securityContext", {}).get("capabilities", {}).get("drop", [])
+        or set(c["securityContext"]["capabilities"].get("add", [])) - {"NET_BIND_SERVICE"}
+    ],
     "HostPath Volumes": lambda pod: [v["name"] for v in pod.get("volumes", []) if "hostPath" in v],
     "Host Ports": lambda pod: [c["name"] for c in containers(pod) for p in c.get("ports", []) if p.get("hostPort")],
-    "AppArmor": lambda pod: [c["name"] for c in containers(pod)
-                             if (effective(pod, c, "appArmorProfile") or {}).get("type") == "Unconfined"],
-    "SELinux": lambda pod: [c["name"] for c in containers(pod) if (o := effective(pod, c, "seLinuxOptions") or {})
-                            and (o.get("type") not in SELINUX_TYPES or o.get("user") or o.get("role"))],
-    "/proc Mount Type": lambda pod: [c["name"] for c in containers(pod)
-                                     if c.get("securityContext", {}).get("procMount", "Default") != "Default"],
-    "Seccomp": lambda pod: [c["name"] for c in containers(pod)
-                            if (effective(pod, c, "seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost")],
-    "Sysctls": lambda pod: [s["name"] for s in pod.get("securityContext", {}).get("sysctls", []) if s["name"] not in SAFE_SYSCTLS],
-    "Volume Types": lambda pod: [v["name"] for v in pod.get("volumes", []) if not set(v) - {"name"} <= RESTRICTED_VOLUMES],
-    "Privilege Escalation": lambda pod: [c["name"] for c in containers(pod)
-                                         if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False],
-    "Running as Non-root": lambda pod: [c["name"] for c in containers(pod) if effective(pod, c, "runAsNonRoot") is not True],
+    "AppArmor": lambda pod: [
+        c["name"] for c in containers(pod) if (effective(pod, c, "appArmorProfile") or {}).get("type") == "Unconfined"
+    ],
+    "SELinux": lambda pod: [
+        c["name"]
+        for c in containers(pod)
+        if (o := effective(pod, c, "seLinuxOptions") or {})
+        and (o.get("type") not in SELINUX_TYPES or o.get("user") or o.get("role"))
+    ],
+    "/proc Mount Type": lambda pod: [
+        c["name"] for c in containers(pod) if c.get("securityContext", {}).get("procMount", "Default") != "Default"
+    ],
+    "Seccomp": lambda pod: [
+        c["name"]
+        for c in containers(pod)
+        if (effective(pod, c, "seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost")
+    ],
+    "Sysctls": lambda pod: [
+        s["name"] for s in pod.get("securityContext", {}).get("sysctls", []) if s["name"] not in SAFE_SYSCTLS
+    ],
+    "Volume Types": lambda pod: [
+        v["name"] for v in pod.get("volumes", []) if not set(v) - {"name"} <= RESTRICTED_VOLUMES
+    ],
+    "Privilege Escalation": lambda pod: [
+        c["name"] for c in containers(pod) if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False
+    ],
+    "Running as Non-root": lambda pod: [
+        c["name"] for c in containers(pod) if effective(pod, c, "runAsNonRoot") is not True
+    ],
     "Running as Non-root user": lambda pod: [c["name"] for c in containers(pod) if effective(pod, c, "runAsUser") == 0],
-    "raytrain: read-only root filesystem": lambda pod: [c["name"] for c in containers(pod)
-                                                        if c.get("securityContext", {}).get("readOnlyRootFilesystem") is not True],
+    "raytrain: read-only root filesystem": lambda pod: [
+        c["name"] for c in containers(pod) if c.get("securityContext", {}).get("readOnlyRootFilesystem") is not True
+    ],
 }
 # One violation per rule, applied to a compliant pod: each rule above must catch its own.
 VIOLATIONS = {
@@ -411,7 +490,9 @@ VIOLATIONS = {
     "Privileged Containers": lambda pod: pod["containers"][0]["securityContext"].update(privileged=True),
     "Capabilities": lambda pod: pod["containers"][0]["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]),
     "HostPath Volumes": lambda pod: pod["volumes"].append({"name": "host", "hostPath": {"path": "/"}}),
-    "Host Ports": lambda pod: pod["containers"][0].setdefault("ports", []).append({"containerPort": 80, "hostPort": 80}),
+    "Host Ports": lambda pod: (
+        pod["containers"][0].setdefault("ports", []).append({"containerPort": 80, "hostPort": 80})
+    ),
     "AppArmor": lambda pod: pod["securityContext"].update(appArmorProfile={"type": "Unconfined"}),
     "SELinux": lambda pod: pod["securityContext"].update(seLinuxOptions={"type": "spc_t"}),
     "/proc Mount Type": lambda pod: pod["containers"][0]["securityContext"].update(procMount="Unmasked"),
@@ -421,7 +502,9 @@ VIOLATIONS = {
     "Privilege Escalation": lambda pod: pod["containers"][0]["securityContext"].pop("allowPrivilegeEscalation"),
     "Running as Non-root": lambda pod: pod["containers"][0]["securityContext"].update(runAsNonRoot=False),
     "Running as Non-root user": lambda pod: pod["containers"][0]["securityContext"].update(runAsUser=0),
-    "raytrain: read-only root filesystem": lambda pod: pod["containers"][0]["securityContext"].update(readOnlyRootFilesystem=False),
+    "raytrain: read-only root filesystem": lambda pod: pod["containers"][0]["securityContext"].update(
+        readOnlyRootFilesystem=False
+    ),
 }
 
 
@@ -446,15 +529,23 @@ def test_only_the_autoscaler_holds_a_kubernetes_api_token():
         for template in pod_templates(doc):
             assert template["spec"].get("automountServiceAccountToken") is False, name
             for container in containers(template["spec"]):
-                assert all(m["mountPath"] != token_path and m["name"] != "autoscaler-token"
-                           for m in container.get("volumeMounts", [])), (name, container["name"])
+                assert all(
+                    m["mountPath"] != token_path and m["name"] != "autoscaler-token"
+                    for m in container.get("volumeMounts", [])
+                ), (name, container["name"])
         if doc["kind"] == "RayJob":
             cluster = doc["spec"]["rayClusterSpec"]
             (mount,) = cluster["autoscalerOptions"]["volumeMounts"]
             assert (mount["mountPath"], mount["readOnly"]) == (token_path, True)
-            (volume,) = [v for v in cluster["headGroupSpec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+            (volume,) = [
+                v for v in cluster["headGroupSpec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+            ]
             sources = [next(iter(s)) for s in volume["projected"]["sources"]]
-            assert sources == ["serviceAccountToken", "configMap", "downwardAPI"]  # token, CA, namespace: what in-cluster clients read
+            assert sources == [
+                "serviceAccountToken",
+                "configMap",
+                "downwardAPI",
+            ]  # token, CA, namespace: what in-cluster clients read
 
 
 @pytest.mark.parametrize("name,doc", all_docs(), ids=[n for n, _ in all_docs()])
@@ -465,7 +556,9 @@ def test_pods_have_resources_and_take_secrets_from_secrets(name, doc):
                 assert {"cpu", "memory"} <= set(container["resources"][kind]), (container["name"], kind)
             writable = {m["mountPath"] for m in container.get("volumeMounts", []) if not m.get("readOnly")}
             if container["name"] != "autoscaler":  # KubeRay gives it /tmp/ray
-                assert "/tmp" in writable or "/mlflow" in writable, container["name"]  # read-only root: a writable place
+                assert "/tmp" in writable or "/mlflow" in writable, container[
+                    "name"
+                ]  # read-only root: a writable place
             for env in container.get("env", []):
                 if SECRETISH.search(env["name"]):  # a secret-looking variable never carries a literal
                     assert "value" not in env and "secretKeyRef" in env.get("valueFrom", {}), env
@@ -490,7 +583,7 @@ def test_nothing_is_exposed_outside_the_cluster(name, doc):
 
 
 def _flatten_keys(tree, prefix=""):
-    for key, value in (tree.items() if isinstance(tree, dict) else ()):
+    for key, value in tree.items() if isinstance(tree, dict) else ():
         yield prefix + str(key)
         yield from _flatten_keys(value, f"{prefix}{key}.")
 
@@ -501,8 +594,8 @@ def test_spot_workers_drain_on_termination_within_the_grace_period(job):
     # SIGKILLs it terminationGracePeriodSeconds after the start. The worker's own timer (the
     # checkpoint deadline raytrain gives it in its runtime_env) must fit between the latest
     # moment the drain notice can land and that SIGKILL, and preStop must end before it.
-    from raytrain.train import entry
     from raytrain.driver import worker_env
+    from raytrain.train import entry
 
     spec = spec_of(job)
     worker_deadline = float(worker_env.runtime_env(spec, [])["env_vars"][entry.GRACE_ENV])
@@ -512,8 +605,11 @@ def test_spot_workers_drain_on_termination_within_the_grace_period(job):
         container = pod["spec"]["containers"][0]
         env = {e["name"]: e.get("value") for e in container["env"]}
         script = container["lifecycle"]["preStop"]["exec"]["command"][-1]
-        notice = re.search(r"timeout (\d+) ray drain-node .*--reason DRAIN_NODE_REASON_PREEMPTION .*"
-                           r"--deadline-remaining-seconds \"\$RAYTRAIN_DRAIN_S\"", script)
+        notice = re.search(
+            r"timeout (\d+) ray drain-node .*--reason DRAIN_NODE_REASON_PREEMPTION .*"
+            r"--deadline-remaining-seconds \"\$RAYTRAIN_DRAIN_S\"",
+            script,
+        )
         assert notice, script
         notice_lands_by, hold = int(notice.group(1)), float(env["RAYTRAIN_DRAIN_S"])
         assert grace - notice_lands_by >= worker_deadline  # the worker's whole deadline before SIGKILL
@@ -525,10 +621,14 @@ def test_spot_workers_drain_on_termination_within_the_grace_period(job):
     # Karpenter and GKE, and GPU/spot taints tolerated on the workers only.
     head_terms = head["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     worker_terms = workers["template"]["spec"]["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
     assert all(e["operator"] == "NotIn" for t in head_terms for e in t["matchExpressions"])
-    assert all(e["operator"] == "In" and e["values"][0].lower() in ("spot", "true")
-               for t in worker_terms for e in t["matchExpressions"])
+    assert all(
+        e["operator"] == "In" and e["values"][0].lower() in ("spot", "true")
+        for t in worker_terms
+        for e in t["matchExpressions"]
+    )
     assert "tolerations" not in head
     tolerated = {t["key"] for t in workers["template"]["spec"]["tolerations"]}
     assert ("nvidia.com/gpu" in tolerated) == spec.scaling.use_gpu
@@ -572,8 +672,14 @@ def test_kustomization_lists_every_base_manifest():
         return  # kubectl's built-in kustomize is an extra check where it is installed
     built = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s")], capture_output=True, text=True, check=True)
     docs = [d for d in yaml.safe_load_all(built.stdout) if d]
-    assert {d["kind"] for d in docs} == {"Namespace", "ServiceAccount", "PersistentVolumeClaim", "Deployment",
-                                         "Service", "NetworkPolicy"}
+    assert {d["kind"] for d in docs} == {
+        "Namespace",
+        "ServiceAccount",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+    }
     for doc in docs:
         assert validation_errors(doc) == []
 

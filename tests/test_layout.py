@@ -34,9 +34,20 @@ BELOW = {
 # The one door from the driver into the workers' code: torch-free, it imports the worker inside.
 DRIVER_INTO_TRAIN = {"raytrain.train.entry"}
 # What runs without torch: validate, the run directory, the driver (and all they import).
-TORCH_FREE = ("raytrain.job", "raytrain.rundir", "raytrain.tracking", "raytrain.validate", "raytrain.deploy",
-              "raytrain.driver", "raytrain.cli", "raytrain.model.hub", "raytrain.model.facts", "raytrain.model.targets",
-              "raytrain.train.entry", "raytrain.train.preemption")
+TORCH_FREE = (
+    "raytrain.job",
+    "raytrain.rundir",
+    "raytrain.tracking",
+    "raytrain.validate",
+    "raytrain.deploy",
+    "raytrain.driver",
+    "raytrain.cli",
+    "raytrain.model.hub",
+    "raytrain.model.facts",
+    "raytrain.model.targets",
+    "raytrain.train.entry",
+    "raytrain.train.preemption",
+)
 HEAVY = ("torch", "transformers", "peft", "deepspeed", "torchao", "vllm", "liger_kernel")
 
 
@@ -98,14 +109,21 @@ def test_each_room_imports_only_what_lies_below_it():
             elif here == "driver" and there == "train" and target not in DRIVER_INTO_TRAIN:
                 wrong.append(f"{module} -> {target}: the driver enters the workers' code by train/entry.py only")
             elif there not in BELOW.get(here, set()):
-                wrong.append(f"{module} -> {target}: {here}/ may import {sorted(BELOW.get(here, set()))} and the leaves")
+                wrong.append(
+                    f"{module} -> {target}: {here}/ may import {sorted(BELOW.get(here, set()))} and the leaves"
+                )
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
 
 
 def test_worker_code_never_imports_the_driver_or_validate():
     worker_rooms = {"train", "strategies", "objectives", "model", "rl", "data"}
-    wrong = [f"{m} -> {t}" for m, p in MODULES.items() if room(m) in worker_rooms
-             for t, _ in _imports(p) if t.startswith("raytrain.") and room(t) in ("driver", "validate", "deploy", "cli")]
+    wrong = [
+        f"{m} -> {t}"
+        for m, p in MODULES.items()
+        if room(m) in worker_rooms
+        for t, _ in _imports(p)
+        if t.startswith("raytrain.") and room(t) in ("driver", "validate", "deploy", "cli")
+    ]
     assert not wrong, wrong
 
 
@@ -134,9 +152,11 @@ def test_the_torch_free_rooms_import_no_torch_at_module_level():
                 wrong.append(f"{module} imports {dep}, which imports {heavy} at module level")
     assert not wrong, "\n".join(wrong)
     # And for real, third-party imports included (`ray.train.torch` imports torch, for one).
-    code = ("import importlib, sys\n"
-            f"for m in {sorted(torch_free)!r}: importlib.import_module(m)\n"
-            f"print(sorted(p for p in {HEAVY!r} if p in sys.modules))")
+    code = (
+        "import importlib, sys\n"
+        f"for m in {sorted(torch_free)!r}: importlib.import_module(m)\n"
+        f"print(sorted(p for p in {HEAVY!r} if p in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -148,3 +168,20 @@ def test_the_package_keeps_few_flat_modules_beside_its_rooms():
     assert set(rooms) == set(BELOW), rooms  # every room is in the table above, and every row is a room
     for leaf in LEAVES:
         assert not [t for t, top in _imports(MODULES[f"raytrain.{leaf}"]) if top and t.startswith("raytrain")], leaf
+
+
+def test_the_code_is_formatted_and_linted():
+    # pyproject.toml's [tool.ruff]: 120 columns, pyflakes, import order; `ruff format` is the layout.
+    root = PACKAGE.parent
+    ruff = [sys.executable, "-m", "ruff"]
+    lint = subprocess.run(
+        [*ruff, "check", "--no-cache", "raytrain", "tests", "benchmarks"], capture_output=True, text=True, cwd=root
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    layout = subprocess.run(
+        [*ruff, "format", "--check", "--no-cache", "raytrain", "tests", "benchmarks"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
+    assert layout.returncode == 0, "run `.venv/bin/ruff format`:\n" + layout.stdout + layout.stderr

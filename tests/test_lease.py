@@ -19,8 +19,8 @@ import uuid
 
 import pytest
 
-from raytrain.rundir import lease, versioned
 from raytrain.errors import JobError
+from raytrain.rundir import lease, versioned
 
 ME = {"host": "elsewhere", "pid": 1, "job_id": "01000000", "submission_id": None, "since": time.time()}
 
@@ -76,6 +76,7 @@ def test_a_torn_or_unreadable_record_is_never_taken_for_no_holder(run_dir, quick
     torn = json.dumps(holder)[:25]  # what a truncating writer, or a read cut short, leaves
     if run_dir.startswith("s3://"):
         import boto3
+
         bucket, _, key = lease.uri(run_dir).removeprefix("s3://").partition("/")
         boto3.client("s3").put_object(Bucket=bucket, Key=key, Body=torn.encode())
     else:
@@ -151,6 +152,8 @@ def test_a_run_directory_without_conditional_writes_is_refused_at_validate():
     from raytrain.job.spec import CheckpointSpec
 
     for uri in ("gs://bucket/runs", "hdfs://namenode/runs", "abfs://container/runs"):
-        with pytest.raises(ValueError, match=f"storage_path='{uri}'.*conditional writes.*use an s3:// bucket.*shared file system"):
+        with pytest.raises(
+            ValueError, match=f"storage_path='{uri}'.*conditional writes.*use an s3:// bucket.*shared file system"
+        ):
             CheckpointSpec(storage_path=uri)
     assert CheckpointSpec(storage_path="s3://bucket/runs") and CheckpointSpec(storage_path="/mnt/shared/runs")

@@ -16,15 +16,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_job
+
 from raytrain.model import modeling
 from raytrain.strategies.base import to_fp32_master
 
 pytestmark = pytest.mark.slow
 # (strategy, finetune, model.dtype); the files hold bf16, so float32 casts on the way in.
-CASES = [("fsdp2", "lora", "bfloat16"), ("fsdp2", "full", "bfloat16"), ("fsdp2", "full", "float32"),
-         ("zero3", "lora", "float32"), ("zero3", "full", "float32")]
+CASES = [
+    ("fsdp2", "lora", "bfloat16"),
+    ("fsdp2", "full", "bfloat16"),
+    ("fsdp2", "full", "float32"),
+    ("zero3", "lora", "float32"),
+    ("zero3", "full", "float32"),
+]
 
 
 def load_and_gather(config: dict) -> None:
@@ -42,10 +47,13 @@ def load_and_gather(config: dict) -> None:
         spec = JobSpec.model_validate_json(spec_json)
         strategy = build_strategy(spec, torch.device("cpu"))
         if spec.training.strategy == "zero3":  # the partitioned module's weights, gathered one module at a time
-            state = gathered_state_dict(strategy.hf_model, dist.get_rank(), fp32_master=False,
-                                        dtype=modeling.DTYPES[spec.model.dtype])
+            state = gathered_state_dict(
+                strategy.hf_model, dist.get_rank(), fp32_master=False, dtype=modeling.DTYPES[spec.model.dtype]
+            )
         else:
-            state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            state = get_model_state_dict(
+                strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         buffers = {n: b.detach().clone() for n, b in strategy.hf_model.named_buffers()}
         out[key] = {"state": state, "buffers": buffers, "how": getattr(strategy, "loaded_by", None)}
         if spec.training.finetune == "full":  # every rank writes its file of the export
@@ -70,16 +78,29 @@ def test_sharded_loading_equals_from_pretrained(ray_address, assets, split_model
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    specs = {f"{strategy}-{finetune}-{dtype}": make_job(
-        assets, tmp_path, name=f"load-{finetune}", model={"path": str(split_model), "dtype": dtype},
-        training={"strategy": strategy, "finetune": finetune}, scaling={"num_workers": workers})
-        for strategy, finetune, dtype in CASES}
+    specs = {
+        f"{strategy}-{finetune}-{dtype}": make_job(
+            assets,
+            tmp_path,
+            name=f"load-{finetune}",
+            model={"path": str(split_model), "dtype": dtype},
+            training={"strategy": strategy, "finetune": finetune},
+            scaling={"num_workers": workers},
+        )
+        for strategy, finetune, dtype in CASES
+    }
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     out = tmp_path / "loaded.pt"
-    TorchTrainer(load_and_gather, train_loop_config={"specs": {k: s.model_dump_json() for k, s in specs.items()},
-                                                     "out": str(out), "exports": str(tmp_path / "exports")},
-                 scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
-                 run_config=RunConfig(name=f"load-{workers}", storage_path=str(tmp_path / "ray"))).fit()
+    TorchTrainer(
+        load_and_gather,
+        train_loop_config={
+            "specs": {k: s.model_dump_json() for k, s in specs.items()},
+            "out": str(out),
+            "exports": str(tmp_path / "exports"),
+        },
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"load-{workers}", storage_path=str(tmp_path / "ray")),
+    ).fit()
     loaded = torch.load(out)
     for key, spec in specs.items():
         state, buffers = expected(spec)
@@ -102,8 +123,11 @@ def check_export(folder: Path, state: dict, spec, workers: int) -> None:
 
     dtype = modeling.DTYPES[spec.model.dtype]
     files = sorted(p.name for p in folder.glob("*.safetensors"))
-    assert files == ([f"model-{i:05d}-of-{workers:05d}.safetensors" for i in range(1, workers + 1)] if workers > 1
-                     else ["model.safetensors"]), files
+    assert files == (
+        [f"model-{i:05d}-of-{workers:05d}.safetensors" for i in range(1, workers + 1)]
+        if workers > 1
+        else ["model.safetensors"]
+    ), files
     exported = AutoModelForCausalLM.from_pretrained(str(folder))
     assert exported.dtype == dtype
     got = exported.state_dict()
@@ -124,15 +148,19 @@ def test_a_checkpoint_is_complete_when_it_holds_what_its_kind_of_job_trains(asse
 
     full = AutoModelForCausalLM.from_pretrained(str(assets / "model"))
     assert full.get_input_embeddings().weight is full.get_output_embeddings().weight  # tied
-    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(str(assets / "model")),
-                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(assets / "model")),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     for model, finetune in ((full, "full"), (lora, "lora")):
         names = dict(model.named_parameters(remove_duplicate=False))
         saved = {n for n, p in model.named_parameters() if finetune == "full" or p.requires_grad}
         missing = sorted(set(names) - saved)
         modeling.require_complete(model, missing, [], finetune, "step_2")  # tied: the output layer needs no entry
         trained = sorted(saved)[1]
-        with pytest.raises(JobError, match=rf"step_2 does not match model.path \(no saved value for 1 weight.*{trained}"):
+        with pytest.raises(
+            JobError, match=rf"step_2 does not match model.path \(no saved value for 1 weight.*{trained}"
+        ):
             modeling.require_complete(model, missing + [trained], [], finetune, "step_2")
         with pytest.raises(JobError, match=r"1 saved weight\(s\) the model does not have, e.g. \['renamed.weight'\]"):
             modeling.require_complete(model, missing, ["renamed.weight"], finetune, "step_2")

@@ -38,9 +38,11 @@ CASES = {
     "memory sp=1": ({"seq": 2048, "batch": 4}, (False, False)),
     "memory sp=4": ({"seq": 2048, "batch": 4, "sp": 4}, (False, False)),
 }
-BASELINE = {name: next(b for b in ("lora", "sft unpacked", "sft")
-                       if name.startswith(b) and CASES[b][1] == rows)
-            for name, (_, rows) in CASES.items() if not name.startswith("memory")}
+BASELINE = {
+    name: next(b for b in ("lora", "sft unpacked", "sft") if name.startswith(b) and CASES[b][1] == rows)
+    for name, (_, rows) in CASES.items()
+    if not name.startswith("memory")
+}
 
 
 def run_cases(config: dict) -> None:
@@ -52,8 +54,12 @@ def run_cases(config: dict) -> None:
     out = {}
     for name, (mesh, (pairs, packed)) in config["cases"].items():
         rows = mesh_cases.global_rows(pairs, packed, mesh.get("batch", 8), seq=mesh.get("seq", mesh_cases.SEQ))
-        spec = mesh_cases.job(config["model"], config["storage"], objective="dpo" if pairs else "sft",
-                              **{k: v for k, v in mesh.items() if k not in ("objective", "export")})
+        spec = mesh_cases.job(
+            config["model"],
+            config["storage"],
+            objective="dpo" if pairs else "sft",
+            **{k: v for k, v in mesh.items() if k not in ("objective", "export")},
+        )
         export = f"{config['storage']}/exports/{name}" if mesh.get("export") else None
         result = mesh_cases.run_case(spec, rows, steps=3, export_to=export)
         peaks = [None] * dist.get_world_size()
@@ -73,11 +79,18 @@ def results(ray_address, assets, tmp_path_factory) -> dict:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers import no tests/ module by name
     tmp = tmp_path_factory.mktemp("mesh")
     out = tmp / "cases.json"
-    TorchTrainer(run_cases, train_loop_config={"cases": CASES, "model": str(assets / "model"), "storage": str(tmp),
-                                               "tests": str(Path(__file__).parent),
-                                               "out": str(out)},
-                 scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
-                 run_config=RunConfig(name="mesh-cases", storage_path=str(tmp / "ray"))).fit()
+    TorchTrainer(
+        run_cases,
+        train_loop_config={
+            "cases": CASES,
+            "model": str(assets / "model"),
+            "storage": str(tmp),
+            "tests": str(Path(__file__).parent),
+            "out": str(out),
+        },
+        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="mesh-cases", storage_path=str(tmp / "ray")),
+    ).fit()
     return {**json.loads(out.read_text()), "exports": str(tmp / "exports")}
 
 
@@ -88,8 +101,10 @@ def rel(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize("name", sorted(BASELINE.keys() - set(BASELINE.values())))
 def test_a_mesh_trains_with_data_parallelisms_losses_and_gradients(results, name):
     case, base = results[name], results[BASELINE[name]]
-    print(f"\n[mesh] {name} vs {BASELINE[name]}: losses {rel(case['losses'], base['losses']):.1e}, "
-          f"grad norms {rel(case['grad_norms'], base['grad_norms']):.1e} (max relative)")
+    print(
+        f"\n[mesh] {name} vs {BASELINE[name]}: losses {rel(case['losses'], base['losses']):.1e}, "
+        f"grad norms {rel(case['grad_norms'], base['grad_norms']):.1e} (max relative)"
+    )
     assert base["losses"][2] < base["losses"][0]  # the baseline learns: agreement is not two flat lines
     assert rel(case["losses"], base["losses"]) <= REL_TOL, (case["losses"], base["losses"])
     # Gradients, not only the forward: a wrong exchange's backward parts from the first step's norm.
@@ -135,7 +150,9 @@ def test_a_tensor_parallel_export_is_the_same_model(results, tmp_path_factory, n
 
 def test_a_ranks_activation_memory_falls_with_sequence_parallelism(results):
     whole, quarter = (max(results[f"memory sp={n}"]["step_peak_mb"]) for n in (1, 4))
-    print(f"\n[mesh] a rank's peak memory over 3 steps of one 2,048-token sequence: sp=1 {whole:.1f} MiB, "
-          f"sp=4 {quarter:.1f} MiB (ratio {whole / max(quarter, 1e-9):.2f})")
+    print(
+        f"\n[mesh] a rank's peak memory over 3 steps of one 2,048-token sequence: sp=1 {whole:.1f} MiB, "
+        f"sp=4 {quarter:.1f} MiB (ratio {whole / max(quarter, 1e-9):.2f})"
+    )
     assert rel(results["memory sp=4"]["losses"], results["memory sp=1"]["losses"]) <= REL_TOL
     assert quarter < 0.5 * whole

@@ -20,9 +20,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import make_job, metric_history, without_checkpoint
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import make_job, metric_history, without_checkpoint
 from raytrain.driver import launcher
 from raytrain.train.export import latest_checkpoint
 
@@ -35,10 +35,16 @@ PROBE = torch.tensor([[5, 17, 42, 9, 33, 120, 7, 64, 1, 200, 88, 13]])
 
 
 def job(assets, storage, name="meshes", **scaling):
-    return make_job(assets, storage, name=name,
-                    training={"finetune": "full", "max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 1},
-                    scaling={"num_workers": 4, **scaling}, failure={"max_failures": 1},
-                    checkpoint={"every_n_steps": EVERY, "keep_last": 4}, optimizer={"lr": 3e-3, "schedule": "constant"})
+    return make_job(
+        assets,
+        storage,
+        name=name,
+        training={"finetune": "full", "max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 1},
+        scaling={"num_workers": 4, **scaling},
+        failure={"max_failures": 1},
+        checkpoint={"every_n_steps": EVERY, "keep_last": 4},
+        optimizer={"lr": 3e-3, "schedule": "constant"},
+    )
 
 
 def chunks_of(step_dir: str, key: str = "model.model.layers.0.mlp.up_proj.weight") -> int:
@@ -70,8 +76,10 @@ def test_meshes_resume_each_others_checkpoints(ray_address, assets, tmp_path):
         assert chunks_of(latest_checkpoint(c_spec.run_dir)) == 4  # split by tp, then sharded over dp
         c_logits = logits_of(f"{c_spec.run_dir}/final_model")
 
-    print(f"\n[meshes] max relative loss difference from A (sp=2, HSDP): C (tp=2 x dp=2, from A's step 4) "
-          f"{worst(a, c, range(5, 9)):.1e}")
+    print(
+        f"\n[meshes] max relative loss difference from A (sp=2, HSDP): C (tp=2 x dp=2, from A's step 4) "
+        f"{worst(a, c, range(5, 9)):.1e}"
+    )
     assert set(range(5, STEPS + 1)) <= set(c)  # it trained its steps
     assert worst(a, c, range(5, 9)) <= REL_TOL
     # The exports (written under sp x HSDP and tp x dp) are the same model within fp32 rounding.

@@ -1,18 +1,16 @@
-"""Every shipped job trains, in miniature (litgpt tests every shipped config: a shipped job that
-cannot run is a defect; the 64k job's sp + activation checkpointing crashed at its first backward).
+"""Every shipped job trains, in miniature (litgpt tests every shipped config: a shipped job that cannot run is a defect;
+the 64k job's sp + activation checkpointing crashed at its first backward).
 
-Each YAML in jobs/ keeps every option it sets (strategy, fine-tuning, objective, precision,
-sequence parallelism, activation checkpointing, packing, attention, async checkpoints, offload,
-evaluation) and changes only what this machine cannot hold: the model becomes a tiny one of the
-same architecture (the published config scaled down: 2 layers, the same head ratio), the data the
-demo rows in the job's format (GRPO: the demo prompts, 4 completions of at most 16 tokens), the workers 4 CPU ranks (whole sequence-parallel groups), rows and
-batches shorter, and 2 steps with a checkpoint. flash_attention_2 is transformers' integration with
-flash-attn's kernels in plain torch (tests/varlen.py). The miniature validates as `raytrain
-validate` checks it, trains on 4 gloo ranks through the worker's path without Ray
-(tests/gpu/local_run.py: prepare, strategy, `loop.fit`, commit), and its checkpoint restores. One
-spawned group of 4 ranks trains every miniature in turn, as test_combinations' group runs its cases:
-torch and the product are imported once, not once a job.
-"""
+Each YAML in jobs/ keeps every option it sets (strategy, fine-tuning, objective, precision, sequence parallelism,
+activation checkpointing, packing, attention, async checkpoints, offload, evaluation) and changes only what this machine
+cannot hold: the model becomes a tiny one of the same architecture (the published config scaled down: 2 layers, the same
+head ratio), the data the demo rows in the job's format (GRPO: the demo prompts, 4 completions of at most 16 tokens),
+the workers 4 CPU ranks (whole sequence-parallel groups), rows and batches shorter, and 2 steps with a checkpoint.
+flash_attention_2 is transformers' integration with flash-attn's kernels in plain torch (tests/varlen.py). The miniature
+validates as `raytrain validate` checks it, trains on 4 gloo ranks through the worker's path without Ray
+(tests/gpu/local_run.py: prepare, strategy, `loop.fit`, commit), and its checkpoint restores. One spawned group of 4
+ranks trains every miniature in turn, as test_combinations' group runs its cases: torch and the product are imported
+once, not once a job."""
 
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import KNOWN_CONFIGS, REPO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -31,8 +28,11 @@ import local_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 # The jobs that run here as shipped are tests whole (a miniature would be them again, smaller).
-WHOLE = {"quickstart.yaml": "test_spine.py runs `raytrain quickstart`", "grpo-demo.yaml": "test_rl.py runs it",
-         "grpo-vllm.yaml": "test_vllm.py runs it"}
+WHOLE = {
+    "quickstart.yaml": "test_spine.py runs `raytrain quickstart`",
+    "grpo-demo.yaml": "test_rl.py runs it",
+    "grpo-vllm.yaml": "test_vllm.py runs it",
+}
 JOBS = sorted(p for p in (REPO / "jobs").glob("*.yaml") if p.name not in WHOLE)
 WORLD = 4
 
@@ -46,9 +46,16 @@ def tiny_model(hub_id: str, assets: Path, out: Path) -> Path:
     ratio = min(4, published["num_attention_heads"] // published["num_key_value_heads"])
     heads, kv = 2 * ratio, 2
     vocab = json.loads((assets / "model" / "config.json").read_text())["vocab_size"]
-    small = {**published, "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": kv,
-             "hidden_size": 16 * heads, "intermediate_size": 56 * heads, "vocab_size": vocab,
-             "max_position_embeddings": 4096}
+    small = {
+        **published,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "hidden_size": 16 * heads,
+        "intermediate_size": 56 * heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+    }
     small.pop("architectures", None)
     config = AutoConfig.for_model(small.pop("model_type"), **small)
     torch.manual_seed(0)
@@ -68,14 +75,28 @@ def demo_data(assets: Path, fmt: str, preference: bool, tmp: Path, kto: bool = F
         if fmt != "chat":
             return assets / "kto.jsonl"
         rows = [json.loads(line) for line in (assets / "kto.jsonl").read_text().splitlines()]
-        rows = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}],
-                 "label": r["label"]} for r in rows]
+        rows = [
+            {
+                "messages": [
+                    {"role": "user", "content": r["prompt"]},
+                    {"role": "assistant", "content": r["completion"]},
+                ],
+                "label": r["label"],
+            }
+            for r in rows
+        ]
     elif preference:
         if fmt != "chat":
             return assets / "pairs.jsonl"
         rows = [json.loads(line) for line in (assets / "pairs.jsonl").read_text().splitlines()]
-        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                 "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in rows
+        ]
     elif fmt in ("text", "chat"):
         return assets / f"{fmt}.jsonl"
     else:
@@ -84,8 +105,14 @@ def demo_data(assets: Path, fmt: str, preference: bool, tmp: Path, kto: bool = F
             names = {"user": "human", "assistant": "gpt", "system": "system"}
             rows = [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in c]} for c in chats]
         else:  # alpaca
-            rows = [{"instruction": next(m["content"] for m in c if m["role"] == "user"), "input": "",
-                     "output": next(m["content"] for m in c if m["role"] == "assistant")} for c in chats]
+            rows = [
+                {
+                    "instruction": next(m["content"] for m in c if m["role"] == "user"),
+                    "input": "",
+                    "output": next(m["content"] for m in c if m["role"] == "assistant"),
+                }
+                for c in chats
+            ]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 
@@ -93,13 +120,16 @@ def demo_data(assets: Path, fmt: str, preference: bool, tmp: Path, kto: bool = F
 def miniature(job: Path, assets: Path, tmp: Path) -> dict:
     raw = yaml.safe_load(job.read_text())
     hub_id = raw["model"]["path"]
-    raw["model"]["path"] = str(tiny_model(hub_id, assets, tmp / "model") if hub_id in KNOWN_CONFIGS
-                               else assets / "model")
+    raw["model"]["path"] = str(
+        tiny_model(hub_id, assets, tmp / "model") if hub_id in KNOWN_CONFIGS else assets / "model"
+    )
     d, t, s = raw["data"], raw.setdefault("training", {}), raw.setdefault("scaling", {})
     preference, kto = t.get("objective", "sft") != "sft", t.get("objective") == "kto"
     for source in d.get("sources") or [d]:
         fmt = source.get("format") or d.get("format", "text")
-        source["path"] = str(assets / "prompts.jsonl" if fmt == "prompt" else demo_data(assets, fmt, preference, tmp, kto))
+        source["path"] = str(
+            assets / "prompts.jsonl" if fmt == "prompt" else demo_data(assets, fmt, preference, tmp, kto)
+        )
     if (d.get("eval") or {}).get("path"):
         d["eval"]["path"] = str(demo_data(assets, d.get("format", "text"), preference, tmp, kto))
     if d.get("eval"):
@@ -107,8 +137,10 @@ def miniature(job: Path, assets: Path, tmp: Path) -> dict:
     group = s.get("sequence_parallel", 1) * s.get("tensor_parallel", 1)
     d["seq_len"] = min(d.get("seq_len", 512), 128) // group * group
     if "grpo" in t:  # GRPO: completions that fit the shorter rows, beside the demo prompts
-        t["grpo"].update(max_completion_length=min(t["grpo"]["max_completion_length"], 16),
-                         num_generations=min(t["grpo"]["num_generations"], 4))
+        t["grpo"].update(
+            max_completion_length=min(t["grpo"]["max_completion_length"], 16),
+            num_generations=min(t["grpo"]["num_generations"], 4),
+        )
     dp = WORLD // group
     t.update(global_batch_size=dp * t.get("micro_batch_size", 4) * 2, max_steps=2)  # 2 micro-batches a rank
     for key in ("num_workers", "min_workers", "max_workers", "cpus_per_worker", "accelerator_memory_gb", "use_gpu"):
@@ -142,8 +174,11 @@ def train_and_restore(rank: int, world: int, device, jobs: dict[str, tuple[str, 
             local_run.release(again)
         except Exception as exc:  # name the job: the spawned traceback alone does not
             raise RuntimeError(f"{name} failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
-        out[name] = {"losses": trained.losses, "restored_step": state.step,
-                     "metrics": {k: v for k, v in trained.steps.get(2, {}).items() if isinstance(v, float)}}
+        out[name] = {
+            "losses": trained.losses,
+            "restored_step": state.step,
+            "metrics": {k: v for k, v in trained.steps.get(2, {}).items() if isinstance(v, float)},
+        }
     return out
 
 
@@ -151,8 +186,8 @@ def train_and_restore(rank: int, world: int, device, jobs: dict[str, tuple[str, 
 def miniatures(assets, tmp_path_factory) -> dict:
     """Each shipped job in miniature, validated as `raytrain validate` checks it, its stores prepared;
     then all trained and restored by one spawned group of WORLD ranks."""
-    from raytrain.validate import preflight
     from raytrain.job.spec import JobSpec
+    from raytrain.validate import preflight
 
     specs, jobs = {}, {}
     for job in JOBS:

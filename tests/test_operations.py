@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_port, make_job
 
 BIN = Path(sys.executable).parent
@@ -65,10 +64,26 @@ class MlflowServer:
         import urllib.request
 
         log = open(self.root / "server.log", "a")
-        self.proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
-                                      "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
-                                      "--artifacts-destination", str(self.root / "artifacts")],
-                                     stdout=log, stderr=log, cwd=self.root, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{self.root}/mlflow.db",
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+            ],
+            stdout=log,
+            stderr=log,
+            cwd=self.root,
+            start_new_session=True,
+        )
 
         def up() -> bool:
             assert self.proc.poll() is None, (self.root / "server.log").read_text()[-2000:]
@@ -119,7 +134,8 @@ def run_in_thread(spec):
 
 
 def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_later(
-        ray_address, inject_faults, mlflow_server, assets, tmp_path, capfd):
+    ray_address, inject_faults, mlflow_server, assets, tmp_path, capfd
+):
     # Before: committed metrics were written on rank 0's training thread at every checkpoint; an
     # outage longer than MLflow's own retries failed rank 0, and every restart failed the same way.
     import ray
@@ -129,9 +145,14 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     from raytrain.driver import control
 
     inject_faults([{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": 0.3}])
-    spec = make_job(assets, tmp_path / "runs", name="outage", training={"max_steps": 400},
-                    checkpoint={"every_n_steps": 2, "export_final": False},
-                    tracking={"uri": mlflow_server.uri, "experiment": "outage"})
+    spec = make_job(
+        assets,
+        tmp_path / "runs",
+        name="outage",
+        training={"max_steps": 400},
+        checkpoint={"every_n_steps": 2, "export_final": False},
+        tracking={"uri": mlflow_server.uri, "experiment": "outage"},
+    )
     before = {line: worker_said(line) for line in ("MLflow unreachable (", "MLflow reachable again")}
     thread, box = run_in_thread(spec)
 
@@ -145,8 +166,10 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     mlflow_server.start()
     client = MlflowClient(mlflow_server.uri)
     (run,) = client.search_runs([client.get_experiment_by_name("outage").experiment_id])
-    wait_until(lambda: max((m.step for m in client.get_metric_history(run.info.run_id, "loss")), default=0) > back_from,
-               what="the kept steps written")
+    wait_until(
+        lambda: max((m.step for m in client.get_metric_history(run.info.run_id, "loss")), default=0) > back_from,
+        what="the kept steps written",
+    )
 
     # 2. Down again until the job ends (stopped as `ray job stop` stops it): it ends by its training,
     # says where its metrics are kept, and `raytrain sync-metrics` writes them once MLflow is back.
@@ -173,8 +196,11 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     assert "metrics" not in json.loads((last / STATE_FILE).read_text())
     own = [step for step, _ in json.loads((last / METRICS_FILE).read_text())]
     assert own[-1] == result.metrics["step"] and own[0] > result.metrics["step"] - 2  # every_n_steps 2 (or the stop's)
-    kept = [(step, *sorted(metrics)) for f in sorted(Path(spec.run_dir, FOLDER).glob("steps_*.json"))
-            for step, metrics in json.loads(f.read_text())["steps"]]  # a step's metrics, and its checkpoint_step
+    kept = [
+        (step, *sorted(metrics))
+        for f in sorted(Path(spec.run_dir, FOLDER).glob("steps_*.json"))
+        for step, metrics in json.loads(f.read_text())["steps"]
+    ]  # a step's metrics, and its checkpoint_step
     assert kept and len(kept) == len(set(kept)) and max(kept)[0] < own[0], (kept, own)
     assert cli.main(["sync-metrics", spec.run_dir]) == cli.EXIT_FAILED  # still down: nothing changes
     mlflow_server.start()
@@ -247,9 +273,12 @@ class Driver:
         """`address` None: no cluster to join, so the driver starts a local Ray instance of its own."""
         self.log = log
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "raytrain", "run", str(job_file), *extra],
-                                     stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env={**env, **({"RAY_ADDRESS": address} if address else {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "raytrain", "run", str(job_file), *extra],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env={**env, **({"RAY_ADDRESS": address} if address else {})},
+        )
 
     @property
     def text(self) -> str:
@@ -270,9 +299,14 @@ def slow_job(inject_faults, assets, tmp_path, name: str, steps: int, keep_last: 
     """(spec, its YAML file, a folder for drivers' logs) of a job whose steps take 0.3 s more
     (long enough for a second driver to meet it), checkpointing every 3 steps in the background."""
     inject_faults([{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": 0.3}, *faults])
-    spec = make_job(assets, tmp_path / "runs", name=name, training={"max_steps": steps},
-                    checkpoint={"every_n_steps": 3, "keep_last": keep_last, "async_save": True, "export_final": False},
-                    tracking={"experiment": name})
+    spec = make_job(
+        assets,
+        tmp_path / "runs",
+        name=name,
+        training={"max_steps": steps},
+        checkpoint={"every_n_steps": 3, "keep_last": keep_last, "async_save": True, "export_final": False},
+        tracking={"experiment": name},
+    )
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     (tmp_path / "drivers").mkdir()
@@ -280,7 +314,8 @@ def slow_job(inject_faults, assets, tmp_path, name: str, steps: int, keep_last: 
 
 
 def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_workers_resume(
-        ray_address, inject_faults, assets, tmp_path):
+    ray_address, inject_faults, assets, tmp_path
+):
     # Before: a second submit killed the first's control actor and trained into the same run
     # directory beside it; and with async saves and keep_last 1 the driver looked for a COMMITTED
     # marker that Ray's pruning could leave on no folder, while the workers restored Ray's latest.
@@ -308,8 +343,10 @@ def test_one_job_one_driver_a_takeover_and_a_killed_driver_resumed_where_its_wor
     assert f"resuming from {spec.run_dir}/step_{stopped_at:08d} (step {stopped_at})" in third.text
     after = next(s for s in range(stopped_at + 1, steps) if s % 3 == 0)  # its next (asynchronous) save
     # The run directory's second driver (generation 2) writes its checkpoints in folders of its own
-    wait_until(lambda: f"step_{after:08d}-g2" in registered(spec.run_dir) or third.proc.poll() is not None,
-               what=f"step {after}'s asynchronous checkpoint")
+    wait_until(
+        lambda: f"step_{after:08d}-g2" in registered(spec.run_dir) or third.proc.poll() is not None,
+        what=f"step {after}'s asynchronous checkpoint",
+    )
     third.proc.send_signal(signal.SIGKILL)  # right after Ray registered it, before the next save marked anything
     third.wait()
 
@@ -344,8 +381,14 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     # The first job hangs after step 10, once step 9's background checkpoint is registered: the
     # pause, then SIGSTOP of its driver and workers. (A group frozen mid-upload of a checkpoint it
     # committed before the takeover is waited for by the new driver, checkpoint.await_committed.)
-    hang = {"at": "step", "step": 10, "rank": 0, "action": "pause", "seconds": 8,
-            "after_commit": {"run_dir": str(run_dir), "step": 9}}
+    hang = {
+        "at": "step",
+        "step": 10,
+        "rank": 0,
+        "action": "pause",
+        "seconds": 8,
+        "after_commit": {"run_dir": str(run_dir), "step": 9},
+    }
     spec, job_file, logs = slow_job(inject_faults, assets, tmp_path, "fence", steps, keep_last=20, faults=[hang])
     assert spec.run_dir == str(run_dir)
 
@@ -357,8 +400,11 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     assert "on another Ray cluster" in second.text and "--takeover" in second.text and "Traceback" not in second.text
     assert first.proc.poll() is None
 
-    workers = [p.pid for p in psutil.Process(first.proc.pid).children(recursive=True)
-               if "RayTrainWorker" in " ".join(p.cmdline())]  # of its own local Ray instance
+    workers = [
+        p.pid
+        for p in psutil.Process(first.proc.pid).children(recursive=True)
+        if "RayTrainWorker" in " ".join(p.cmdline())
+    ]  # of its own local Ray instance
     hung = [first.proc.pid, *workers]
     assert len(workers) == 2, workers
     first.wait_for("[test] fault injection: pause rank 0 at step of step 10")
@@ -368,8 +414,10 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     third.wait_for("[raytrain] step ", timeout=400)
     resumed = int(third.text.split("(step ")[1].split(")")[0]) if "resuming from" in third.text else 0
     after = next(s for s in range(resumed + 1, steps) if s % 3 == 0)
-    wait_until(lambda: f"step_{after:08d}-g2" in registered(spec.run_dir) or third.proc.poll() is not None,
-               what=f"the new driver's first checkpoint (step {after})")
+    wait_until(
+        lambda: f"step_{after:08d}-g2" in registered(spec.run_dir) or third.proc.poll() is not None,
+        what=f"the new driver's first checkpoint (step {after})",
+    )
     for pid in hung:
         os.kill(pid, signal.SIGCONT)
     assert first.wait(timeout=300) != 0

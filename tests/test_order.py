@@ -29,8 +29,17 @@ def sorted_schedule(weights: list[float], horizon: int) -> tuple[np.ndarray, np.
     return source.astype(np.int64), index
 
 
-WEIGHTS = [[1, 1], [3, 1, 1], [0.7, 0.2, 0.1], [2, 1], [5, 5, 1], [0.25, 0.25, 0.5], [1, 2, 3, 4], [0.1] * 10,
-           [1e-3, 1, 7.3]]
+WEIGHTS = [
+    [1, 1],
+    [3, 1, 1],
+    [0.7, 0.2, 0.1],
+    [2, 1],
+    [5, 5, 1],
+    [0.25, 0.25, 0.5],
+    [1, 2, 3, 4],
+    [0.1] * 10,
+    [1e-3, 1, 7.3],
+]
 
 
 @pytest.mark.parametrize("weights", WEIGHTS, ids=str)
@@ -115,7 +124,7 @@ def test_every_epoch_visits_every_row_once_and_a_seek_lands_on_the_same_rows(row
 def test_the_block_order_mixes_blocks_and_shuffles_a_window_of_blocks_together():
     rows = 100 * BLOCK_ROWS
     got = GlobalOrder(rows, seed=5, shuffle=True, window_rows=4 * BLOCK_ROWS).rows_at(np.arange(rows))[1]
-    first = got[:4 * BLOCK_ROWS]
+    first = got[: 4 * BLOCK_ROWS]
     blocks, sizes = np.unique(first // BLOCK_ROWS, return_counts=True)
     assert len(blocks) == 4 and (sizes == BLOCK_ROWS).all()  # the first window: four whole blocks...
     assert not np.array_equal(blocks, np.arange(4))  # ...from anywhere in the store...
@@ -126,8 +135,9 @@ def test_the_block_order_mixes_blocks_and_shuffles_a_window_of_blocks_together()
 def test_a_ranks_order_held_out_split_and_blend_take_the_same_memory_at_any_size_and_step():
     def peak(rows: int, position: int) -> int:
         tracemalloc.start()
-        stream = Stream([HeldOut(r, 0.01) for r in (rows, rows // 2, rows // 5)], [5, 3, 2], seed=1, shuffle=True,
-                        window_rows=1024)
+        stream = Stream(
+            [HeldOut(r, 0.01) for r in (rows, rows // 2, rows // 5)], [5, 3, 2], seed=1, shuffle=True, window_rows=1024
+        )
         stream.at(np.arange(position, position + 512))
         evaluation = EvalSet(stream.rows, 2000)
         evaluation.at(np.arange(evaluation.rows))

@@ -5,24 +5,34 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import make_job
+
 from raytrain.errors import JobError
 from raytrain.job.plan import RunPlan
 from raytrain.rundir.job_file import sign_plan, verify_plan
 
 
 def test_the_plan_resolves_each_rule_once(assets, tmp_path):
-    gpu = make_job(assets, tmp_path, scaling={"num_workers": 16, "use_gpu": True, "workers_per_node": 8},
-                   training={"finetune": "full", "global_batch_size": 36, "micro_batch_size": 2})
+    gpu = make_job(
+        assets,
+        tmp_path,
+        scaling={"num_workers": 16, "use_gpu": True, "workers_per_node": 8},
+        training={"finetune": "full", "global_batch_size": 36, "micro_batch_size": 2},
+    )
     plan = RunPlan.of(gpu)
     assert plan.bf16 and plan.hsdp and plan.sync_every_micro_batch  # auto: bf16 and HSDP on GPU; full FSDP2 syncs
     assert plan.mesh_shape(16) == (2, 8) and plan.mesh_shape(8) == (8,)  # one node: a flat mesh
     assert plan.shard_degree(16) == 8 and plan.accumulation_steps(16) == 2 and plan.accumulation_steps(5) == 4
     cpu = RunPlan.of(make_job(assets, tmp_path, scaling={"num_workers": 4, "workers_per_node": 2}))
     assert not cpu.bf16 and not cpu.hsdp and cpu.mesh_shape(4) == (4,) and not cpu.sync_every_micro_batch  # LoRA
-    zero3 = RunPlan.of(make_job(assets, tmp_path, training={"strategy": "zero3"},
-                                scaling={"num_workers": 4, "workers_per_node": 2, "use_gpu": True}))
+    zero3 = RunPlan.of(
+        make_job(
+            assets,
+            tmp_path,
+            training={"strategy": "zero3"},
+            scaling={"num_workers": 4, "workers_per_node": 2, "use_gpu": True},
+        )
+    )
     assert not zero3.hsdp and zero3.shard_degree(4) == 4  # auto HSDP is FSDP2's
 
 
@@ -33,19 +43,30 @@ def test_workers_act_only_on_the_job_and_plan_the_driver_signed(assets, tmp_path
     stores = {"train": ["/data/a"], "weights": [1.0], "eval": None, "key": "k"}
     doc = sign_plan(RunPlan.of(spec, stores), spec)
     assert verify_plan(doc) == (spec, RunPlan.of(spec, stores))
-    changed = [{**doc, "bf16": True},
-               {**doc, "spec": {**doc["spec"], "model": {**doc["spec"]["model"], "path": "/elsewhere/model"}}},
-               {**doc, "spec": {**doc["spec"], "model": {**doc["spec"]["model"], "trust_remote_code": True}}},
-               {k: v for k, v in doc.items() if k != "spec"}]
+    changed = [
+        {**doc, "bf16": True},
+        {**doc, "spec": {**doc["spec"], "model": {**doc["spec"]["model"], "path": "/elsewhere/model"}}},
+        {**doc, "spec": {**doc["spec"], "model": {**doc["spec"]["model"], "trust_remote_code": True}}},
+        {k: v for k, v in doc.items() if k != "spec"},
+    ]
     for tampered in changed:
         with pytest.raises(JobError, match="refusing the run plan: its signature is wrong"):
             verify_plan(tampered)
 
 
 def test_the_mesh_rule_places_sequence_and_tensor_ranks_and_resizes_only_data_parallel_ones(assets, tmp_path):
-    spec = make_job(assets, tmp_path, scaling={"num_workers": 16, "use_gpu": True, "workers_per_node": 8,
-                                               "sequence_parallel": 2, "tensor_parallel": 2},
-                    training={"finetune": "full", "global_batch_size": 8, "micro_batch_size": 1})
+    spec = make_job(
+        assets,
+        tmp_path,
+        scaling={
+            "num_workers": 16,
+            "use_gpu": True,
+            "workers_per_node": 8,
+            "sequence_parallel": 2,
+            "tensor_parallel": 2,
+        },
+        training={"finetune": "full", "global_batch_size": 8, "micro_batch_size": 1},
+    )
     plan = RunPlan.of(spec)
     mesh = plan.mesh(16)  # 2 nodes of 8: each node 2 dp ranks of one sp pair of tp pairs
     assert (mesh.replicate, mesh.shard, mesh.sp, mesh.tp, mesh.dp, mesh.gradient_ranks) == (2, 2, 2, 2, 4, 8)
@@ -70,8 +91,10 @@ def test_model_parallel_limits_name_the_heads_and_the_fix():
     [(field, value, text)] = model_parallel_problems(llama, 3, 1)
     assert field == "scaling.sequence_parallel" and "32 attention heads per tensor-parallel rank" in text
     qwen = {"model_type": "qwen2", "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944}
-    assert "num_attention_heads=28 is not divisible by 8: each rank takes an equal part; use tensor_parallel 4" in \
-        model_parallel_problems(qwen, 1, 8)[0][2]
+    assert (
+        "num_attention_heads=28 is not divisible by 8: each rank takes an equal part; use tensor_parallel 4"
+        in model_parallel_problems(qwen, 1, 8)[0][2]
+    )
     [(field, _, text)] = model_parallel_problems({**llama, "model_type": "gpt2"}, 1, 2)
     assert field == "scaling.tensor_parallel" and "not 'gpt2'" in text
 
@@ -91,7 +114,7 @@ def test_raytrain_modules_import_in_one_direction():
         edges = graph.setdefault(name, set())
         for node in ast.walk(ast.parse(path.read_text())):  # in functions too: a deferred import is still a circle
             if isinstance(node, ast.ImportFrom):
-                base = package[:len(package) - node.level + 1] if node.level else []
+                base = package[: len(package) - node.level + 1] if node.level else []
                 target = ".".join(base + (node.module.split(".") if node.module else []))
                 if target.startswith("raytrain"):
                     edges.add(target)

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain.job.spec import DataSpec, JobSpec
 from raytrain.data import IGNORE
 from raytrain.data.batches import micro_batches
 from raytrain.data.pairs import encode_pair
+from raytrain.job.spec import DataSpec, JobSpec
 from raytrain.objectives import Preference, sequence_logps, targets_of
 
 
@@ -38,41 +38,71 @@ def trained_text(tok, sequence) -> str:
 
 
 # ---------------------------------------------------------------- rows
-@pytest.mark.parametrize("fmt, row", [
-    ("text", {"prompt": "the red fox", "chosen": " jumps over the hill.", "rejected": " runs over the hill."}),
-    ("chat", {"prompt": [{"role": "user", "content": "what does the fox do?"}],
-              "chosen": [{"role": "assistant", "content": "jumps over the hill."}],
-              "rejected": {"role": "assistant", "content": "runs over the hill."}}),
-    ("alpaca", {"instruction": "what does the fox do?", "input": "", "chosen": "jumps over the hill.",
-                "rejected": "runs over the hill."}),
-    ("sharegpt", {"conversations": [{"from": "human", "value": "what does the fox do?"}],
-                  "chosen": {"from": "gpt", "value": "jumps over the hill."},
-                  "rejected": {"from": "gpt", "value": "runs over the hill."}}),
-])
+@pytest.mark.parametrize(
+    "fmt, row",
+    [
+        ("text", {"prompt": "the red fox", "chosen": " jumps over the hill.", "rejected": " runs over the hill."}),
+        (
+            "chat",
+            {
+                "prompt": [{"role": "user", "content": "what does the fox do?"}],
+                "chosen": [{"role": "assistant", "content": "jumps over the hill."}],
+                "rejected": {"role": "assistant", "content": "runs over the hill."},
+            },
+        ),
+        (
+            "alpaca",
+            {
+                "instruction": "what does the fox do?",
+                "input": "",
+                "chosen": "jumps over the hill.",
+                "rejected": "runs over the hill.",
+            },
+        ),
+        (
+            "sharegpt",
+            {
+                "conversations": [{"from": "human", "value": "what does the fox do?"}],
+                "chosen": {"from": "gpt", "value": "jumps over the hill."},
+                "rejected": {"from": "gpt", "value": "runs over the hill."},
+            },
+        ),
+    ],
+)
 def test_each_format_labels_only_the_responses_after_a_shared_prompt(tok, fmt, row):
     chosen, rejected = encode_pair(tok, DataSpec(path="x", format=fmt, seq_len=64), json.dumps(row).encode())
     closer = tok.eos_token if fmt == "text" else "<|im_end|>"
     assert trained_text(tok, chosen) == f"{' ' if fmt == 'text' else ''}jumps over the hill.{closer}"
     assert trained_text(tok, rejected) == f"{' ' if fmt == 'text' else ''}runs over the hill.{closer}"
+
     def prompt(sequence):  # the tokens before the first trained one
         ids, labels = sequence
-        return ids[:next(i for i, label in enumerate(labels) if label != IGNORE)]
+        return ids[: next(i for i, label in enumerate(labels) if label != IGNORE)]
 
     assert len(prompt(chosen)) > 2 and prompt(chosen) == prompt(rejected)  # never trained, the same
 
 
 def test_the_implicit_prompt_shape_splits_at_the_shared_turns(tok):
     user = {"role": "user", "content": "what does the fox do?"}
-    row = {"chosen": [user, {"role": "assistant", "content": "it jumps."}],
-           "rejected": [user, {"role": "assistant", "content": "it runs."}]}
+    row = {
+        "chosen": [user, {"role": "assistant", "content": "it jumps."}],
+        "rejected": [user, {"role": "assistant", "content": "it runs."}],
+    }
     chosen, rejected = encode_pair(tok, DataSpec(path="x", format="chat", seq_len=64), row)
     assert (trained_text(tok, chosen), trained_text(tok, rejected)) == ("it jumps.<|im_end|>", "it runs.<|im_end|>")
     assert chosen[1].index(next(x for x in chosen[1] if x != IGNORE)) > 5  # the user turn is the prompt
 
 
 def test_earlier_assistant_turns_of_the_prompt_are_context_not_trained(tok):
-    row = {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the owl flies."},
-                      {"role": "user", "content": "and the fox?"}], "chosen": "the fox jumps.", "rejected": "it runs."}
+    row = {
+        "prompt": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "the owl flies."},
+            {"role": "user", "content": "and the fox?"},
+        ],
+        "chosen": "the fox jumps.",
+        "rejected": "it runs.",
+    }
     chosen, _ = encode_pair(tok, DataSpec(path="x", format="chat", seq_len=96), row)
     assert trained_text(tok, chosen) == "the fox jumps.<|im_end|>"
 
@@ -95,11 +125,14 @@ def test_a_margin_is_stored_as_three_tokens_and_read_back_bit_for_bit():
     assert got.numpy().tobytes() == np.array(values, dtype=np.float32).tobytes()
 
 
-@pytest.mark.parametrize("row, why", [
-    ({"prompt": "the fox", "chosen": " jumps."}, "no 'rejected' column"),
-    ({"prompt": "the fox", "chosen": " jumps.", "rejected": ""}, "'rejected' must be a non-empty string"),
-    ({"prompt": "the fox " * 40, "chosen": " jumps.", "rejected": " runs."}, "longer than data.seq_len=32"),
-])
+@pytest.mark.parametrize(
+    "row, why",
+    [
+        ({"prompt": "the fox", "chosen": " jumps."}, "no 'rejected' column"),
+        ({"prompt": "the fox", "chosen": " jumps.", "rejected": ""}, "'rejected' must be a non-empty string"),
+        ({"prompt": "the fox " * 40, "chosen": " jumps.", "rejected": " runs."}, "longer than data.seq_len=32"),
+    ],
+)
 def test_a_pair_that_cannot_be_compared_is_a_bad_row_with_the_reason(tok, row, why):
     with pytest.raises(ValueError, match=why):
         encode_pair(tok, DataSpec(path="x", format="text", seq_len=32), row)
@@ -161,11 +194,24 @@ def _trl_dpo(model, reference, mb: dict, loss_type: str, beta: float) -> tuple[f
     for i, row in enumerate(completion):  # right padding: the prompt and its response, then padding
         attention[i, : int(row.nonzero()[-1]) + 1] = 1
     identity = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t)
-    trainer = SimpleNamespace(model=model, ref_model=reference, accelerator=identity, aux_loss_enabled=False,
-                              ld_alpha=None, precompute_ref_logps=False, f_divergence_type="reverse_kl",
-                              loss_types=[loss_type], loss_weights=[1.0], beta=beta, label_smoothing=0.0,
-                              use_weighting=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-                              _total_train_tokens=0, _tp_size=1, args=SimpleNamespace(gradient_checkpointing_kwargs=None))
+    trainer = SimpleNamespace(
+        model=model,
+        ref_model=reference,
+        accelerator=identity,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=False,
+        f_divergence_type="reverse_kl",
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=beta,
+        label_smoothing=0.0,
+        use_weighting=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+    )
     inputs = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
     loss = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
     return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -184,9 +230,14 @@ def test_dpo_loss_and_metrics_equal_trls_on_the_same_model_and_pairs(assets, tok
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     mb = _batch(tok, preference_rows(6, seed=3))
-    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
-                                   "data": {"path": "x"}, "training": {"objective": "dpo", "global_batch_size": 6,
-                                                                       "preference": {"loss": loss_type, "beta": 0.3}}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "m", "attn_implementation": "eager"},
+            "data": {"path": "x"},
+            "training": {"objective": "dpo", "global_batch_size": 6, "preference": {"loss": loss_type, "beta": 0.3}},
+        }
+    )
     objective = Preference(spec)
     ours, stats = objective(_OneProcess(model, reference, spec), mb)
     n = objective.units(mb)
@@ -207,11 +258,26 @@ def test_simpo_loss_equals_trls_cpo_simpo_and_logps_equal_trls():
     chosen, rejected = -torch.rand(8, generator=g) * 40, -torch.rand(8, generator=g) * 40
     n_c, n_r = torch.randint(3, 20, (8,), generator=g), torch.randint(3, 20, (8,), generator=g)
     for smoothing in (0.0, 0.1):
-        p = JobSpec.model_validate({"name": "t", "model": {"path": "m"}, "data": {"path": "x"}, "training": {
-            "objective": "simpo", "preference": {"beta": 2.0, "gamma": 0.7, "label_smoothing": smoothing}}}).training.preference
+        p = JobSpec.model_validate(
+            {
+                "name": "t",
+                "model": {"path": "m"},
+                "data": {"path": "x"},
+                "training": {
+                    "objective": "simpo",
+                    "preference": {"beta": 2.0, "gamma": 0.7, "label_smoothing": smoothing},
+                },
+            }
+        ).training.preference
         ours, reward_c, reward_r = pair_losses("simpo", p, chosen, rejected, None, None, n_c, n_r)
-        cpo = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.7, beta=2.0, label_smoothing=smoothing,
-                              accelerator=SimpleNamespace(device=torch.device("cpu")))
+        cpo = SimpleNamespace(
+            alpha=0.0,
+            loss_type="simpo",
+            simpo_gamma=0.7,
+            beta=2.0,
+            label_smoothing=smoothing,
+            accelerator=SimpleNamespace(device=torch.device("cpu")),
+        )
         theirs, their_c, their_r = CPOTrainer.cpo_loss(cpo, chosen / n_c, rejected / n_r)
         assert torch.allclose(ours, theirs, atol=1e-6)
         assert torch.allclose(reward_c, their_c, atol=1e-6) and torch.allclose(reward_r, their_r, atol=1e-6)
@@ -225,7 +291,8 @@ def _reward_model(assets, tok):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
-        str(assets / "model"), num_labels=1, pad_token_id=tok.pad_token_id, attn_implementation="eager").train()
+        str(assets / "model"), num_labels=1, pad_token_id=tok.pad_token_id, attn_implementation="eager"
+    ).train()
     torch.manual_seed(2)
     with torch.no_grad():  # a head that scores: the pairs' rewards differ either way
         model.score.weight.normal_(0, 0.5)
@@ -246,18 +313,32 @@ def test_reward_model_loss_and_metrics_equal_trls(assets, tok, center, margins):
     if margins:
         rows = [{**r, **({"margin": m} if m is not None else {})} for r, m in zip(rows, MARGINS)]
     model, mb = _reward_model(assets, tok), _batch(tok, rows, margins=True)
-    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
-                                   "data": {"path": "x"}, "training": {"objective": "reward", "global_batch_size": 6,
-                                   "preference": {"center_rewards_coefficient": center}}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "m", "attn_implementation": "eager"},
+            "data": {"path": "x"},
+            "training": {
+                "objective": "reward",
+                "global_batch_size": 6,
+                "preference": {"center_rewards_coefficient": center},
+            },
+        }
+    )
     objective = Reward(spec)
     ours, stats = objective(_OneProcess(model, None, spec), mb)
     n = objective.units(mb)
     mine = {name: float(s) / n for name, s in zip(objective.metrics, stats)}
     # TRL's compute_loss on its collator's batch: chosen then rejected, right-padded, with a mask.
     identity = SimpleNamespace(gather=lambda t: t, gather_for_metrics=lambda t: t)
-    trainer = SimpleNamespace(model=model, accelerator=identity, _metrics={"train": defaultdict(list)},
-                              _total_train_tokens=0, _tp_size=1,
-                              args=SimpleNamespace(center_rewards_coefficient=center))
+    trainer = SimpleNamespace(
+        model=model,
+        accelerator=identity,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        args=SimpleNamespace(center_rewards_coefficient=center),
+    )
     mask = (mb["input_ids"] != tok.pad_token_id).long()
     inputs = {"input_ids": mb["input_ids"], "attention_mask": mask}
     if margins:  # TRL's collator: a float32 tensor of the rows' margins
@@ -279,29 +360,41 @@ def test_a_reward_is_read_where_transformers_reads_it_and_by_one_sequence_part(a
     from raytrain.objectives import score, staged
     from raytrain.objectives.pairs import split_margins
 
-    rows = [{"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs over the long green hill and far away."},
-            {"prompt": "the cat", "chosen": " sleeps on the warm mat by the door all day.", "rejected": " sits."}]
+    rows = [
+        {"prompt": "the red fox", "chosen": " jumps.", "rejected": " runs over the long green hill and far away."},
+        {"prompt": "the cat", "chosen": " sleeps on the warm mat by the door all day.", "rejected": " sits."},
+    ]
     model, mb = _reward_model(assets, tok), split_margins(_batch(tok, rows, seq_len=32, margins=True))
-    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
-                                   "data": {"path": "x"}, "training": {"objective": "reward", "global_batch_size": 2}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "m", "attn_implementation": "eager"},
+            "data": {"path": "x"},
+            "training": {"objective": "reward", "global_batch_size": 2},
+        }
+    )
     ours = score(_OneProcess(model, None, spec), model, dict(mb)).detach()
     with torch.no_grad():
         plain = model(input_ids=mb["input_ids"], attention_mask=(mb["input_ids"] != tok.pad_token_id).long()).logits
     assert torch.allclose(ours, plain.squeeze(-1), atol=1e-6)
     last = [max(i for i, t in enumerate(row) if t != tok.pad_token_id) for row in mb["input_ids"].tolist()]
     for rank in (0, 1):
-        split = SimpleNamespace(size=2, rank=rank, part=lambda t, r=rank: t[:, r * 16:(r + 1) * 16])
+        split = SimpleNamespace(size=2, rank=rank, part=lambda t, r=rank: t[:, r * 16 : (r + 1) * 16])
         x = staged(_OneProcess(model, None, spec, split=split), dict(mb))
         assert x["here"].tolist() == [float(16 * rank <= i < 16 * (rank + 1)) for i in last]
-        assert [p for p, h in zip(x["last"].tolist(), x["here"].tolist()) if h] == [i - 16 * rank for i in last if 16 * rank <= i < 16 * (rank + 1)]
+        assert [p for p, h in zip(x["last"].tolist(), x["here"].tolist()) if h] == [
+            i - 16 * rank for i in last if 16 * rank <= i < 16 * (rank + 1)
+        ]
     assert 0 < sum(i >= 16 for i in last) < 4  # the rows put last tokens in both parts
 
 
-KTO_ROWS = [{"prompt": "the red fox", "completion": " jumps over the hill.", "label": True},
-            {"prompt": "the cat", "completion": " sleeps.", "label": False},
-            {"prompt": "a small owl", "completion": " flies over the dark woods.", "label": True},
-            {"prompt": "the dog", "completion": " barks at the moon all night.", "label": False},
-            {"prompt": "the horse", "completion": " runs.", "label": True}]
+KTO_ROWS = [
+    {"prompt": "the red fox", "completion": " jumps over the hill.", "label": True},
+    {"prompt": "the cat", "completion": " sleeps.", "label": False},
+    {"prompt": "a small owl", "completion": " flies over the dark woods.", "label": True},
+    {"prompt": "the dog", "completion": " barks at the moon all night.", "label": False},
+    {"prompt": "the horse", "completion": " runs.", "label": True},
+]
 
 
 def _kto_batch(tok, rows: list[dict], seq_len: int = 32) -> dict:
@@ -312,12 +405,15 @@ def _kto_batch(tok, rows: list[dict], seq_len: int = 32) -> dict:
     encoded = encode_unpaired(tok, DataSpec(path="x", format="text", seq_len=seq_len), [json.dumps(r) for r in rows])
     planes = [plane for q in range(3) for plane in pad_rows([e[q] for e in encoded], seq_len, tok.pad_token_id)]
     stacked = np.stack(planes, axis=1)
-    store = SimpleNamespace(seq_len=seq_len, planes=9, manifest={"pad_id": tok.pad_token_id}, read=lambda idx: stacked[idx])
+    store = SimpleNamespace(
+        seq_len=seq_len, planes=9, manifest={"pad_id": tok.pad_token_id}, read=lambda idx: stacked[idx]
+    )
     return micro_batches([store], [(0, i) for i in range(len(rows))], 1)[0]
 
 
-def _trl_kto(model, reference, mb: dict, beta: float, weights: tuple[float, float],
-             loss_type: str = "kto") -> tuple[float, dict]:
+def _trl_kto(
+    model, reference, mb: dict, beta: float, weights: tuple[float, float], loss_type: str = "kto"
+) -> tuple[float, dict]:
     """TRL's KTOTrainer._compute_loss on the same rows and KL sequences, one process."""
     from trl import KTOTrainer
     from trl.trainer.utils import add_fused_lm_head
@@ -327,29 +423,43 @@ def _trl_kto(model, reference, mb: dict, beta: float, weights: tuple[float, floa
             add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
             m._fused = True
     b = len(mb["input_ids"]) // 3
-    inputs = {"label": mb["input_ids"][2 * b:, 0].bool()}
+    inputs = {"label": mb["input_ids"][2 * b :, 0].bool()}
     for prefix, rows in (("", slice(0, b)), ("KL_", slice(b, 2 * b))):
         ids, labels = mb["input_ids"][rows], mb["labels"][rows]
         completion = (labels != IGNORE).long()
         attention = torch.zeros_like(ids)
         for i, row in enumerate(completion):  # right padding: the prompt and its completion, then padding
             attention[i, : int(row.nonzero()[-1]) + 1] = 1
-        inputs.update({f"{prefix}input_ids": ids, f"{prefix}attention_mask": attention,
-                       f"{prefix}completion_mask": completion})
-    identity = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t,
-                               unwrap_model=lambda m: m)
-    trainer = SimpleNamespace(model=model, ref_model=reference, accelerator=identity, aux_loss_enabled=False,
-                              precompute_ref_logps=False, calculate_KL=loss_type == "kto", loss_type=loss_type, beta=beta,
-                              desirable_weight=weights[0], undesirable_weight=weights[1],
-                              _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0,
-                              _tp_size=1, args=SimpleNamespace(gradient_checkpointing_kwargs=None))
+        inputs.update(
+            {f"{prefix}input_ids": ids, f"{prefix}attention_mask": attention, f"{prefix}completion_mask": completion}
+        )
+    identity = SimpleNamespace(
+        device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t, unwrap_model=lambda m: m
+    )
+    trainer = SimpleNamespace(
+        model=model,
+        ref_model=reference,
+        accelerator=identity,
+        aux_loss_enabled=False,
+        precompute_ref_logps=False,
+        calculate_KL=loss_type == "kto",
+        loss_type=loss_type,
+        beta=beta,
+        desirable_weight=weights[0],
+        undesirable_weight=weights[1],
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+    )
     trainer._compute_kl_logps = lambda m, batch: KTOTrainer._compute_kl_logps(trainer, m, batch)
     loss = KTOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
     return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
-@pytest.mark.parametrize("weights,loss_type", [((1.0, 1.0), "kto"), ((1.0, 1.33), "kto"),
-                                               ((1.0, 1.33), "apo_zero_unpaired")])
+@pytest.mark.parametrize(
+    "weights,loss_type", [((1.0, 1.0), "kto"), ((1.0, 1.33), "kto"), ((1.0, 1.33), "apo_zero_unpaired")]
+)
 def test_kto_loss_and_metrics_equal_trls_on_the_same_model_and_rows(assets, tok, weights, loss_type):
     from transformers import AutoModelForCausalLM
 
@@ -362,11 +472,23 @@ def test_kto_loss_and_metrics_equal_trls_on_the_same_model_and_rows(assets, tok,
         for p in reference.parameters():  # reference is the one moved: a positive KL, in play (else clamped to 0)
             p.add_(0.05 * torch.randn_like(p))
     mb = _kto_batch(tok, KTO_ROWS)
-    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m", "attn_implementation": "eager"},
-                                   "data": {"path": "x"}, "training": {"objective": "kto", "global_batch_size": 5,
-                                   "preference": {"beta": 0.3, "desirable_weight": weights[0],
-                                                  "undesirable_weight": weights[1],
-                                                  "loss": "sigmoid" if loss_type == "kto" else loss_type}}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "m", "attn_implementation": "eager"},
+            "data": {"path": "x"},
+            "training": {
+                "objective": "kto",
+                "global_batch_size": 5,
+                "preference": {
+                    "beta": 0.3,
+                    "desirable_weight": weights[0],
+                    "undesirable_weight": weights[1],
+                    "loss": "sigmoid" if loss_type == "kto" else loss_type,
+                },
+            },
+        }
+    )
     theirs_loss, theirs = _trl_kto(model, reference, mb, 0.3, weights, loss_type)
     objective, one = KTO(spec), _OneProcess(model, reference, spec)
     n = objective.units(mb)
@@ -411,21 +533,47 @@ def test_a_kto_row_is_its_example_a_mismatched_kl_sequence_and_its_label(tok):
         assert tok.decode(e[1][0]).startswith(row["prompt"])
 
 
-@pytest.mark.parametrize("fmt, row", [
-    ("chat", {"messages": [{"role": "user", "content": "what does the fox do?"},  # LLaMA-Factory's kto_en_demo.json
-                           {"role": "assistant", "content": "jumps over the hill."}], "label": False}),
-    ("chat", {"prompt": [{"role": "user", "content": "what does the fox do?"}],  # TRL's conversational shape
-              "completion": [{"role": "assistant", "content": "jumps over the hill."}], "label": False}),
-    ("alpaca", {"instruction": "what does the fox do?", "output": "jumps over the hill.", "label": False}),
-    ("sharegpt", {"conversations": [{"from": "human", "value": "what does the fox do?"},
-                                    {"from": "gpt", "value": "jumps over the hill."}], "label": False}),
-])
+@pytest.mark.parametrize(
+    "fmt, row",
+    [
+        (
+            "chat",
+            {
+                "messages": [
+                    {"role": "user", "content": "what does the fox do?"},  # LLaMA-Factory's kto_en_demo.json
+                    {"role": "assistant", "content": "jumps over the hill."},
+                ],
+                "label": False,
+            },
+        ),
+        (
+            "chat",
+            {
+                "prompt": [{"role": "user", "content": "what does the fox do?"}],  # TRL's conversational shape
+                "completion": [{"role": "assistant", "content": "jumps over the hill."}],
+                "label": False,
+            },
+        ),
+        ("alpaca", {"instruction": "what does the fox do?", "output": "jumps over the hill.", "label": False}),
+        (
+            "sharegpt",
+            {
+                "conversations": [
+                    {"from": "human", "value": "what does the fox do?"},
+                    {"from": "gpt", "value": "jumps over the hill."},
+                ],
+                "label": False,
+            },
+        ),
+    ],
+)
 def test_each_format_gives_kto_its_completion_trained_and_its_label(tok, fmt, row):
     from raytrain.data.unpaired import encode_unpaired
 
     other = {**row, "label": True}  # the row before: its completion is this one's KL completion
-    [_, (example, kl, tag)] = encode_unpaired(tok, DataSpec(path="x", format=fmt, seq_len=64),
-                                              [json.dumps(other).encode(), json.dumps(row).encode()])
+    [_, (example, kl, tag)] = encode_unpaired(
+        tok, DataSpec(path="x", format=fmt, seq_len=64), [json.dumps(other).encode(), json.dumps(row).encode()]
+    )
     assert trained_text(tok, example) == "jumps over the hill.<|im_end|>" == trained_text(tok, kl)
     assert tag == ([0], [IGNORE])
 
@@ -437,8 +585,14 @@ def test_dpo_at_the_reference_is_ln2_with_zero_rewards(assets, tok):
 
     model = AutoModelForCausalLM.from_pretrained(str(assets / "model"))
     mb = _batch(tok, preference_rows(4))
-    spec = JobSpec.model_validate({"name": "t", "model": {"path": "m"}, "data": {"path": "x"},
-                                   "training": {"objective": "dpo", "global_batch_size": 4}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "m"},
+            "data": {"path": "x"},
+            "training": {"objective": "dpo", "global_batch_size": 4},
+        }
+    )
     objective = Preference(spec)
     loss, stats = objective(_OneProcess(model, model, spec), mb)
     assert float(loss) / 4 == pytest.approx(math.log(2), abs=1e-7)
@@ -446,9 +600,13 @@ def test_dpo_at_the_reference_is_ln2_with_zero_rewards(assets, tok):
 
 
 # ---------------------------------------------------------------- any worker count
-WORLD_CASES = [("dpo", "lora"), ("reward", "full"), ("kto", "full"),  # KTO full: its frozen reference copy
-               ("grpo", "full"),  # GRPO: the same prompts' completions sampled, scored and trained alike
-               ("grpo x2", "full")]  # ... with num_iterations 2: two updates on each step's completions
+WORLD_CASES = [
+    ("dpo", "lora"),
+    ("reward", "full"),
+    ("kto", "full"),  # KTO full: its frozen reference copy
+    ("grpo", "full"),  # GRPO: the same prompts' completions sampled, scored and trained alike
+    ("grpo x2", "full"),
+]  # ... with num_iterations 2: two updates on each step's completions
 
 
 def _objective_steps(rank: int, world: int, device, model: str, storage: str) -> dict:
@@ -461,10 +619,19 @@ def _objective_steps(rank: int, world: int, device, model: str, storage: str) ->
     out = {}
     for objective, finetune in WORLD_CASES:
         twice, objective = objective == "grpo x2", objective.split()[0]
-        spec = mesh_cases.job(model, storage, finetune=finetune, objective=objective, workers=world,
-                              grpo={"num_iterations": 2} if twice else None)
-        rows = mesh_cases.grpo_rows(model, 8) if objective == "grpo" else mesh_cases.global_rows(
-            True, False, 8, seed=1, kto=objective == "kto", margins=objective == "reward")
+        spec = mesh_cases.job(
+            model,
+            storage,
+            finetune=finetune,
+            objective=objective,
+            workers=world,
+            grpo={"num_iterations": 2} if twice else None,
+        )
+        rows = (
+            mesh_cases.grpo_rows(model, 8)
+            if objective == "grpo"
+            else mesh_cases.global_rows(True, False, 8, seed=1, kto=objective == "kto", margins=objective == "reward")
+        )
         result = mesh_cases.run_case(spec, rows, steps=3)
         out["grpo x2" if twice else objective] = {k: result[k] for k in ("losses", "grad_norms", "means", "rewards")}
     return out
@@ -482,8 +649,12 @@ def test_each_objective_takes_the_same_steps_at_one_two_and_three_workers(assets
     sys.path.insert(0, sys_path)
     import local_run
 
-    runs = {world: local_run.spawn(_objective_steps, world, torch.device("cpu"), str(assets / "model"),
-                                   str(tmp_path / f"w{world}")) for world in (1, 2, 3)}
+    runs = {
+        world: local_run.spawn(
+            _objective_steps, world, torch.device("cpu"), str(assets / "model"), str(tmp_path / f"w{world}")
+        )
+        for world in (1, 2, 3)
+    }
     for objective, _ in WORLD_CASES:
         one = runs[1][objective]
         print(f"\n[any worker count] {objective}: losses {one['losses']}")
@@ -491,7 +662,13 @@ def test_each_objective_takes_the_same_steps_at_one_two_and_three_workers(assets
             got = runs[world][objective]
             for key in ("losses", "grad_norms"):  # after an update, AdamW's normalized step can turn a last-bit
                 for step, (x, y) in enumerate(zip(got[key], one[key])):  # difference into lr's size (combinations)
-                    assert abs(x - y) <= (1e-6 if step == 0 else 1e-5) * max(1.0, abs(y)), (objective, world, key, got[key], one[key])
+                    assert abs(x - y) <= (1e-6 if step == 0 else 1e-5) * max(1.0, abs(y)), (
+                        objective,
+                        world,
+                        key,
+                        got[key],
+                        one[key],
+                    )
             assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(got["means"], one["means"])), objective
             assert got["rewards"] == one["rewards"], (world, got["rewards"], one["rewards"])  # the same completions
     assert len(set(runs[1]["grpo"]["rewards"])) == 3 and runs[1]["grpo"]["grad_norms"][0] > 0  # they trained
@@ -500,7 +677,9 @@ def test_each_objective_takes_the_same_steps_at_one_two_and_three_workers(assets
     x2 = runs[1]["grpo x2"]
     print("\n[num_iterations 2] losses", x2["losses"], "means", x2["means"], "rewards", x2["rewards"])
     assert x2["means"][5] > 0 and runs[1]["grpo"]["means"][5] == 0, (x2["means"], runs[1]["grpo"]["means"])
-    assert runs[1]["kto"]["losses"][0] == pytest.approx(0.5, abs=1e-6)  # the policy at its reference: each row 1 - sigmoid(0)
+    assert runs[1]["kto"]["losses"][0] == pytest.approx(
+        0.5, abs=1e-6
+    )  # the policy at its reference: each row 1 - sigmoid(0)
 
 
 # ---------------------------------------------------------------- runs on the cluster
@@ -517,25 +696,70 @@ def untied(assets: Path) -> Path:
     return families.build("llama", assets, assets.parent / "untied-llama")
 
 
-def dpo_job(assets, storage, name, strategy="fsdp2", finetune="lora", objective="dpo", steps=PARITY_STEPS, lr=None,
-            data="pairs.jsonl", **over):
+def dpo_job(
+    assets,
+    storage,
+    name,
+    strategy="fsdp2",
+    finetune="lora",
+    objective="dpo",
+    steps=PARITY_STEPS,
+    lr=None,
+    data="pairs.jsonl",
+    **over,
+):
     from conftest import make_job
 
     over.setdefault("model", {"path": str(untied(assets))})
-    return make_job(assets, storage, name=name,
-                    data={"path": str(assets / data), "seq_len": 16 if data.startswith("pairs") else 24,
-                          "eval": {"fraction": 0.05, "every_n_steps": EVERY}},
-                    training={"objective": objective, "strategy": strategy, "finetune": finetune, "max_steps": steps},
-                    optimizer={"lr": lr or (1e-2 if finetune == "lora" else 1e-3), "warmup_steps": 2, "schedule": "constant"},
-                    checkpoint={"every_n_steps": EVERY, "keep_last": 2}, **over)
+    return make_job(
+        assets,
+        storage,
+        name=name,
+        data={
+            "path": str(assets / data),
+            "seq_len": 16 if data.startswith("pairs") else 24,
+            "eval": {"fraction": 0.05, "every_n_steps": EVERY},
+        },
+        training={"objective": objective, "strategy": strategy, "finetune": finetune, "max_steps": steps},
+        optimizer={"lr": lr or (1e-2 if finetune == "lora" else 1e-3), "warmup_steps": 2, "schedule": "constant"},
+        checkpoint={"every_n_steps": EVERY, "keep_last": 2},
+        **over,
+    )
 
 
-KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-        "eval_loss", "eval_rewards/accuracies", "step_time_s")
-KTO_KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
-            "eval_loss", "eval_kl", "eval_rewards/margins")
-REWARD_KEYS = ("loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected", "eval_loss",
-               "eval_accuracy")
+KEYS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "eval_loss",
+    "eval_rewards/accuracies",
+    "step_time_s",
+)
+KTO_KEYS = (
+    "loss",
+    "kl",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "eval_loss",
+    "eval_kl",
+    "eval_rewards/margins",
+)
+REWARD_KEYS = (
+    "loss",
+    "accuracy",
+    "margin",
+    "mean_reward",
+    "rewards/chosen",
+    "rewards/rejected",
+    "eval_loss",
+    "eval_accuracy",
+)
 
 
 def reward_margin(i: int) -> dict:
@@ -552,24 +776,43 @@ def runs(ray_address, assets, tmp_path_factory):
     # with its frozen reference copy, sharded its own way, and the evaluation); LoRA's and the other
     # strategies' are test_combinations.py's cases, a padding pair at 3 workers is
     # test_each_objective_takes_the_same_steps_at_one_two_and_three_workers's.
-    plan = [("fsdp2", "lora", "dpo", STEPS, 2)] + [(s, f, "dpo", PARITY_STEPS, w) for s, f, w in [
-        ("fsdp2", "full", 2), ("zero3", "full", 2)]] + [
-        ("fsdp2", "lora", "simpo", PARITY_STEPS, 2), ("fsdp2", "lora", "reward", REWARD_STEPS, 2),
-        ("fsdp2", "lora", "kto", PARITY_STEPS, 2)]
+    plan = (
+        [("fsdp2", "lora", "dpo", STEPS, 2)]
+        + [(s, f, "dpo", PARITY_STEPS, w) for s, f, w in [("fsdp2", "full", 2), ("zero3", "full", 2)]]
+        + [
+            ("fsdp2", "lora", "simpo", PARITY_STEPS, 2),
+            ("fsdp2", "lora", "reward", REWARD_STEPS, 2),
+            ("fsdp2", "lora", "kto", PARITY_STEPS, 2),
+        ]
+    )
     # A reward model's head is new and trained whole: at the adapters' 1e-2 it diverged (grad norm 23).
     # Its rows carry TRL's margins (every fifth row none: margin 0).
     pairs = [json.loads(line) for line in (assets / "pairs.jsonl").read_text().splitlines()]
-    (assets / "pairs-margin.jsonl").write_text("".join(json.dumps({**r, **reward_margin(i)}) + "\n" for i, r in enumerate(pairs)))
+    (assets / "pairs-margin.jsonl").write_text(
+        "".join(json.dumps({**r, **reward_margin(i)}) + "\n" for i, r in enumerate(pairs))
+    )
     settings = {"reward": {"lr": 2e-3, "data": "pairs-margin.jsonl"}, "kto": {"data": "kto.jsonl"}}
     out = {}
     for strategy, finetune, objective, steps, workers in plan:
         name = f"{objective}-{strategy}-{finetune}-{workers}w"
-        spec = dpo_job(assets, tmp_path_factory.mktemp(name), name, strategy, finetune, objective, steps,
-                       scaling={"num_workers": workers}, **settings.get(objective, {}))
+        spec = dpo_job(
+            assets,
+            tmp_path_factory.mktemp(name),
+            name,
+            strategy,
+            finetune,
+            objective,
+            steps,
+            scaling={"num_workers": workers},
+            **settings.get(objective, {}),
+        )
         result = launcher.run(spec)
         keys = {"reward": REWARD_KEYS, "kto": KTO_KEYS}.get(objective, KEYS)
         out[objective, strategy, finetune] = SimpleNamespace(
-            spec=spec, run_id=result.run_id, **{k.replace("/", "_"): metric_history(spec, result.run_id, k) for k in keys})
+            spec=spec,
+            run_id=result.run_id,
+            **{k.replace("/", "_"): metric_history(spec, result.run_id, k) for k in keys},
+        )
     print("\n[dpo] eval rewards/accuracies, fsdp2 LoRA:", out["dpo", "fsdp2", "lora"].eval_rewards_accuracies)
     return out
 
@@ -626,8 +869,9 @@ def test_exported_adapter_loads_with_plain_peft_and_gives_the_last_eval(runs, to
     from raytrain.data.store import TokenStore
 
     run = runs["dpo", "fsdp2", "lora"]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run.spec.model.path),
-                                      f"{run.spec.run_dir}/final_model").eval()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(run.spec.model.path), f"{run.spec.run_dir}/final_model"
+    ).eval()
     [store_dir] = [p for p in (Path(run.spec.checkpoint.storage_path) / "datasets").iterdir()]
     store = TokenStore.open(str(store_dir))
     split = HeldOut(store.rows, 0.05)  # under data.eval.max_rows: every held-out row is evaluated
@@ -670,8 +914,9 @@ def test_a_reward_model_trains_and_its_export_scores_as_the_workers_did(runs, to
     print("\n[reward] eval accuracy:", run.eval_accuracy, "eval loss:", run.eval_loss)
     folder = f"{run.spec.run_dir}/final_model"
     assert json.loads(Path(folder, "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
-    base = AutoModelForSequenceClassification.from_pretrained(run.spec.model.path, num_labels=1,
-                                                              pad_token_id=tok.pad_token_id)
+    base = AutoModelForSequenceClassification.from_pretrained(
+        run.spec.model.path, num_labels=1, pad_token_id=tok.pad_token_id
+    )
     model = PeftModel.from_pretrained(base, folder).eval()
     [store_dir] = [p for p in (Path(run.spec.checkpoint.storage_path) / "datasets").iterdir()]
     store = TokenStore.open(str(store_dir))
@@ -684,14 +929,18 @@ def test_a_reward_model_trains_and_its_export_scores_as_the_workers_did(runs, to
     start = float(torch.nn.functional.softplus(margins).mean())
     assert run.eval_loss[12] < run.eval_loss[8] < run.eval_loss[4] < start + 0.01, (run.eval_loss, start)
     for step in run.loss:  # mean_reward is the mean of the two sides' means
-        assert run.mean_reward[step] == pytest.approx((run.rewards_chosen[step] + run.rewards_rejected[step]) / 2, abs=1e-6)
+        assert run.mean_reward[step] == pytest.approx(
+            (run.rewards_chosen[step] + run.rewards_rejected[step]) / 2, abs=1e-6
+        )
     ids = torch.cat([t[:, 0], t[:, 3]])  # chosen sequences, then rejected
     with torch.no_grad():
         scores = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits.squeeze(-1)
     chosen, rejected = scores.split(len(t))
     loss = float(-torch.nn.functional.logsigmoid(chosen - rejected - margins).mean())
     assert loss == pytest.approx(run.eval_loss[REWARD_STEPS], rel=1e-5)
-    assert float((chosen > rejected).double().mean()) == pytest.approx(run.eval_accuracy[REWARD_STEPS], abs=1e-7)  # (fp32 there)
+    assert float((chosen > rejected).double().mean()) == pytest.approx(
+        run.eval_accuracy[REWARD_STEPS], abs=1e-7
+    )  # (fp32 there)
 
 
 @pytest.mark.slow
@@ -705,5 +954,7 @@ def test_kto_starts_at_the_reference_and_learns_the_labelled_preference(runs):
     assert sorted(run.loss) == list(range(1, PARITY_STEPS + 1)) and sorted(run.eval_kl) == [4, 8]
     print("\n[kto] eval loss", run.eval_loss, "eval margins", run.eval_rewards_margins, "kl", run.kl)
     assert run.eval_loss[PARITY_STEPS] < 0.5 and run.eval_rewards_margins[PARITY_STEPS] > 0  # held-out rows
-    assert all(run.rewards_margins[k] == pytest.approx(run.rewards_chosen[k] - run.rewards_rejected[k], abs=1e-9)
-               for k in run.loss)
+    assert all(
+        run.rewards_margins[k] == pytest.approx(run.rewards_chosen[k] - run.rewards_rejected[k], abs=1e-9)
+        for k in run.loss
+    )

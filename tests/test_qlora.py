@@ -26,8 +26,14 @@ def per_rank(weight: torch.Tensor, ranks: int) -> list[dict]:
     out = []
     for codes, scales in parts:
         quantized, factor = qlora.quantize_scales(scales, mean, group)
-        out.append({"quantized_data": codes, "quantized_scalers": quantized, "quantization_factor": factor,
-                    "scaler_mean": mean})
+        out.append(
+            {
+                "quantized_data": codes,
+                "quantized_scalers": quantized,
+                "quantization_factor": factor,
+                "scaler_mean": mean,
+            }
+        )
     return out
 
 
@@ -56,11 +62,11 @@ def test_a_4096_wide_weight_holds_about_a_quarter_of_bf16():
 
 
 def test_shapes_that_cannot_be_sharded_are_named():
-    shapes = {"model.layers.0.self_attn.k_proj": (32, 64), "model.layers.0.mlp.down_proj": (64, 192),
-              "odd": (64, 100)}
+    shapes = {"model.layers.0.self_attn.k_proj": (32, 64), "model.layers.0.mlp.down_proj": (64, 192), "odd": (64, 100)}
     assert nf4_layout.shard_problems(shapes, 2) == ["odd (64x100): its rows are not whole blocks of 64 weights"]
     assert nf4_layout.shard_problems({"model.layers.0.mlp.down_proj": (64, 192)}, 3) == [
-        "model.layers.0.mlp.down_proj (64x192): 64 rows do not split evenly over 3 workers"]
+        "model.layers.0.mlp.down_proj (64x192): 64 rows do not split evenly over 3 workers"
+    ]
 
 
 # ------------------------------------------------------------------ the product's runs (Ray)
@@ -70,16 +76,22 @@ STEPS, EVERY = 30, 10
 def qjob(assets, storage, finetune, name, **over):
     from conftest import make_job
 
-    return make_job(assets, storage, name=name,
-                    training={"strategy": "fsdp2", "finetune": finetune, "max_steps": STEPS, **over.pop("training", {})},
-                    optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
-                    checkpoint={"every_n_steps": EVERY, "keep_last": 3}, **over)
+    return make_job(
+        assets,
+        storage,
+        name=name,
+        training={"strategy": "fsdp2", "finetune": finetune, "max_steps": STEPS, **over.pop("training", {})},
+        optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
+        checkpoint={"every_n_steps": EVERY, "keep_last": 3},
+        **over,
+    )
 
 
 @pytest.fixture(scope="module")
 def runs(ray_address, assets, tmp_path_factory):
     """The demo model trained 30 steps on the same rows with LoRA and with QLoRA (fsdp2, 2 workers)."""
     from conftest import metric_history
+
     from raytrain.driver import launcher
 
     out = {}
@@ -100,8 +112,10 @@ def test_qlora_trains_within_two_percent_of_lora_and_exports_a_plain_adapter(run
     # ...on the 4-bit base: at step 1 (the adapter still zero) the loss is the NF4 base's, not the
     # original's that LoRA sees (fp32 reduction order alone moves it by ~1e-7 relative)
     assert abs(qlora_losses[1] - lora[1]) > 1e-5 * lora[1], (qlora_losses[1], lora[1])
-    print(f"\n[qlora] step {STEPS} loss: qlora {qlora_losses[STEPS]:.6f}, lora {lora[STEPS]:.6f}, "
-          f"{qlora_losses[STEPS] / lora[STEPS] - 1:+.3%}")
+    print(
+        f"\n[qlora] step {STEPS} loss: qlora {qlora_losses[STEPS]:.6f}, lora {lora[STEPS]:.6f}, "
+        f"{qlora_losses[STEPS] / lora[STEPS] - 1:+.3%}"
+    )
     assert abs(qlora_losses[STEPS] - lora[STEPS]) <= 0.02 * lora[STEPS], (qlora_losses[STEPS], lora[STEPS])
     # the export is the adapter alone, which plain peft loads on the original (unquantized) base
     export = Path(spec.run_dir) / "final_model"
@@ -119,20 +133,24 @@ def test_qlora_resumes_at_another_worker_count_on_the_same_base(runs, assets):
     (test_each_ranks_rows_quantize_to_the_bytes_of_the_whole_weight), so steps 21-30 are the
     uninterrupted run's, to the reduction order's rounding (as a LoRA resize)."""
     from conftest import metric_history, without_checkpoint
+
     from raytrain.driver import launcher
 
     spec, reference = runs["qlora"]
     with without_checkpoint(spec.run_dir, STEPS) as storage:
         resized = qjob(assets, storage, "qlora", spec.name, scaling={"num_workers": 1})
         losses = metric_history(resized, launcher.run(resized).run_id)
-    print("\n[qlora] resumed at 1 worker, steps 21-30, worst relative difference:",
-          max(abs(losses[k] / reference[k] - 1) for k in range(2 * EVERY + 1, STEPS + 1)))
+    print(
+        "\n[qlora] resumed at 1 worker, steps 21-30, worst relative difference:",
+        max(abs(losses[k] / reference[k] - 1) for k in range(2 * EVERY + 1, STEPS + 1)),
+    )
     for step in range(2 * EVERY + 1, STEPS + 1):
         assert abs(losses[step] - reference[step]) <= 1e-5 * abs(reference[step]), (step, losses[step], reference[step])
 
 
 def _held(rank, world, device, assets, storage):
     from conftest import make_job
+
     from raytrain.model import qlora
     from raytrain.strategies import build_strategy
 

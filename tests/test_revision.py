@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import make_job
 
 A, B = "a" * 40, "b" * 40
@@ -40,11 +39,12 @@ def first_weight(model) -> torch.Tensor:
 
 
 def test_a_hub_push_mid_run_does_not_change_the_base_a_restart_loads(hub, assets, tmp_path):
-    from raytrain.model import modeling
     from raytrain.driver.launcher import pin_model
+    from raytrain.model import modeling
 
-    spec = make_job(assets, tmp_path, model={"path": "org/tiny", "tokenizer": str(assets / "model")},
-                    training={"finetune": "full"})
+    spec = make_job(
+        assets, tmp_path, model={"path": "org/tiny", "tokenizer": str(assets / "model")}, training={"finetune": "full"}
+    )
     pinned = pin_model(spec, None, None)
     assert pinned.model.revision == A
     at_start = first_weight(modeling.load_model(pinned))
@@ -54,9 +54,9 @@ def test_a_hub_push_mid_run_does_not_change_the_base_a_restart_loads(hub, assets
 
 
 def test_a_resume_keeps_the_commit_its_checkpoint_was_trained_on(hub, assets, tmp_path):
-    from raytrain.rundir.checkpoints import TrainState
-    from raytrain.errors import JobError
     from raytrain.driver.launcher import pin_model
+    from raytrain.errors import JobError
+    from raytrain.rundir.checkpoints import TrainState
 
     spec = make_job(assets, tmp_path, model={"path": "org/tiny", "tokenizer": str(assets / "model")})
     (hub / "refs" / "main").write_text(B)  # resubmitted after the hub moved on
@@ -68,8 +68,8 @@ def test_a_resume_keeps_the_commit_its_checkpoint_was_trained_on(hub, assets, tm
 
 
 def test_an_unknown_revision_is_one_message_naming_the_fields(hub, assets, tmp_path):
-    from raytrain.errors import JobError
     from raytrain.driver.launcher import pin_model
+    from raytrain.errors import JobError
 
     spec = make_job(assets, tmp_path, model={"path": "org/tiny", "revision": "v2"})
     with pytest.raises(JobError, match=r"model.path 'org/tiny' at model.revision 'v2': cannot resolve it to a commit"):

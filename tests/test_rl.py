@@ -1,7 +1,8 @@
 """GRPO as users run it: the shipped demo job (jobs/grpo-demo.yaml) on a real local Ray cluster.
 
 One test, four runs of the same job (they share the cluster and the model):
-  A  the job as shipped (STEPS of its 20 steps): its reward rises by RL alone (the mean of the last 5 steps beats the first
+  A  the job as shipped (STEPS of its 20 steps): its reward rises by RL alone (the mean of the last 5 steps beats the
+  first
      5 steps' by REWARD_RISE), MLflow has TRL's metric names, and each checkpoint a table of samples
      (prompt, completion, each reward) whose rewards are the reward function's on those completions;
      its export loads with plain transformers;
@@ -27,9 +28,9 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from chaos import final_lineage
 from conftest import altered, metric_history, shipped_grpo_job
+
 from raytrain.driver import launcher
 from raytrain.job.spec import JobSpec
 
@@ -48,7 +49,8 @@ def first_and_last(history: dict[int, float], n: int = 5) -> tuple[float, float]
 
 
 def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inverted_reward_moves_the_other_way(
-        inject_faults, tmp_path, assets):
+    inject_faults, tmp_path, assets
+):
     keys = ("loss", "reward", "rewards/lipogram/mean", "completions/mean_length", "grad_norm")
     logs = tmp_path / "samples"
     a_spec = demo(assets, tmp_path / "runs", "grpo-a", data={"sample_log": str(logs / "a")})
@@ -57,8 +59,15 @@ def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inver
     assert sorted(a["reward"]) == list(range(1, STEPS + 1))
     before, after = first_and_last(a["reward"])
     assert after > before + REWARD_RISE, a["reward"]
-    for name in ("reward_std", "frac_reward_zero_std", "rewards/accuracy/mean", "completions/clipped_ratio",
-                 "clip_ratio/region_mean", "time/generation_s", "generation_tokens_per_s"):
+    for name in (
+        "reward_std",
+        "frac_reward_zero_std",
+        "rewards/accuracy/mean",
+        "completions/clipped_ratio",
+        "clip_ratio/region_mean",
+        "time/generation_s",
+        "generation_tokens_per_s",
+    ):
         assert len(metric_history(a_spec, a_run.run_id, name)) == STEPS, name
 
     # Each checkpoint logs a table of what its step sampled, with the rewards each sample got
@@ -67,11 +76,18 @@ def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inver
     from raytrain.demo_assets import lipogram
     from raytrain.tracking.mlflow_run import tracking_uri
 
-    table = json.loads(Path(MlflowClient(tracking_uri(a_spec)).download_artifacts(
-        a_run.run_id, "samples/step_00000010.json", str(tmp_path))).read_text())
+    table = json.loads(
+        Path(
+            MlflowClient(tracking_uri(a_spec)).download_artifacts(
+                a_run.run_id, "samples/step_00000010.json", str(tmp_path)
+            )
+        ).read_text()
+    )
     rows = [dict(zip(table["columns"], row)) for row in table["data"]]
     assert len(rows) == 4 and {r["step"] for r in rows} == {10}
-    assert [r["reward/lipogram"] for r in rows] == pytest.approx(lipogram(None, [r["completion"] for r in rows]), abs=1e-9)
+    assert [r["reward/lipogram"] for r in rows] == pytest.approx(
+        lipogram(None, [r["completion"] for r in rows]), abs=1e-9
+    )
 
     # The export is a plain transformers model, trained away from the base
     import torch
@@ -90,8 +106,14 @@ def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inver
         for gone in ("step_00000010", "step_00000012", "final_model"):
             shutil.rmtree(here / gone, ignore_errors=True)
         for workers, through in ((1, 7), (2, 9)):
-            r_spec = demo(assets, tmp_path / "runs", "grpo-a", scaling={"num_workers": workers},
-                          training={"max_steps": through}, data={"sample_log": str(logs / "r")})
+            r_spec = demo(
+                assets,
+                tmp_path / "runs",
+                "grpo-a",
+                scaling={"num_workers": workers},
+                training={"max_steps": through},
+                data={"sample_log": str(logs / "r")},
+            )
             r_run = launcher.run(r_spec)
     a_rows, r_rows = final_lineage(logs / "a"), final_lineage(logs / "r")
     assert [r_rows[s]["world"] for s in sorted(r_rows)] == [1, 1, 2, 2]
@@ -109,10 +131,23 @@ def test_grpo_learns_by_rl_resumes_exactly_after_a_kill_mid_rollout_and_an_inver
     for k in keys:  # every step once, equal to the uninterrupted run's
         assert metric_history(b_spec, b_run.run_id, k) == a[k], k
 
-    c_spec = demo(assets, tmp_path / "runs", "grpo-c", scaling={"num_workers": 1},
-                  training={"strategy": "ddp", "grpo": {"beta": 0.04, "loss_type": "grpo", "rewards": [
-                                {"function": "raytrain.demo_assets:e_lover"},
-                                {"function": "raytrain.demo_assets:lipogram", "weight": 0.0}]}})
+    c_spec = demo(
+        assets,
+        tmp_path / "runs",
+        "grpo-c",
+        scaling={"num_workers": 1},
+        training={
+            "strategy": "ddp",
+            "grpo": {
+                "beta": 0.04,
+                "loss_type": "grpo",
+                "rewards": [
+                    {"function": "raytrain.demo_assets:e_lover"},
+                    {"function": "raytrain.demo_assets:lipogram", "weight": 0.0},
+                ],
+            },
+        },
+    )
     c_run = launcher.run(c_spec)
     lipogram = metric_history(c_spec, c_run.run_id, "rewards/lipogram/mean")
     before_c, after_c = first_and_last(lipogram)

@@ -10,12 +10,17 @@ import io
 import json
 import os
 
-from raytrain.rundir import signing
 from raytrain.driver import worker_env
+from raytrain.rundir import signing
 from raytrain.train import entry
 
-OTHER_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_USERNAME",
-                 "MLFLOW_TRACKING_PASSWORD")
+OTHER_SECRETS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+)
 
 
 def _probe(config: dict) -> dict:
@@ -48,8 +53,9 @@ def _run_on_a_worker(runtime_env: dict, relay=None) -> tuple[dict, str]:
     return ray.get(task.remote(_probe, config), timeout=120)
 
 
-def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_env(ray_address, assets, tmp_path,
-                                                                                    monkeypatch):
+def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_env(
+    ray_address, assets, tmp_path, monkeypatch
+):
     from conftest import make_job
 
     for key in OTHER_SECRETS:
@@ -63,7 +69,10 @@ def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_e
     assert "hf_only_in_this_shell" not in text and os.environ[signing.KEY_ENV] not in text
     assert env["env_vars"][entry.WANTED_ENV] == f"HF_TOKEN,{signing.KEY_ENV}"
     salt, key_id = env["env_vars"][entry.KEY_ID_ENV].split(":")  # a fresh salt each job, an HMAC under the key
-    assert key_id == signing.key_id(salt) != signing.key_id() and salt not in worker_env.start_relay().env[entry.KEY_ID_ENV]
+    assert (
+        key_id == signing.key_id(salt) != signing.key_id()
+        and salt not in worker_env.start_relay().env[entry.KEY_ID_ENV]
+    )
     assert import_hashlib_sha256_prefix() not in text  # not the unsalted hash of the key it was before
 
     seen, printed = _run_on_a_worker(env, relay.actor)
@@ -119,8 +128,11 @@ def test_cpu_workers_run_mimalloc_unless_the_submitter_chose(assets, tmp_path, m
     assert allocator_env()["MIMALLOC_PURGE_DELAY"] == "100"
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "262144")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "262144")
-    assert allocator_env() == {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144",
-                               "MIMALLOC_PURGE_DELAY": "100"}
+    assert allocator_env() == {
+        "MALLOC_MMAP_THRESHOLD_": "262144",
+        "MALLOC_TRIM_THRESHOLD_": "262144",
+        "MIMALLOC_PURGE_DELAY": "100",
+    }
     monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so")  # the submitter's, for CPU workers: never a GPU job's
     assert allocator_env(scaling={"use_gpu": True}) == {}
     monkeypatch.delenv("LD_PRELOAD")
@@ -144,17 +156,28 @@ def test_another_job_on_the_cluster_cannot_reach_the_relay(ray_address, tmp_path
     relay = worker_env.start_relay()
     assert ray.get(relay.actor.give.remote(["HF_TOKEN"]), timeout=60) == {"HF_TOKEN": "hf_relayed"}  # its holder can
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "secret" in json.dumps(a).lower()]
-    other = subprocess.run([sys.executable, "-c", f"""
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import json, ray
 ray.init(address={ray_address!r}, namespace="another-job", log_to_driver=False)
 got = []
 for actor in ray.util.list_named_actors(all_namespaces=True):  # every actor another job can look up
     try:
-        got.append(ray.get(ray.get_actor(actor["name"], namespace=actor["namespace"]).give.remote(["HF_TOKEN"]), timeout=30))
+        named = ray.get_actor(actor["name"], namespace=actor["namespace"])
+        got.append(ray.get(named.give.remote(["HF_TOKEN"]), timeout=30))
     except Exception as exc:  # no `give`: not a relay
         got.append(type(exc).__name__)
 print(json.dumps({{"named": ray.util.list_named_actors(all_namespaces=True), "got": got}}))
-"""], capture_output=True, text=True, timeout=120, env={**os.environ, "HF_TOKEN": ""})
+""",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_TOKEN": ""},
+    )
     assert other.returncode == 0 and other.stdout.strip(), other.stderr[-3000:]
     seen = json.loads(other.stdout.strip().splitlines()[-1])
     assert "hf_relayed" not in other.stdout and not any(isinstance(g, dict) for g in seen["got"]), seen

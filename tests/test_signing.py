@@ -63,8 +63,10 @@ def test_a_rank_fetches_only_its_files_from_s3_each_verified_before_it_is_read(t
         assert checkpoint.names == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"]
         folder = checkpoint.fetch(".metadata", "__1_0.distcp")
         assert checkpoint.bytes_read == 1000 + (3 << 20)  # rank 1's shard and the metadata: not rank 0's shard
-        assert (Path(folder, "__1_0.distcp").read_bytes() ==
-                client.get_object(Bucket="ckpt", Key="run/step_00000004/__1_0.distcp")["Body"].read())
+        assert (
+            Path(folder, "__1_0.distcp").read_bytes()
+            == client.get_object(Bucket="ckpt", Key="run/step_00000004/__1_0.distcp")["Body"].read()
+        )
     assert not Path(folder).exists()  # the local copies go with the restore
 
     changed = bytearray(client.get_object(Bucket="ckpt", Key="run/step_00000004/__0_0.distcp")["Body"].read())
@@ -86,8 +88,8 @@ def test_a_snapshot_rolled_back_behind_the_signed_record_is_refused_and_a_delete
 
     import pytest
 
-    from raytrain.rundir.checkpoints import LATEST_FILE, RAY_SNAPSHOT, latest_checkpoint, record_latest
     from raytrain.errors import JobError
+    from raytrain.rundir.checkpoints import LATEST_FILE, RAY_SNAPSHOT, latest_checkpoint, record_latest
 
     run_dir = tmp_path / "runs" / "job"
     for step in (2, 4):
@@ -153,8 +155,14 @@ def test_a_restore_reads_one_manifest_whatever_the_world_size_and_refuses_one_it
     manifest = step / signing.MANIFEST
     signed = manifest.read_text()
     other = str(tmp_path / "other")  # the same checkpoint put in another run: refused, naming both
-    refused(step, re.escape(f"{step}: MANIFEST.json signs checkpoint step_00000004 of run directory "
-                            f"{signing.place(run_dir)}, not step_00000004 of {signing.place(other)}"), run=other)
+    refused(
+        step,
+        re.escape(
+            f"{step}: MANIFEST.json signs checkpoint step_00000004 of run directory "
+            f"{signing.place(run_dir)}, not step_00000004 of {signing.place(other)}"
+        ),
+        run=other,
+    )
     changed = json.loads(signed)
     changed["ranks"][3]["__3_0.distcp"] = "0" * 64  # a forged hash, without the key
     manifest.write_text(json.dumps(changed))
@@ -163,7 +171,10 @@ def test_a_restore_reads_one_manifest_whatever_the_world_size_and_refuses_one_it
     (step / "MANIFEST.rank-00000.json").write_text("{}")  # a planted file, manifest-like or not
     refused(step, r"MANIFEST.rank-00000.json is in no manifest")
     manifest.unlink()
-    refused(step, r"it was written before raytrain signed one manifest per checkpoint \(it has MANIFEST.rank-\*.json, "
-                  r"one per rank, and no MANIFEST.json\)\. Nothing in it was loaded\. Start a new run")
+    refused(
+        step,
+        r"it was written before raytrain signed one manifest per checkpoint \(it has MANIFEST.rank-\*.json, "
+        r"one per rank, and no MANIFEST.json\)\. Nothing in it was loaded\. Start a new run",
+    )
     (step / "MANIFEST.rank-00000.json").unlink()
     refused(step, r"it has no signed manifest \(MANIFEST.json\)")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import file_hashes, make_job, metric_history
+
 from raytrain.driver import launcher
 from raytrain.train.export import export_checkpoint, latest_checkpoint
 
@@ -44,16 +44,20 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     assert not MlflowClient(tracking_uri(spec)).list_artifacts(result.run_id)
     # Where a worker's host memory went, phase by phase (the busiest rank's): loading the model takes
     # some, and the peak never falls.
-    memory = {p: metric_history(spec, result.run_id, f"startup/host_peak_mb/{p}")[1]
-              for p in ("workers", "loaded", "model", "restored", "data", "step_1", "steps")}
+    memory = {
+        p: metric_history(spec, result.run_id, f"startup/host_peak_mb/{p}")[1]
+        for p in ("workers", "loaded", "model", "restored", "data", "step_1", "steps")
+    }
     assert 0 < memory["workers"] < memory["model"] and list(memory.values()) == sorted(memory.values()), memory
     # CPU workers run mimalloc (allocator.py): their own mappings say so, not just the variable asked for.
     assert run.data.tags["raytrain.host_allocator"] == "mimalloc"
     # What ran the step: on CPU workers sdpa with masks (torch's varlen kernel is a GPU's), blocks not
     # compiled (training.compile auto is a GPU's), and LoRA's frozen output layer split by rows over
     # the two workers (strategies/vocab_parallel.py).
-    assert run.data.tags["raytrain.kernels"] == \
-        "attention sdpa, loss cross-entropy over the vocabulary's rows split across ranks, blocks eager"
+    assert (
+        run.data.tags["raytrain.kernels"]
+        == "attention sdpa, loss cross-entropy over the vocabulary's rows split across ranks, blocks eager"
+    )
 
     # Sharded checkpoints from both ranks; keep_last prunes older ones.
     run_dir = Path(spec.run_dir)
@@ -65,16 +69,18 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     base = AutoModelForCausalLM.from_pretrained(spec.model.path)
     exported = PeftModel.from_pretrained(base, str(run_dir / "final_model")).eval()
     export_checkpoint(spec.run_dir, str(tmp_path / "from_ckpt"))
-    from_ckpt = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(spec.model.path),
-                                          str(tmp_path / "from_ckpt")).eval()
+    from_ckpt = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(spec.model.path), str(tmp_path / "from_ckpt")
+    ).eval()
     torch.testing.assert_close(logits_of(exported), logits_of(from_ckpt), rtol=0, atol=1e-6)
     # Training moved the adapter away from its (zero-effect) init...
     assert not torch.allclose(logits_of(exported), logits_of(AutoModelForCausalLM.from_pretrained(spec.model.path)))
     # ...and names the exact base it needs: the sha256 of each of its weight files.
     import json
 
-    assert json.loads((run_dir / "final_model" / "raytrain.json").read_text())["base_files"] == \
-        file_hashes(Path(spec.model.path))
+    assert json.loads((run_dir / "final_model" / "raytrain.json").read_text())["base_files"] == file_hashes(
+        Path(spec.model.path)
+    )
 
 
 def test_quickstart_runs_from_any_folder(ray_address, tmp_path):
@@ -83,15 +89,31 @@ def test_quickstart_runs_from_any_folder(ray_address, tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "raytrain", "quickstart", "--set", "training.max_steps=2",
-                           "--set", "checkpoint.export_final=false"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "RAY_ADDRESS": ray_address})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "raytrain",
+            "quickstart",
+            "--set",
+            "training.max_steps=2",
+            "--set",
+            "checkpoint.export_final=false",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "RAY_ADDRESS": ray_address},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert latest_checkpoint(str(tmp_path / "runs" / "quickstart")).endswith("step_00000002")
     assert "eval_loss" in proc.stdout.splitlines()[-1]  # the quickstart shows its held-out loss
 
 
-def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_store_is_kept(assets, tmp_path, monkeypatch):
+def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_store_is_kept(
+    assets, tmp_path, monkeypatch
+):
     # A new sqlite store skips MLflow's schema migrations by starting as a copy of an empty one;
     # the copy must be at the schema MLflow itself makes, and a store that exists is never replaced.
     import sqlite3
@@ -111,10 +133,12 @@ def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_sto
             return conn.execute(sql).fetchall()
 
     copy = tmp_path / "a" / "mlflow.db"
-    assert query(copy, "SELECT version_num FROM alembic_version") == query(tmp_path / "own.db",
-                                                                           "SELECT version_num FROM alembic_version")
+    assert query(copy, "SELECT version_num FROM alembic_version") == query(
+        tmp_path / "own.db", "SELECT version_num FROM alembic_version"
+    )
     assert query(copy, "SELECT artifact_location FROM experiments WHERE experiment_id = 0") == [
-        (f"{tmp_path / 'a'}/mlartifacts/0",)]
+        (f"{tmp_path / 'a'}/mlartifacts/0",)
+    ]
     made = template.stat().st_mtime_ns
     second = make_job(assets, tmp_path / "b", name="second")
     assert mlflow_run.start_run(second) != run_id and template.stat().st_mtime_ns == made  # made once
@@ -122,4 +146,6 @@ def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_sto
     # A cache that cannot be written (here a file where the folder should be) costs the migrations, not the job.
     monkeypatch.setenv("XDG_CACHE_HOME", str(template))
     third = make_job(assets, tmp_path / "c", name="third")
-    assert mlflow_run.start_run(third) and query(tmp_path / "c" / "mlflow.db", "SELECT version_num FROM alembic_version")
+    assert mlflow_run.start_run(third) and query(
+        tmp_path / "c" / "mlflow.db", "SELECT version_num FROM alembic_version"
+    )

@@ -58,8 +58,10 @@ def test_a_group_that_dies_while_loading_counts_against_the_failure_budget():
         assert control.may_start(2) is None
         control.failed(error, retry=True)
     verdict = control.may_start(2)
-    assert verdict and verdict.startswith("3 worker failures (preemptions and resizes not counted) exceed "
-                                          "failure.max_failures=2; the last: OutOfMemoryError: host")
+    assert verdict and verdict.startswith(
+        "3 worker failures (preemptions and resizes not counted) exceed "
+        "failure.max_failures=2; the last: OutOfMemoryError: host"
+    )
 
 
 def test_the_same_error_twice_at_the_same_step_ends_the_job_before_its_budget():
@@ -78,15 +80,19 @@ def test_the_same_error_twice_at_the_same_step_ends_the_job_before_its_budget():
     control.step_done(51, 1.0)
     control.failed(error, retry=True)
     verdict = control.may_start(4)
-    assert verdict == (f"the same error twice in step 52, each time from step 50: {error}. A restart repeats it: fix "
-                       "its cause, then run the job again (it resumes from the latest committed checkpoint, which is kept)")
+    assert verdict == (
+        f"the same error twice in step 52, each time from step 50: {error}. A restart repeats it: fix "
+        "its cause, then run the job again (it resumes from the latest committed checkpoint, which is kept)"
+    )
 
     # Storage, the network or a collective failing twice at one step is no bug of the job: restarts
     # go on within the budget (an S3 outage, a peer's node lost twice).
     from raytrain.errors import transient
 
-    for exc in (OSError("AWS Error SERVICE_UNAVAILABLE during GetObject operation"),
-                RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:52001")):
+    for exc in (
+        OSError("AWS Error SERVICE_UNAVAILABLE during GetObject operation"),
+        RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:52001"),
+    ):
         assert transient(exc)
         control = JobControl(max_failures=10)
         for _ in range(3):
@@ -132,9 +138,11 @@ def test_a_recovery_interrupted_by_another_failure_ends_where_the_next_begins():
 
     control = JobControl()
     control.started = 0.0
-    control.attempts = [Attempt(2, 0, started_at=0.0, first_step_at=5.0, last_step=10, last_step_at=30.0),
-                        Attempt(2, 10, started_at=40.0),  # lost again before its first step
-                        Attempt(2, 10, started_at=70.0, first_step_at=80.0, last_step=20, last_step_at=100.0)]
+    control.attempts = [
+        Attempt(2, 0, started_at=0.0, first_step_at=5.0, last_step=10, last_step_at=30.0),
+        Attempt(2, 10, started_at=40.0),  # lost again before its first step
+        Attempt(2, 10, started_at=70.0, first_step_at=80.0, last_step=20, last_step_at=100.0),
+    ]
     failures = control.goodput()["failures"]
     assert [f["recovery_s"] for f in failures] == [10.0, 40.0]  # 30 -> 40, then 40 -> 80: 50 s in all, once
     assert [f["steps_lost"] for f in failures] == [0, 0]
@@ -160,7 +168,9 @@ def test_ranks_waiting_for_the_data_are_woken_by_the_drivers_word_and_never_hold
             if ending == "prepared":
                 ray.get(actor.data_prepared.remote(), timeout=5)
             elif ending == "failed":  # as the driver says a failed prepare
-                ray.get(actor.failed.remote("rows.jsonl row 30: column 'text' must be a string", retry=False), timeout=5)
+                ray.get(
+                    actor.failed.remote("rows.jsonl row 30: column 'text' must be a string", retry=False), timeout=5
+                )
             else:
                 ray.get(actor.request_stop.remote("SIGTERM"), timeout=5)
             assert ray.get(waits, timeout=10) == [ending == "prepared"] * 64, ending

@@ -12,18 +12,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
-
 from chaos import final_lineage
 from conftest import make_job, metric_history
+
 from raytrain.data import GlobalOrder, rank_slice
-from raytrain.rundir.checkpoints import DataPosition
 from raytrain.data.batches import GlobalBatches
 from raytrain.data.order import Stream
-from raytrain.data.prepare import ensure_store, prepare_unit as _prepare_unit
+from raytrain.data.prepare import ensure_store
+from raytrain.data.prepare import prepare_unit as _prepare_unit
 from raytrain.data.sources import owned_lines
 from raytrain.data.store import MANIFEST, TokenStore
 from raytrain.errors import JobError
 from raytrain.job.plan import RunPlan
+from raytrain.rundir.checkpoints import DataPosition
 
 
 # ---------------------------------------------------------------- pure: order, slices, line ownership
@@ -69,7 +70,11 @@ def test_jsonl_units_own_every_line_once_wherever_the_boundaries_fall(tmp_path):
     fs = pafs.LocalFileSystem()
     with fs.open_input_file(str(path)) as f:
         for unit in range(1, len(text) + 2):
-            lines = [line for a in range(0, len(text), unit) for line in owned_lines(f, a, min(a + unit, len(text)), len(text))]
+            lines = [
+                line
+                for a in range(0, len(text), unit)
+                for line in owned_lines(f, a, min(a + unit, len(text)), len(text))
+            ]
             assert lines == text.split(b"\n"), unit
 
 
@@ -89,8 +94,14 @@ def test_a_json_array_is_cut_into_units_at_its_own_commas_that_depend_on_the_fil
 
     # Strings holding commas, brackets, escaped quotes and non-ASCII text, and nested values: only
     # the commas between the array's own elements may cut it.
-    rows = [{"instruction": f'q{i}, "quoted" ]}},[{{ caf\u00e9 \\', "output": "a" * (i % 7), "history": [["x,]", "y"]] * (i % 3)}
-            for i in range(60)]
+    rows = [
+        {
+            "instruction": f'q{i}, "quoted" ]}},[{{ caf\u00e9 \\',
+            "output": "a" * (i % 7),
+            "history": [["x,]", "y"]] * (i % 3),
+        }
+        for i in range(60)
+    ]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows, indent=1, ensure_ascii=False))
     fs, size = pafs.LocalFileSystem(), path.stat().st_size
@@ -99,12 +110,17 @@ def test_a_json_array_is_cut_into_units_at_its_own_commas_that_depend_on_the_fil
         monkeypatch.setattr(sources, "CHUNK", chunk)
         units = list(sources.array_units(fs, str(path), 500))
         assert units[0].start == 0 and units[-1].stop == size and len(units) > 5
-        assert all(a.stop + 1 == b.start and path.read_bytes()[a.stop:b.start] == b"," for a, b in zip(units, units[1:]))
+        assert all(
+            a.stop + 1 == b.start and path.read_bytes()[a.stop : b.start] == b"," for a, b in zip(units, units[1:])
+        )
         assert [r for u in units for r in sources.read_unit(fs, u)] == rows
         plans.append(units)
     assert plans[0] == plans[1] == plans[2]
     # Cut or whole, a broken array is named at the same byte: a trailing comma, then a missing one.
-    for broken, why in ((b"[1, 2, 3,]", "Expecting value at byte 9"), (b'[{"a": 1} {"b": 2}]', "Expecting ',' delimiter at byte 10")):
+    for broken, why in (
+        (b"[1, 2, 3,]", "Expecting value at byte 9"),
+        (b'[{"a": 1} {"b": 2}]', "Expecting ',' delimiter at byte 10"),
+    ):
         path.write_bytes(broken)
         for step in (1, 100):
             with pytest.raises(ValueError, match=f"rows.json: not a valid JSON array \\({why}\\)"):
@@ -112,7 +128,9 @@ def test_a_json_array_is_cut_into_units_at_its_own_commas_that_depend_on_the_fil
 
 
 def test_bad_rows_of_a_json_array_in_several_units_are_named_by_their_row_in_the_file(assets, tmp_path):
-    rows = [{"instruction": f"what color is the fox {i}?", "input": "", "output": "the fox is red."} for i in range(200)]
+    rows = [
+        {"instruction": f"what color is the fox {i}?", "input": "", "output": "the fox is red."} for i in range(200)
+    ]
     for n in (7, 95, 190):  # 1-based row numbers
         rows[n - 1]["output"] = n
     path = tmp_path / "alpaca.json"
@@ -120,8 +138,9 @@ def test_bad_rows_of_a_json_array_in_several_units_are_named_by_their_row_in_the
     spec = make_job(assets, tmp_path / "runs", data={"path": str(path), "format": "alpaca", "bad_rows": "skip"})
     store = ensure_store(spec, unit_bytes=2048)  # a few KiB: prepared in this process, no Ray
     assert store.shards > 5 and store.manifest["docs"] == 197
-    assert store.manifest["bad_examples"] == [f"{path} row {n}: column 'output' (the response) must be a string, got int"
-                                              for n in (7, 95, 190)]
+    assert store.manifest["bad_examples"] == [
+        f"{path} row {n}: column 'output' (the response) must be a string, got int" for n in (7, 95, 190)
+    ]
 
 
 @pytest.mark.parametrize("vocab", [300, 100_000])  # 2-byte and 4-byte words
@@ -155,9 +174,21 @@ def test_the_compact_store_reads_back_exactly_the_padded_rows_packing_lays_out(t
     for index, part in enumerate((rows[:7], rows[7:])):  # two shards: a read spans both
         entries.append({**write_shard(fs, str(store_dir), f"part-{index:06d}", part, dtype), "first_row": first})
         first += len(part)
-    write_manifest(fs, str(store_dir), {"key": key, "rows": first, "seq_len": seq_len, "pad_id": pad, "bad_rows": 0,
-                                        "shards": entries, "sources": [], "sequences_per_row": 1 + (shape == "pairs"),
-                                        "token_dtype": dtype.name})
+    write_manifest(
+        fs,
+        str(store_dir),
+        {
+            "key": key,
+            "rows": first,
+            "seq_len": seq_len,
+            "pad_id": pad,
+            "bad_rows": 0,
+            "shards": entries,
+            "sources": [],
+            "sequences_per_row": 1 + (shape == "pairs"),
+            "token_dtype": dtype.name,
+        },
+    )
     store = TokenStore.open(str(store_dir))
     order = rng.permutation(first)
     assert np.array_equal(store.read(order), want[order])
@@ -172,8 +203,11 @@ def test_the_compact_store_reads_back_exactly_the_padded_rows_packing_lays_out(t
     shard.write_bytes(bytes(data))
     fresh = TokenStore.open(str(store_dir))
     assert np.array_equal(fresh.read(np.arange(7)), want[:7])  # the other shard is fine
-    with pytest.raises(JobError, match=r"refusing the token store .*: part-000001.bin was changed after it was prepared "
-                                       r"\(row 0's tokens are not the signed ones\)"):
+    with pytest.raises(
+        JobError,
+        match=r"refusing the token store .*: part-000001.bin was changed after it was prepared "
+        r"\(row 0's tokens are not the signed ones\)",
+    ):
         fresh.read(np.array([7]))
     index = store_dir / "part-000000.idx"
     index.write_bytes(index.read_bytes()[:-1])  # a truncated index
@@ -198,9 +232,21 @@ def _write_store(folder: Path, shards: int, empty: set[int] = frozenset(), rows_
         entries.append({**write_shard(fs, str(store_dir), f"part-{i:06d}", part, dtype), "first_row": first})
         ids += [t for t, _ in docs]
         first += len(part)
-    write_manifest(fs, str(store_dir), {"key": key, "rows": first, "seq_len": 8, "pad_id": 0, "bad_rows": 0,
-                                        "shards": entries, "sources": [], "sequences_per_row": 1,
-                                        "token_dtype": dtype.name})
+    write_manifest(
+        fs,
+        str(store_dir),
+        {
+            "key": key,
+            "rows": first,
+            "seq_len": 8,
+            "pad_id": 0,
+            "bad_rows": 0,
+            "shards": entries,
+            "sources": [],
+            "sequences_per_row": 1,
+            "token_dtype": dtype.name,
+        },
+    )
     return str(store_dir), entries, np.array(ids)
 
 
@@ -211,7 +257,8 @@ def _process_reads() -> int:
 
 
 def test_a_rank_reads_as_much_at_open_for_ten_times_the_shards_and_one_table_block_for_a_row(tmp_path, monkeypatch):
-    from raytrain.data import store as store_module, store_writer
+    from raytrain.data import store as store_module
+    from raytrain.data import store_writer
 
     read, opened = {}, {}
     for shards in (8, 80):
@@ -248,7 +295,8 @@ def test_a_rank_reads_as_much_at_open_for_ten_times_the_shards_and_one_table_blo
 
 
 def test_a_changed_or_missing_shard_table_and_an_older_store_are_refused_with_the_file_named(tmp_path, monkeypatch):
-    from raytrain.data import store as store_module, store_writer
+    from raytrain.data import store as store_module
+    from raytrain.data import store_writer
 
     monkeypatch.setattr(store_writer, "TABLE_BLOCK", 16)
     uri, entries, ids = _write_store(tmp_path, 40)  # 3 blocks: 16, 16 and 8 shards
@@ -260,8 +308,10 @@ def test_a_changed_or_missing_shard_table_and_an_older_store_are_refused_with_th
     store = TokenStore.open(uri)  # open reads the manifest only
     row = entries[3]["first_row"]
     assert np.array_equal(store.read(np.array([row]))[0, 0, :5], ids[row])  # block 0 is fine
-    refused = (r"refusing the token store .*: shards.tbl was changed after it was prepared \(block 1 \(shards 16 to 31\)'s "
-               r"sha256 is not the signed one\)")
+    refused = (
+        r"refusing the token store .*: shards.tbl was changed after it was prepared \(block 1 \(shards 16 to 31\)'s "
+        r"sha256 is not the signed one\)"
+    )
     with pytest.raises(JobError, match=refused):
         store.read(np.array([entries[17]["first_row"]]))  # shard 17: in the changed block, not the changed record
     with pytest.raises(JobError, match=refused):
@@ -280,8 +330,11 @@ def test_a_changed_or_missing_shard_table_and_an_older_store_are_refused_with_th
 
     manifest = json.loads(Path(uri, MANIFEST).read_text())  # a store of format 4: its shards listed in the manifest
     Path(uri, MANIFEST).write_text(json.dumps({**manifest, "format_version": 4, "shards": entries}))
-    with pytest.raises(JobError, match=r"written by an older raytrain \(store format 4, this one reads 5\)\. Delete the "
-                                       r"folder .* to prepare it in the new format"):
+    with pytest.raises(
+        JobError,
+        match=r"written by an older raytrain \(store format 4, this one reads 5\)\. Delete the "
+        r"folder .* to prepare it in the new format",
+    ):
         TokenStore.open(uri)
 
 
@@ -298,8 +351,9 @@ def _entries(store: TokenStore) -> list[dict]:
     return [store.shard(i) for i in range(store.shards)]
 
 
-def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its_rows(ray_address, assets, tmp_path,
-                                                                                      monkeypatch):
+def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its_rows(
+    ray_address, assets, tmp_path, monkeypatch
+):
     from raytrain.data import prepare
 
     here = []  # the units prepared in this process
@@ -335,7 +389,8 @@ def test_store_is_the_same_whatever_the_parallelism_and_each_rank_reads_only_its
 
 
 def test_a_half_written_store_is_rebuilt_a_tampered_one_refused_and_a_changed_source_gets_a_new_store(
-        ray_address, assets, tmp_path):
+    ray_address, assets, tmp_path
+):
     data = tmp_path / "rows.jsonl"
     data.write_text((assets / "text.jsonl").read_text().splitlines(keepends=True)[0] * 50)
     spec = make_job(assets, tmp_path / "runs", data={"path": str(data)})
@@ -351,7 +406,9 @@ def test_a_half_written_store_is_rebuilt_a_tampered_one_refused_and_a_changed_so
     for changed in (rows[:-8], rows[:8] + bytes(8) + rows[16:]):
         shard.write_bytes(changed)
         reused = ensure_store(spec)
-        with pytest.raises(JobError, match=f"refusing the token store .*{shard.name} was changed after it was prepared"):
+        with pytest.raises(
+            JobError, match=f"refusing the token store .*{shard.name} was changed after it was prepared"
+        ):
             reused.read(np.arange(reused.shard(0)["rows"]))
     shard.write_bytes(rows)
     signed = Path(store.path, MANIFEST).read_text()
@@ -366,8 +423,11 @@ def test_a_half_written_store_is_rebuilt_a_tampered_one_refused_and_a_changed_so
     # Another store's valid manifest put over this one's (its shards alike, its rows other data):
     # refused for its key, which names the store it was signed for.
     Path(changed.path, MANIFEST).write_text(signed)
-    with pytest.raises(JobError, match=f"refusing the token store {changed.uri}/{MANIFEST}: it is signed for key "
-                                       f"'{store.key}', not '{changed.key}'"):
+    with pytest.raises(
+        JobError,
+        match=f"refusing the token store {changed.uri}/{MANIFEST}: it is signed for key "
+        f"'{store.key}', not '{changed.key}'",
+    ):
         TokenStore.open(changed.uri)
 
 
@@ -382,40 +442,71 @@ def user_datasets(folder: Path, assets: Path) -> list[dict]:
 
     qa = [(f"what color is the {a}?", f"the {a} is {c}.") for a in ANIMALS for c in COLORS][:40]
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "alpaca.json").write_text(json.dumps(
-        [{"instruction": q, "input": "", "output": r, "system": "answer briefly."} for q, r in qa[:30]], indent=1))
-    (folder / "sharegpt.jsonl").write_text("".join(json.dumps({"conversations": [
-        {"from": "human", "value": q}, {"from": "gpt", "value": r}]}) + "\n" for q, r in qa[30:]))
-    (folder / "dialogs.jsonl").write_text("".join(json.dumps({"dialog": [
-        {"speaker": "user", "text": q}, {"speaker": "bot", "text": r}]}) + "\n" for q, r in qa[:10]))
+    (folder / "alpaca.json").write_text(
+        json.dumps(
+            [{"instruction": q, "input": "", "output": r, "system": "answer briefly."} for q, r in qa[:30]], indent=1
+        )
+    )
+    (folder / "sharegpt.jsonl").write_text(
+        "".join(
+            json.dumps({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": r}]}) + "\n"
+            for q, r in qa[30:]
+        )
+    )
+    (folder / "dialogs.jsonl").write_text(
+        "".join(
+            json.dumps({"dialog": [{"speaker": "user", "text": q}, {"speaker": "bot", "text": r}]}) + "\n"
+            for q, r in qa[:10]
+        )
+    )
     pq.write_table(pa.table({"text": [r["text"] for r in text_rows(10, seed=5)]}), folder / "text.parquet")
-    return [{"path": str(folder / "alpaca.json"), "format": "alpaca", "weight": 3},
-            {"path": str(folder / "sharegpt.jsonl"), "format": "sharegpt", "weight": 1},
-            {"path": str(folder / "dialogs.jsonl"), "format": "chat", "weight": 1, "columns": {"messages": "dialog"},
-             "tags": {"role_tag": "speaker", "content_tag": "text", "assistant_tag": "bot"}},
-            {"path": str(folder / "text.parquet"), "format": "text", "weight": 1}]
+    return [
+        {"path": str(folder / "alpaca.json"), "format": "alpaca", "weight": 3},
+        {"path": str(folder / "sharegpt.jsonl"), "format": "sharegpt", "weight": 1},
+        {
+            "path": str(folder / "dialogs.jsonl"),
+            "format": "chat",
+            "weight": 1,
+            "columns": {"messages": "dialog"},
+            "tags": {"role_tag": "speaker", "content_tag": "text", "assistant_tag": "bot"},
+        },
+        {"path": str(folder / "text.parquet"), "format": "text", "weight": 1},
+    ]
 
 
 @pytest.mark.slow
 def test_a_blend_of_user_formats_trains_the_same_at_one_two_and_three_workers_across_a_kill_and_a_resize(
-        ray_address, assets, tmp_path, inject_faults):
+    ray_address, assets, tmp_path, inject_faults
+):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain.driver import launcher
     from raytrain.data.order import HeldOut
     from raytrain.data.prepare import ensure_inputs
+    from raytrain.driver import launcher
     from raytrain.errors import JobError
     from raytrain.objectives import targets_of, token_loss
 
     sources = user_datasets(tmp_path / "data", assets)
 
     def job(name, storage, workers, steps=10, samples=None, **over):
-        return make_job(assets, storage, name=name, data={
-            "path": None, "sources": sources, "pack": False, "seq_len": 48, "eval": {"fraction": 0.1, "every_n_steps": 5},
-            "sample_log": str(samples) if samples else None},
-            training={"finetune": "full", "max_steps": steps}, scaling={"num_workers": workers},
-            checkpoint={"every_n_steps": 4}, **over)
+        return make_job(
+            assets,
+            storage,
+            name=name,
+            data={
+                "path": None,
+                "sources": sources,
+                "pack": False,
+                "seq_len": 48,
+                "eval": {"fraction": 0.1, "every_n_steps": 5},
+                "sample_log": str(samples) if samples else None,
+            },
+            training={"finetune": "full", "max_steps": steps},
+            scaling={"num_workers": workers},
+            checkpoint={"every_n_steps": 4},
+            **over,
+        )
 
     one = job("w1", tmp_path / "one", 1)
     one_run = launcher.run(one).run_id

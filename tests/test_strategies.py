@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import altered, file_hashes, make_job, metric_history, without_checkpoint
+
 from raytrain.driver import launcher
 from raytrain.rundir.checkpoints import RAY_SNAPSHOT
 from raytrain.train.export import export_checkpoint, latest_checkpoint
@@ -45,10 +45,15 @@ PROBE = torch.tensor([[5, 17, 42, 9, 33, 120, 7, 64, 1, 200, 88, 13]])
 def job(assets, storage, strategy, finetune, name, steps=STEPS, **over):
     # A constant LR after warmup: a run stopped at step EVERY and continued is the same
     # optimization as the STEPS-step run (a cosine schedule would depend on max_steps).
-    return make_job(assets, storage, name=name,
-                    training={"strategy": strategy, "finetune": finetune, "max_steps": steps, **over.pop("training", {})},
-                    optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
-                    checkpoint={"every_n_steps": EVERY, "keep_last": 2}, **over)
+    return make_job(
+        assets,
+        storage,
+        name=name,
+        training={"strategy": strategy, "finetune": finetune, "max_steps": steps, **over.pop("training", {})},
+        optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
+        checkpoint={"every_n_steps": EVERY, "keep_last": 2},
+        **over,
+    )
 
 
 @dataclass
@@ -74,16 +79,26 @@ def strategies_of(finetune: str) -> tuple[str, ...]:
 def trained(ray_address, assets, tmp_path_factory) -> dict[tuple[str, str], Run]:
     runs = {}
     for finetune, strategy in RUNS:
-        spec = job(assets, tmp_path_factory.mktemp(f"{strategy}-{finetune}"), strategy, finetune, f"{strategy}-{finetune}")
+        spec = job(
+            assets, tmp_path_factory.mktemp(f"{strategy}-{finetune}"), strategy, finetune, f"{strategy}-{finetune}"
+        )
         result = launcher.run(spec)
-        history = {key: metric_history(spec, result.run_id, key)
-                   for key in ("loss", "grad_norm", "step_time_s", "compute_s")}
+        history = {
+            key: metric_history(spec, result.run_id, key) for key in ("loss", "grad_norm", "step_time_s", "compute_s")
+        }
         compute = history["compute_s"]
-        runs[strategy, finetune] = Run(spec, Path(spec.run_dir), history["loss"], history["grad_norm"],
-                                       statistics.median(history["step_time_s"][k] for k in range(2, STEPS + 1)),
-                                       statistics.median(compute[k] for k in range(2, STEPS + 1)))
-    print("\n[parity] per-step time in s, median of steps 2..20, 2 workers, CPU (step / compute only):",
-          {f"{s}/{f}": (round(r.step_time_s, 3), round(r.compute_s, 3)) for (s, f), r in runs.items()})
+        runs[strategy, finetune] = Run(
+            spec,
+            Path(spec.run_dir),
+            history["loss"],
+            history["grad_norm"],
+            statistics.median(history["step_time_s"][k] for k in range(2, STEPS + 1)),
+            statistics.median(compute[k] for k in range(2, STEPS + 1)),
+        )
+    print(
+        "\n[parity] per-step time in s, median of steps 2..20, 2 workers, CPU (step / compute only):",
+        {f"{s}/{f}": (round(r.step_time_s, 3), round(r.compute_s, 3)) for (s, f), r in runs.items()},
+    )
     return runs
 
 
@@ -103,8 +118,11 @@ def test_per_step_losses_agree_across_strategies(trained, finetune):
     figures = {}
     for a, b in itertools.combinations(runs, 2):
         abs_diff, rel_diff = max_diffs(runs[a].losses, runs[b].losses)
-        figures[f"{a}-{b}"] = {"max_abs": abs_diff, "max_rel": rel_diff,
-                               "grad_norm_max_rel": max_diffs(runs[a].grad_norms, runs[b].grad_norms)[1]}
+        figures[f"{a}-{b}"] = {
+            "max_abs": abs_diff,
+            "max_rel": rel_diff,
+            "grad_norm_max_rel": max_diffs(runs[a].grad_norms, runs[b].grad_norms)[1],
+        }
         assert rel_diff <= LOSS_REL_TOL, (a, b, figures[f"{a}-{b}"])
         # Clipping sees the same global norm (grad_clip 1.0 binds on the first steps here).
         assert figures[f"{a}-{b}"]["grad_norm_max_rel"] <= 1e-4, (a, b, figures[f"{a}-{b}"])
@@ -113,11 +131,16 @@ def test_per_step_losses_agree_across_strategies(trained, finetune):
 
 def test_checkpoints_are_each_strategys_own_format(trained):
     for (strategy, finetune), run in trained.items():
-        names = {p.relative_to(latest_checkpoint(str(run.run_dir))).as_posix()
-                 for p in Path(latest_checkpoint(str(run.run_dir))).rglob("*") if p.is_file()}
+        names = {
+            p.relative_to(latest_checkpoint(str(run.run_dir))).as_posix()
+            for p in Path(latest_checkpoint(str(run.run_dir))).rglob("*")
+            if p.is_file()
+        }
         assert "train_state.json" in names
         if strategy == "zero3":  # DeepSpeed's save_checkpoint folder: one model/optimizer partition per rank
-            assert {f"ds/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")} <= names
+            assert {
+                f"ds/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")
+            } <= names
             assert not any(n.endswith(".distcp") for n in names)
         else:  # torch DCP files from both ranks; FSDP2's own shards apart from what all ranks read
             assert ".metadata" in names and {n[:4] for n in names if n.endswith(".distcp")} == {"__0_", "__1_"}
@@ -187,13 +210,17 @@ def test_exports_give_the_same_logits(trained, finetune, tmp_path):
         figures[f"{a}-{b}"] = float((logits[a] - logits[b]).abs().max())
         # Weights differ by the training-order rounding above (~1e-7 relative): fp32 tolerance.
         torch.testing.assert_close(logits[a], logits[b], rtol=1e-5, atol=1e-5)
-    print(f"\n[export] {finetune} max |logit difference|: {figures}; moved from base by "
-          f"{float((logits['zero3'] - base).abs().max()):.3f}")
+    print(
+        f"\n[export] {finetune} max |logit difference|: {figures}; moved from base by "
+        f"{float((logits['zero3'] - base).abs().max()):.3f}"
+    )
     for strategy, run in runs.items():
         assert not torch.allclose(logits[strategy], base, atol=1e-3), strategy  # training changed the model
         # The in-job export equals the last checkpoint exported offline (zero3: DeepSpeed's zero_to_fp32).
         export_checkpoint(str(run.run_dir), str(tmp_path / strategy))
-        torch.testing.assert_close(logits_of(load_export(tmp_path / strategy, run.spec)), logits[strategy], rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            logits_of(load_export(tmp_path / strategy, run.spec)), logits[strategy], rtol=0, atol=1e-6
+        )
         if finetune == "lora":  # the adapter names the exact base it was trained on
             meta = json.loads((run.run_dir / "final_model" / "raytrain.json").read_text())
             assert meta["base_files"] == file_hashes(Path(run.spec.model.path))
@@ -225,7 +252,9 @@ def tamper(step: Path, case: str, strategy: str, side_effect: Path) -> None:
         (step / PICKLED[strategy]).write_bytes(pickle.dumps(Planted(side_effect)))
         if case == "resigned":  # the attacker also puts the new hash into the manifest (no key: the old HMAC)
             manifest = json.loads((step / "MANIFEST.json").read_text())
-            manifest["ranks"][0][PICKLED[strategy]] = hashlib.sha256((step / PICKLED[strategy]).read_bytes()).hexdigest()
+            manifest["ranks"][0][PICKLED[strategy]] = hashlib.sha256(
+                (step / PICKLED[strategy]).read_bytes()
+            ).hexdigest()
             (step / "MANIFEST.json").write_text(json.dumps(manifest))
     elif case == "planted":
         (step / "extra.pt").write_bytes(pickle.dumps(Planted(side_effect)))
@@ -239,10 +268,14 @@ def tamper(step: Path, case: str, strategy: str, side_effect: Path) -> None:
         (step.parent / RAY_SNAPSHOT).write_text(json.dumps(snapshot))
 
 
-REFUSALS = {"changed": "{shard} was changed after it was written", "pickle": "{pickled} was changed after it was written",
-            "resigned": "MANIFEST.json has a wrong signature", "planted": "extra.pt is in no manifest",
-            "no-manifest": r"it has no signed manifest \(MANIFEST.json\)",
-            "replayed": f"signs checkpoint step_{STEPS:08d} of run"}
+REFUSALS = {
+    "changed": "{shard} was changed after it was written",
+    "pickle": "{pickled} was changed after it was written",
+    "resigned": "MANIFEST.json has a wrong signature",
+    "planted": "extra.pt is in no manifest",
+    "no-manifest": r"it has no signed manifest \(MANIFEST.json\)",
+    "replayed": f"signs checkpoint step_{STEPS:08d} of run",
+}
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
@@ -273,15 +306,22 @@ def test_export_refuses_a_tampered_checkpoint_before_reading_it(trained, tmp_pat
     # the same) is refused, its job.json first and a checkpoint's manifests on their own.
     copy = tmp_path / "elsewhere" / run.run_dir.name
     shutil.copytree(run.run_dir, copy)
-    with pytest.raises(JobError, match=f"job.json: it is signed for run_dir '{re.escape(str(run.run_dir))}', not "
-                                       f"'{re.escape(str(copy))}'"):
+    with pytest.raises(
+        JobError,
+        match=f"job.json: it is signed for run_dir '{re.escape(str(run.run_dir))}', not '{re.escape(str(copy))}'",
+    ):
         export_checkpoint(str(copy), str(tmp_path / "copy-out"))
-    other = trained["zero3" if strategy == "fsdp2" else "fsdp2", "full"]  # another run's valid checkpoint, put in this one
+    other = trained[
+        "zero3" if strategy == "fsdp2" else "fsdp2", "full"
+    ]  # another run's valid checkpoint, put in this one
     with altered(run.run_dir) as run_dir:
         shutil.rmtree(run_dir / f"step_{STEPS:08d}")
         shutil.copytree(other.run_dir / f"step_{STEPS:08d}", run_dir / f"step_{STEPS:08d}")
-        with pytest.raises(JobError, match=f"MANIFEST.json signs checkpoint step_{STEPS:08d} of run directory "
-                                           f"{re.escape(str(other.run_dir))}, not step_{STEPS:08d} of {re.escape(str(run_dir))}"):
+        with pytest.raises(
+            JobError,
+            match=f"MANIFEST.json signs checkpoint step_{STEPS:08d} of run directory "
+            f"{re.escape(str(other.run_dir))}, not step_{STEPS:08d} of {re.escape(str(run_dir))}",
+        ):
             export_checkpoint(str(run_dir), str(tmp_path / "copy-out"))
 
 
@@ -295,8 +335,11 @@ def test_restore_refuses_a_tampered_checkpoint(trained, assets, tmp_path, strate
     side_effect = tmp_path / "pwned"
     with altered(run.run_dir) as run_dir:
         tamper(run_dir / f"step_{STEPS:08d}", case, strategy, side_effect)
-        with pytest.raises(JobError, match=REFUSALS[case].format(shard=SHARD[strategy], pickled=PICKLED[strategy])
-                           .replace(".", r"\.") + ".*Nothing in it was loaded"):
+        with pytest.raises(
+            JobError,
+            match=REFUSALS[case].format(shard=SHARD[strategy], pickled=PICKLED[strategy]).replace(".", r"\.")
+            + ".*Nothing in it was loaded",
+        ):
             launcher.run(job(assets, run_dir.parent, strategy, "full", run.spec.name, steps=STEPS + 1))
     assert not side_effect.exists()
 
@@ -315,8 +358,9 @@ def _master_steps(rank: int, world: int, device, model: str, storage: str) -> di
     for dtype in ("float32", "bfloat16"):
         raw = mesh_cases.job(model, f"{storage}/{dtype}", workers=world).model_dump(mode="json")
         raw["model"]["dtype"] = dtype
-        result = mesh_cases.run_case(JobSpec.model_validate(raw), mesh_cases.global_rows(False, True, 8), steps=4,
-                                     resume=True)
+        result = mesh_cases.run_case(
+            JobSpec.model_validate(raw), mesh_cases.global_rows(False, True, 8), steps=4, resume=True
+        )
         out[dtype] = result["losses"]
     return out
 
@@ -352,5 +396,8 @@ def dcp_dtypes(step: Path) -> dict[str, torch.dtype]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = FileSystemReader(str(step)).read_metadata()
-    return {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata) and v.size.numel() > 1}
+    return {
+        k: v.properties.dtype
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and v.size.numel() > 1
+    }

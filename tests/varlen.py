@@ -32,8 +32,10 @@ def _attention(q, k, v, scale, causal, window, softcap):
     h, hk = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
     offset = k.shape[0] - q.shape[0]  # bottom-right alignment, as flash-attn's causal
-    blocks = [checkpoint(_block, q[a:a + BLOCK], k, v, a + offset, scale, causal, window, softcap, use_reentrant=False)
-              for a in range(0, q.shape[0], BLOCK)]
+    blocks = [
+        checkpoint(_block, q[a : a + BLOCK], k, v, a + offset, scale, causal, window, softcap, use_reentrant=False)
+        for a in range(0, q.shape[0], BLOCK)
+    ]
     return torch.cat(blocks) if blocks else q.new_empty(q.shape)
 
 
@@ -55,9 +57,24 @@ def _block(q, k, v, first, scale, causal, window, softcap):
     return torch.einsum("hqk,khd->qhd", scores, v.float()).to(q.dtype)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     if dropout_p:
         raise NotImplementedError("the reference kernel has no dropout (raytrain trains attention without it)")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -70,13 +87,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     b, s = q.shape[:2]
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
-    return flash_attn_varlen_func(*flat, cu, cu, s, s, dropout_p, softmax_scale, causal, window_size,
-                                  softcap).view(q.shape)
+    return flash_attn_varlen_func(*flat, cu, cu, s, s, dropout_p, softmax_scale, causal, window_size, softcap).view(
+        q.shape
+    )
 
 
 def _opaque(function):
@@ -89,16 +118,32 @@ def _opaque(function):
 
 
 @_opaque
-def torch_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                      window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def torch_varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     """torch's `torch.nn.attention.varlen.varlen_attn` (torch 2.13's signature) on the same reference:
     a window (left, right) as flash's, (-1, 0) causal; fewer key heads only with enable_gqa, as torch's."""
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise RuntimeError(f"varlen_attn: {query.shape[1]} query heads and {key.shape[1]} key heads need enable_gqa")
     if return_aux is not None or seqused_k is not None or block_table is not None:
         raise NotImplementedError("the reference varlen_attn trains; it has no aux outputs nor a paged cache")
-    return flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale,
-                                  window_size=window_size)
+    return flash_attn_varlen_func(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale, window_size=window_size
+    )
 
 
 def install_torch_varlen(on: bool = True) -> None:
@@ -120,8 +165,10 @@ def install() -> None:
     from transformers.modeling_utils import PreTrainedModel
 
     if not transformers.__version__.startswith(WRITTEN_FOR):
-        raise RuntimeError(f"tests/varlen.py sets private seams of transformers {WRITTEN_FOR}x, not "
-                           f"{transformers.__version__}: check _flash_attn_can_dispatch and lazy_import_flash_attention")
+        raise RuntimeError(
+            f"tests/varlen.py sets private seams of transformers {WRITTEN_FOR}x, not "
+            f"{transformers.__version__}: check _flash_attn_can_dispatch and lazy_import_flash_attention"
+        )
     _UNINSTALLED.setdefault("dispatch", PreTrainedModel._flash_attn_can_dispatch)
     PreTrainedModel._flash_attn_can_dispatch = lambda self, *args, **kwargs: True
     fa._loaded_implementation = "flash_attention_2"

@@ -12,8 +12,32 @@ Importing this package loads neither torch nor Ray: `raytrain validate` uses it.
 """
 
 from raytrain.data.order import GlobalOrder, rank_slice
-from raytrain.data.records import CHAT_ROLES, IGNORE, check_record, encode_chat, encode_row, encode_text, pack, pad_rows, parse_record, to_value
+from raytrain.data.records import (
+    CHAT_ROLES,
+    IGNORE,
+    check_record,
+    encode_chat,
+    encode_row,
+    encode_text,
+    pack,
+    pad_rows,
+    parse_record,
+    to_value,
+)
 from raytrain.data.sources import FILE_EXTENSIONS
 
-__all__ = ["CHAT_ROLES", "check_record", "FILE_EXTENSIONS", "GlobalOrder", "IGNORE", "encode_chat", "encode_row",
-           "encode_text", "pack", "pad_rows", "parse_record", "rank_slice", "to_value"]
+__all__ = [
+    "CHAT_ROLES",
+    "check_record",
+    "FILE_EXTENSIONS",
+    "GlobalOrder",
+    "IGNORE",
+    "encode_chat",
+    "encode_row",
+    "encode_text",
+    "pack",
+    "pad_rows",
+    "parse_record",
+    "rank_slice",
+    "to_value",
+]

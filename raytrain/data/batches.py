@@ -1,17 +1,15 @@
-"""This rank's micro-batches of each global batch, read straight from the token stores;
-and its share of the evaluation rows.
+"""This rank's micro-batches of each global batch, read straight from the token stores; and its share of the evaluation
+rows.
 
-Data-parallel rank r of dp reads only its slice of each global batch (`order.rank_slice`):
-ceil(G/dp) or floor(G/dp) rows, nothing else. dp = N / (sp x tp): the ranks that hold parts of
-the same sequences or of the same layers read the same slice (`plan.Mesh`). Every rank runs the same number of micro-batches per step
-(`RunPlan.accumulation_steps`), so FSDP's and ZeRO-3's collectives stay matched when the
-slices differ by a row; a rank with fewer rows than micro-batches gets a padding row whose
-labels are all ignored (it adds nothing to the loss, which is the token mean over the whole
+Data-parallel rank r of dp reads only its slice of each global batch (`order.rank_slice`): ceil(G/dp) or floor(G/dp)
+rows, nothing else. dp = N / (sp x tp): the ranks that hold parts of the same sequences or of the same layers read the
+same slice (`plan.Mesh`). Every rank runs the same number of micro-batches per step (`RunPlan.accumulation_steps`), so
+FSDP's and ZeRO-3's collectives stay matched when the slices differ by a row; a rank with fewer rows than micro-batches
+gets a padding row whose labels are all ignored (it adds nothing to the loss, which is the token mean over the whole
 global batch). The next step's rows are read in a background thread while this one trains.
 
-The evaluation rows (at most `data.eval.max_rows`, `order.EvalSet`) are read a micro-batch at a
-time, every evaluation: nothing of them is held between evaluations or read before step 1.
-"""
+The evaluation rows (at most `data.eval.max_rows`, `order.EvalSet`) are read a micro-batch at a time, every evaluation:
+nothing of them is held between evaluations or read before step 1."""
 
 from __future__ import annotations
 
@@ -21,13 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from raytrain.job.spec import JobSpec
-from raytrain.job.plan import RunPlan
-from raytrain.errors import JobError
 from raytrain.data.order import EvalSet, HeldOut, Stream, rank_slice
-from raytrain.rundir.checkpoints import DataPosition
 from raytrain.data.records import IGNORE
 from raytrain.data.store import PLANES, TokenStore
+from raytrain.errors import JobError
+from raytrain.job.plan import RunPlan
+from raytrain.job.spec import JobSpec
+from raytrain.rundir.checkpoints import DataPosition
 
 
 @dataclass
@@ -39,7 +37,9 @@ class StepBatch:
 def _open(uri: str) -> TokenStore:
     store = TokenStore.open(uri)
     if store is None:
-        raise JobError(f"the token store {uri} is gone or incomplete; run the job again (or `raytrain prepare`) to rebuild it")
+        raise JobError(
+            f"the token store {uri} is gone or incomplete; run the job again (or `raytrain prepare`) to rebuild it"
+        )
     return store
 
 
@@ -64,15 +64,27 @@ def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: i
             out.append({"input_ids": t[:, 0], "labels": t[:, 1], "position_ids": t[:, 2]})
         else:  # keeps this rank's forward/backward count equal to the others'; trains nothing
             pad = int(stores[0].manifest.get("pad_id", 0))
-            out.append({"input_ids": torch.full((sequences, n), pad, dtype=torch.long),
-                        "labels": torch.full((sequences, n), IGNORE, dtype=torch.long),
-                        "position_ids": torch.arange(n, dtype=torch.long)[None].repeat(sequences, 1)})
+            out.append(
+                {
+                    "input_ids": torch.full((sequences, n), pad, dtype=torch.long),
+                    "labels": torch.full((sequences, n), IGNORE, dtype=torch.long),
+                    "position_ids": torch.arange(n, dtype=torch.long)[None].repeat(sequences, 1),
+                }
+            )
     return out
 
 
 class GlobalBatches:
-    def __init__(self, stores: list[TokenStore], stream: Stream, plan: RunPlan, rank: int, world_size: int,
-                 position: DataPosition, key: str):
+    def __init__(
+        self,
+        stores: list[TokenStore],
+        stream: Stream,
+        plan: RunPlan,
+        rank: int,
+        world_size: int,
+        position: DataPosition,
+        key: str,
+    ):
         self.stores, self.stream, self.global_batch = stores, stream, plan.global_batch
         self.micro = plan.accumulation_steps(world_size)
         mesh = plan.mesh(world_size)  # a sequence's sp x tp ranks read the same slice

@@ -245,8 +245,10 @@ class Stream:
 
     def __init__(self, rows: list[int | HeldOut], weights: list[float], seed: int, shuffle: bool, window_rows: int):
         self.rows = rows
-        self.orders = [GlobalOrder(r if isinstance(r, int) else r.train, seed + 7919 * i, shuffle, window_rows)
-                       for i, r in enumerate(rows)]
+        self.orders = [
+            GlobalOrder(r if isinstance(r, int) else r.train, seed + 7919 * i, shuffle, window_rows)
+            for i, r in enumerate(rows)
+        ]
         self.blend = Blend(weights) if len(rows) > 1 else None
 
     def at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -279,7 +281,7 @@ class EvalSet:
         else:
             shares = [divmod(max_rows * h, total) for h in have]
             take = [q for q, _ in shares]
-            extra = sorted(range(len(have)), key=lambda i: (-shares[i][1], i))[:max_rows - sum(take)]
+            extra = sorted(range(len(have)), key=lambda i: (-shares[i][1], i))[: max_rows - sum(take)]
             take = [t + (i in extra) for i, t in enumerate(take)]
         self.counts = take
         self.first = np.cumsum([0, *take])

@@ -26,8 +26,17 @@ from __future__ import annotations
 
 import struct
 
+from raytrain.data.records import (
+    IGNORE,
+    alpaca_messages,
+    chat_steps,
+    check_messages,
+    decode_line,
+    run_batch,
+    run_one,
+    turn_messages,
+)
 from raytrain.job.data import DataSpec
-from raytrain.data.records import IGNORE, alpaca_messages, turn_messages, chat_steps, check_messages, decode_line, run_batch, run_one
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
@@ -38,10 +47,16 @@ def to_pair(data: DataSpec, row) -> tuple[str | list, object, object]:
     chosen, rejected = (record.get(data.column(k)) for k in ("chosen", "rejected"))
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         if value is None:
-            raise ValueError(f"no {data.column(name)!r} column ({name} response of a preference pair; "
-                             f"data.columns.{name} maps another name)")
+            raise ValueError(
+                f"no {data.column(name)!r} column ({name} response of a preference pair; "
+                f"data.columns.{name} maps another name)"
+            )
     if data.format == "text":
-        return text_prompt(data, record), text_column(chosen, data.column("chosen")), text_column(rejected, data.column("rejected"))
+        return (
+            text_prompt(data, record),
+            text_column(chosen, data.column("chosen")),
+            text_column(rejected, data.column("rejected")),
+        )
     if data.format == "chat" and data.column("prompt") not in record:
         record, chosen, rejected = _implicit_prompt(data, record, chosen, rejected)
     prompt = prompt_messages(data, record)
@@ -67,8 +82,10 @@ def _implicit_prompt(data: DataSpec, record: dict, chosen, rejected):
     """TRL's implicit-prompt shape (UltraFeedback, HH-RLHF): no prompt column; `chosen` and
     `rejected` are whole conversations, and the prompt is the turns they share."""
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
-        raise ValueError(f"no {data.column('prompt')!r} column, and {data.column('chosen')!r}/"
-                         f"{data.column('rejected')!r} are not whole conversations sharing their first turns")
+        raise ValueError(
+            f"no {data.column('prompt')!r} column, and {data.column('chosen')!r}/"
+            f"{data.column('rejected')!r} are not whole conversations sharing their first turns"
+        )
     shared = 0
     while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
         shared += 1
@@ -83,12 +100,16 @@ def text_column(value, column: str) -> str:
 
 def prompt_messages(data: DataSpec, record: dict) -> list[dict]:
     if data.format == "alpaca":
-        messages = alpaca_messages(data, {**record, data.column("response"): ""})[:-1]  # the pair's responses come after
+        messages = alpaca_messages(data, {**record, data.column("response"): ""})[
+            :-1
+        ]  # the pair's responses come after
     elif data.format == "sharegpt":
         messages = turn_messages(data, record)
     else:  # chat: TRL's conversational `prompt` column
-        messages = turn_messages(data.model_copy(update={"columns": data.columns.model_copy(
-            update={"messages": data.column("prompt")})}), record)
+        messages = turn_messages(
+            data.model_copy(update={"columns": data.columns.model_copy(update={"messages": data.column("prompt")})}),
+            record,
+        )
     system = record.get(data.column("system")) if data.column("system") else None
     if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
@@ -104,8 +125,9 @@ def response_messages(data: DataSpec, value, name: str) -> list[dict]:
     else:
         items = value if isinstance(value, list) else [value]
         column = data.column(name)
-        turns = turn_messages(data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}),
-                       {column: items})
+        turns = turn_messages(
+            data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}), {column: items}
+        )
     if not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
         raise ValueError(f"the {name} response has no assistant text")
     return turns
@@ -134,8 +156,9 @@ def to_margin(data: DataSpec, record: dict) -> float:
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= FLOAT32_MAX:
-        raise ValueError(f"column {data.column('margin')!r} (the pair's margin) must be a finite number, "
-                         f"got {str(value)[:40]!r}")
+        raise ValueError(
+            f"column {data.column('margin')!r} (the pair's margin) must be a finite number, got {str(value)[:40]!r}"
+        )
     return float(value)  # host: a JSON number from the row
 
 
@@ -162,8 +185,10 @@ def pair_steps(tok, data: DataSpec, row, eos: int, margins: bool = False):
         pair = tuple(pair)
     for name, (ids, labels) in zip(("chosen", "rejected"), pair):
         if len(ids) > data.seq_len:
-            raise ValueError(f"prompt + {name} response is {len(ids)} tokens, longer than data.seq_len={data.seq_len} "
-                             "(pairs are never truncated: raise seq_len)")
+            raise ValueError(
+                f"prompt + {name} response is {len(ids)} tokens, longer than data.seq_len={data.seq_len} "
+                "(pairs are never truncated: raise seq_len)"
+            )
         if all(label == IGNORE for label in labels):
             raise ValueError(f"the {name} response has no tokens to compare")
     return pair if margin is None else (*pair, (margin_tag(margin), [IGNORE] * 3))

@@ -18,32 +18,43 @@ import json
 import os
 import sys
 import time
-from importlib import metadata
 from functools import partial
+from importlib import metadata
 from itertools import islice
 from pathlib import Path
 
-from raytrain.rundir import storage
-from raytrain.job.spec import JobSpec
-from raytrain.errors import BadRowError, JobError
 from raytrain.data.pairs import encode_pairs
-from raytrain.data.records import encode_rows
 from raytrain.data.prompts import encode_prompts
-from raytrain.job.data import DataSpec
-from raytrain.data.unpaired import encode_unpaired
+from raytrain.data.records import encode_rows
 from raytrain.data.sources import Source, Unit, list_sources, plan_units, read_unit
 from raytrain.data.store import TokenStore, shard_name, token_dtype
 from raytrain.data.store_writer import shard_rows, write_manifest, write_shard
+from raytrain.data.unpaired import encode_unpaired
+from raytrain.errors import BadRowError, JobError
+from raytrain.job.data import DataSpec
+from raytrain.job.spec import JobSpec
+from raytrain.rundir import storage
 
-PACKER_VERSION = 4  # 2: units sized from the file; 3: positions per document, chat labels from one rendering; 4: store format 4
+PACKER_VERSION = (
+    4  # 2: units sized from the file; 3: positions per document, chat labels from one rendering; 4: store format 4
+)
 UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
 # Less source data than this is prepared in the driver, unit after unit: done before Ray Data's
 # workers would have started and imported transformers.
 LOCAL_BYTES = 4 << 20
 BATCH_ROWS = 256  # rows tokenized per tokenizer call: its per-call cost is spread thin, a batch's memory stays small
 BAD_EXAMPLES = 10
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-                   "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+)
 
 
 def datasets_root(spec: JobSpec) -> str:
@@ -68,10 +79,19 @@ def tokenizer_fingerprint(spec: JobSpec) -> str:
 
 
 def store_key(d: DataSpec, sources: list[Source], tokenizer: str, unit_bytes: int, pairs: bool | str = False) -> str:
-    inputs = {"pairs": pairs, "sources": [[s.path, s.size, s.mtime_ns] for s in sources], "tokenizer": tokenizer,
-              "format": d.format, "columns": d.columns.model_dump(), "tags": d.tags.model_dump(),
-              "train_on_inputs": d.train_on_inputs, "seq_len": d.seq_len, "pack": d.pack, "unit_bytes": unit_bytes,
-              "packer": PACKER_VERSION}
+    inputs = {
+        "pairs": pairs,
+        "sources": [[s.path, s.size, s.mtime_ns] for s in sources],
+        "tokenizer": tokenizer,
+        "format": d.format,
+        "columns": d.columns.model_dump(),
+        "tags": d.tags.model_dump(),
+        "train_on_inputs": d.train_on_inputs,
+        "seq_len": d.seq_len,
+        "pack": d.pack,
+        "unit_bytes": unit_bytes,
+        "packer": PACKER_VERSION,
+    }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -86,8 +106,12 @@ def plan_inputs(spec: JobSpec) -> dict:
     fraction = spec.data.eval.fraction if spec.data.eval else None
     # The stores' keys (not their URIs: the same data under another storage path is the same data).
     identity = ([key for (key, _), _ in train], [w for _, w in train], eval_key, fraction)
-    return {"train": [uri for (_, uri), _ in train], "weights": [w for _, w in train], "eval": eval_uri,
-            "key": hashlib.sha256(repr(identity).encode()).hexdigest()[:20]}
+    return {
+        "train": [uri for (_, uri), _ in train],
+        "weights": [w for _, w in train],
+        "eval": eval_uri,
+        "key": hashlib.sha256(repr(identity).encode()).hexdigest()[:20],
+    }
 
 
 def ensure_inputs(spec: JobSpec) -> dict:
@@ -96,8 +120,10 @@ def ensure_inputs(spec: JobSpec) -> dict:
     datasets = [data for data, _ in spec.data.inputs()] + ([spec.data.eval_input()] if spec.data.eval_input() else [])
     prepared = {ensure_store(spec, data).uri for data in datasets}
     if prepared != {*planned["train"], *([planned["eval"]] if planned["eval"] else [])}:
-        raise JobError("the data changed while it was being prepared (a source file was written meanwhile); "
-                       "run the job again once the files are final")
+        raise JobError(
+            "the data changed while it was being prepared (a source file was written meanwhile); "
+            "run the job again once the files are final"
+        )
     return planned
 
 
@@ -114,8 +140,9 @@ def _planned(spec: JobSpec, data: DataSpec, unit_bytes: int = UNIT_BYTES) -> tup
     return key, f"{datasets_root(spec)}/{key}", fs, sources
 
 
-def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = UNIT_BYTES,
-                 concurrency: int | None = None) -> TokenStore:
+def ensure_store(
+    spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = UNIT_BYTES, concurrency: int | None = None
+) -> TokenStore:
     """The token store of one dataset (default: `data.path`): reused when complete, else
     prepared on the cluster (Ray is up)."""
     data = data or spec.data
@@ -130,28 +157,43 @@ def ensure_store(spec: JobSpec, data: DataSpec | None = None, unit_bytes: int = 
     out_fs.create_dir(out_path, recursive=True)
     out_fs.delete_dir_contents(out_path, missing_dir_ok=True)  # a half-written earlier attempt
     results = _run_units(spec, data, fs, units, out_fs, out_path, concurrency)
-    manifest = {**_manifest(data, key, sources, units, results), "sequences_per_row": spec.stored_sequences,
-                "token_dtype": next((r["token_dtype"] for r in results if "token_dtype" in r), "uint32")}
+    manifest = {
+        **_manifest(data, key, sources, units, results),
+        "sequences_per_row": spec.stored_sequences,
+        "token_dtype": next((r["token_dtype"] for r in results if "token_dtype" in r), "uint32"),
+    }
     write_manifest(out_fs, out_path, manifest)
     store = TokenStore.open(uri)
     if store is None:
-        raise JobError(f"the token store at {uri} did not verify right after it was written; is the storage consistent?")
-    print(f"[raytrain] data: prepared token store {store.describe()} in {time.perf_counter() - started:.1f}s "
-          f"({manifest['docs']:,} documents, {len(units)} units)", flush=True)
+        raise JobError(
+            f"the token store at {uri} did not verify right after it was written; is the storage consistent?"
+        )
+    print(
+        f"[raytrain] data: prepared token store {store.describe()} in {time.perf_counter() - started:.1f}s "
+        f"({manifest['docs']:,} documents, {len(units)} units)",
+        flush=True,
+    )
     return store
 
 
-def _run_units(spec: JobSpec, data: DataSpec, fs, units: list[Unit], out_fs, out_path: str,
-               concurrency: int | None) -> list[dict]:
+def _run_units(
+    spec: JobSpec, data: DataSpec, fs, units: list[Unit], out_fs, out_path: str, concurrency: int | None
+) -> list[dict]:
     """Each unit's own read, tokenize, pack and shard write (`prepare_unit`), results in unit
     order: in this process for a small dataset (one unit, or under LOCAL_BYTES of sources), else
     one Ray Data task per unit on the cluster's CPUs (`concurrency` of them at most). The same
     function on the same units either way, so the same store."""
-    kwargs = {"fs": fs, "out_fs": out_fs, "out_path": out_path, "spec": spec.model_dump(mode="json"),
-              "data": data.model_dump(mode="json")}
+    kwargs = {
+        "fs": fs,
+        "out_fs": out_fs,
+        "out_path": out_path,
+        "spec": spec.model_dump(mode="json"),
+        "data": data.model_dump(mode="json"),
+    }
     if len(units) <= 1 or _source_bytes(fs, units) < LOCAL_BYTES:
-        return [json.loads(prepare_unit({"index": i, "unit": u.to_json()}, **kwargs)["result"])
-                for i, u in enumerate(units)]
+        return [
+            json.loads(prepare_unit({"index": i, "unit": u.to_json()}, **kwargs)["result"]) for i, u in enumerate(units)
+        ]
     import logging
 
     import ray.data
@@ -162,7 +204,9 @@ def _run_units(spec: JobSpec, data: DataSpec, fs, units: list[Unit], out_fs, out
     ctx.execution_options.preserve_order = True
     items = [{"index": i, "unit": u.to_json()} for i, u in enumerate(units)]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
-    results = ds.map(prepare_unit, fn_kwargs={**kwargs, "one_core": True}, concurrency=concurrency, num_cpus=1).take_all()
+    results = ds.map(
+        prepare_unit, fn_kwargs={**kwargs, "one_core": True}, concurrency=concurrency, num_cpus=1
+    ).take_all()
     return [json.loads(r["result"]) for r in sorted(results, key=lambda r: r["index"])]
 
 
@@ -187,9 +231,15 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
     tok = _TOKENIZERS[tok_key]
     if one_core:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at each call: else a thread per core of the node
-    encode = partial(encode_prompts, completion_room=job.training.grpo.max_completion_length) if job.rl \
-        else encode_unpaired if job.unpaired else partial(encode_pairs, margins=job.scores) if job.preference \
+    encode = (
+        partial(encode_prompts, completion_room=job.training.grpo.max_completion_length)
+        if job.rl
+        else encode_unpaired
+        if job.unpaired
+        else partial(encode_pairs, margins=job.scores)
+        if job.preference
         else encode_rows
+    )
     unit = Unit(**json.loads(item["unit"]))
     docs, bad, examples, lines = [], 0, [], 0
     rows, problem, done = read_unit(fs, unit), None, False
@@ -216,10 +266,20 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = token_dtype(len(tok))
     grouped = job.stored_sequences > 1  # a row is several sequences (a pair, a KTO row, a prompt and its columns)
-    entry = write_shard(out_fs, out_path, shard_name(item["index"]), shard_rows(docs, d.seq_len, d.pack, grouped), dtype)
+    entry = write_shard(
+        out_fs, out_path, shard_name(item["index"]), shard_rows(docs, d.seq_len, d.pack, grouped), dtype
+    )
     sequences = [s for group in docs for s in group] if grouped else docs
-    result = {**entry, "lines": lines, "pad_id": int(pad), "token_dtype": dtype.name, "bad": bad, "examples": examples,
-              "docs": len(docs), "tokens": int(sum(len(ids) for ids, _ in sequences))}
+    result = {
+        **entry,
+        "lines": lines,
+        "pad_id": int(pad),
+        "token_dtype": dtype.name,
+        "bad": bad,
+        "examples": examples,
+        "docs": len(docs),
+        "tokens": int(sum(len(ids) for ids, _ in sequences)),
+    }
     return {"index": item["index"], "result": json.dumps(result)}
 
 
@@ -234,20 +294,39 @@ def _manifest(data: DataSpec, key: str, sources: list[Source], units: list[Unit]
         before = first_line.get(unit.file, 0)  # a file's units are consecutive, in file order
         named += [f"{unit.file} row {before + n}: {why}" for n, why in r["examples"]]
         first_line[unit.file] = before + r["lines"]
-        shards.append({"file": r["file"], "rows": r["rows"], "first_row": row, "tokens": r["tokens"],
-                       "index_sha256": r["index_sha256"]})
+        shards.append(
+            {
+                "file": r["file"],
+                "rows": r["rows"],
+                "first_row": row,
+                "tokens": r["tokens"],
+                "index_sha256": r["index_sha256"],
+            }
+        )
         row += r["rows"]
     bad = sum(r["bad"] for r in results)
     if bad and data.bad_rows == "fail":
         raise BadRowError(f"{named[0]} (set data.bad_rows: skip to skip such rows)")
     if row == 0:
-        raise JobError(f"data.path={data.path} gave no usable rows ({bad} bad, the rest empty); "
-                       f"e.g. {named[0]}" if named else f"data.path={data.path} holds no rows")
+        raise JobError(
+            f"data.path={data.path} gave no usable rows ({bad} bad, the rest empty); e.g. {named[0]}"
+            if named
+            else f"data.path={data.path} holds no rows"
+        )
     if bad:
         print(f"[raytrain] data: skipped {bad} bad row(s), e.g. {named[0]}", file=sys.stderr, flush=True)
     pad_id = next((r["pad_id"] for r in results if "pad_id" in r), 0)
-    return {"key": key, "rows": row, "seq_len": data.seq_len, "pad_id": pad_id, "shards": shards, "bad_rows": bad,
-            "bad_examples": named, "docs": sum(r["docs"] for r in results), "tokens": sum(r["tokens"] for r in results),
-            "sources": [{"path": s.path, "size": s.size, "mtime_ns": s.mtime_ns} for s in sources],
-            "settings": {"format": data.format, "pack": data.pack, "packer": PACKER_VERSION},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "key": key,
+        "rows": row,
+        "seq_len": data.seq_len,
+        "pad_id": pad_id,
+        "shards": shards,
+        "bad_rows": bad,
+        "bad_examples": named,
+        "docs": sum(r["docs"] for r in results),
+        "tokens": sum(r["tokens"] for r in results),
+        "sources": [{"path": s.path, "size": s.size, "mtime_ns": s.mtime_ns} for s in sources],
+        "settings": {"format": data.format, "pack": data.pack, "packer": PACKER_VERSION},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

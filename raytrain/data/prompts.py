@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 
-from raytrain.job.data import DataSpec
 from raytrain.data.pairs import record_of
-from raytrain.data.records import turn_messages, check_record
+from raytrain.data.records import check_record, turn_messages
+from raytrain.job.data import DataSpec
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
@@ -40,13 +40,16 @@ def to_prompt(data: DataSpec, row) -> tuple[str | list[dict], dict]:
             raise ValueError(f"column {column!r} (the prompt) is empty")
         prompt = value
     elif isinstance(value, list):
-        prompt = turn_messages(data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}),
-                        {column: value})
+        prompt = turn_messages(
+            data.model_copy(update={"columns": data.columns.model_copy(update={"messages": column})}), {column: value}
+        )
         if prompt[-1]["role"] == "assistant":
             raise ValueError("the prompt must end with a user (or tool) turn: the completion answers it")
     else:
-        raise ValueError(f"no {column!r} column (a string or a list of messages; data.columns.prompt maps another "
-                         f"name), got {type(value).__name__}")
+        raise ValueError(
+            f"no {column!r} column (a string or a list of messages; data.columns.prompt maps another "
+            f"name), got {type(value).__name__}"
+        )
     return prompt, _fits(data, {**{k: v for k, v in record.items() if k != column}, "prompt": prompt})
 
 
@@ -58,15 +61,18 @@ def _from_conversation(data: DataSpec, record: dict) -> tuple[list[dict], dict]:
         raise ValueError("the conversation must end with an assistant turn (the reference answer) after a prompt")
     prompt, answer = messages[:-1], messages[-1]["content"]
     mapped = {data.column(n) for n in ("prompt", "query", "response", "system", "history", "messages")}
-    return prompt, _fits(data, {**{k: v for k, v in record.items() if k not in mapped},
-                                "answer": answer, "prompt": prompt})
+    return prompt, _fits(
+        data, {**{k: v for k, v in record.items() if k not in mapped}, "answer": answer, "prompt": prompt}
+    )
 
 
 def _fits(data: DataSpec, columns: dict) -> dict:
     size = len(stored_columns(columns))
     if size > data.seq_len:
-        raise ValueError(f"the row's columns are {size} bytes of JSON, more than data.seq_len={data.seq_len} (they "
-                         "ride beside the prompt, a byte a token): drop the columns no reward reads, or raise seq_len")
+        raise ValueError(
+            f"the row's columns are {size} bytes of JSON, more than data.seq_len={data.seq_len} (they "
+            "ride beside the prompt, a byte a token): drop the columns no reward reads, or raise seq_len"
+        )
     return columns
 
 
@@ -99,8 +105,10 @@ def encode_prompts(tok, data: DataSpec, rows: list, completion_room: int) -> lis
         if not prompt_ids:
             out[i] = ValueError("the prompt has no tokens")
         elif len(prompt_ids) > room:
-            out[i] = ValueError(f"the prompt is {len(prompt_ids)} tokens: with max_completion_length="
-                                f"{completion_room} it does not fit data.seq_len={data.seq_len}; raise seq_len")
+            out[i] = ValueError(
+                f"the prompt is {len(prompt_ids)} tokens: with max_completion_length="
+                f"{completion_room} it does not fit data.seq_len={data.seq_len}; raise seq_len"
+            )
         else:
             raw = out[i]
             out[i] = ((list(prompt_ids), list(prompt_ids)), (raw, raw))

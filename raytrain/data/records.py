@@ -95,13 +95,20 @@ def turn_messages(data: DataSpec, record: dict) -> list[dict]:
     turns = record.get(column)
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"column {column!r} must be a non-empty list of turns")
-    roles = {data.tag("user_tag"): "user", data.tag("assistant_tag"): "assistant", data.tag("system_tag"): "system",
-             data.tag("observation_tag"): "tool", data.tag("function_tag"): "assistant"}
+    roles = {
+        data.tag("user_tag"): "user",
+        data.tag("assistant_tag"): "assistant",
+        data.tag("system_tag"): "system",
+        data.tag("observation_tag"): "tool",
+        data.tag("function_tag"): "assistant",
+    }
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or turn.get(role_key) not in roles or not isinstance(turn.get(content_key), str):
-            raise ValueError(f"turn {i} must be {{{role_key}: one of {sorted(r for r in roles if r)}, {content_key}: "
-                             f"string}}, got {str(turn)[:80]} (data.tags maps other keys and role names)")
+            raise ValueError(
+                f"turn {i} must be {{{role_key}: one of {sorted(r for r in roles if r)}, {content_key}: "
+                f"string}}, got {str(turn)[:80]} (data.tags maps other keys and role names)"
+            )
         messages.append({"role": roles[turn[role_key]], "content": turn[content_key]})
     return messages
 
@@ -117,7 +124,9 @@ def check_text(text, column: str = "text") -> str:
 def check_messages(messages: list) -> list:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in CHAT_ROLES:
-            raise ValueError(f"message {i} must be {{role: one of {sorted(CHAT_ROLES)}, content: string}}, got {str(m)[:80]}")
+            raise ValueError(
+                f"message {i} must be {{role: one of {sorted(CHAT_ROLES)}, content: string}}, got {str(m)[:80]}"
+            )
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise ValueError("no assistant message with content: nothing to train on")
     return messages
@@ -151,7 +160,9 @@ def row_steps(tok, data: DataSpec, row, eos: int):
     else:
         ids, labels = yield from chat_steps(tok, value, data.train_on_inputs)
     if not data.pack and len(ids) > data.seq_len:
-        raise ValueError(f"{len(ids)} tokens, longer than data.seq_len={data.seq_len} (raise seq_len or set data.pack: true)")
+        raise ValueError(
+            f"{len(ids)} tokens, longer than data.seq_len={data.seq_len} (raise seq_len or set data.pack: true)"
+        )
     return ids, labels
 
 
@@ -165,7 +176,9 @@ def text_steps(text: str, eos: int):
     return ids, list(ids)
 
 
-def encode_chat(tok, messages: list, train_on_inputs: bool = False, first_trained: int = 0) -> tuple[list[int], list[int]]:
+def encode_chat(
+    tok, messages: list, train_on_inputs: bool = False, first_trained: int = 0
+) -> tuple[list[int], list[int]]:
     """The conversation rendered once; labels on each assistant turn's content and the
     end-of-turn token after it (everything, with `train_on_inputs`), from message
     `first_trained` on (a preference pair's response: its prompt's turns are never trained)."""
@@ -187,11 +200,13 @@ def chat_steps(tok, messages: list, train_on_inputs: bool = False, first_trained
         for t, (a, b) in enumerate(offsets):
             if b <= start or a >= end:
                 continue
-            outside = text[a:max(a, min(b, start))] + text[max(a, end):b] if (a < start or b > end) else ""
+            outside = text[a : max(a, min(b, start))] + text[max(a, end) : b] if (a < start or b > end) else ""
             if outside.strip():
-                raise ValueError(f"token {tok.convert_ids_to_tokens(ids[t])!r} spans template text {outside!r} and an "
-                                 "assistant turn: the tokenizer merges across the turn's boundary, so its labels would be "
-                                 "ambiguous")
+                raise ValueError(
+                    f"token {tok.convert_ids_to_tokens(ids[t])!r} spans template text {outside!r} and an "
+                    "assistant turn: the tokenizer merges across the turn's boundary, so its labels would be "
+                    "ambiguous"
+                )
             labels[t] = ids[t]
     return ids, labels
 
@@ -231,7 +246,7 @@ def run_batch(tok, steps: list) -> list:
         encoded, refused = _tokenize_all(tok, [ask for _, asks in now for ask in asks])
         k = 0
         for i, asks in now:
-            got, k = encoded[k:k + len(asks)], k + len(asks)
+            got, k = encoded[k : k + len(asks)], k + len(asks)
             advance(i, got, refused and next((g for g in got if isinstance(g, Exception)), None))
     return results
 
@@ -245,8 +260,13 @@ def _tokenize_all(tok, asks: list[Ask]) -> tuple[list, bool]:
     for (special, offsets), ks in kinds.items():
         texts = [asks[k][0] for k in ks]
         try:
-            enc = tok(texts, add_special_tokens=special, return_offsets_mapping=offsets, return_attention_mask=False,
-                      return_token_type_ids=False)
+            enc = tok(
+                texts,
+                add_special_tokens=special,
+                return_offsets_mapping=offsets,
+                return_attention_mask=False,
+                return_token_type_ids=False,
+            )
             got = zip(enc["input_ids"], enc["offset_mapping"] if offsets else [None] * len(ks))
         except Exception:  # e.g. a lone surrogate: each text alone, so only its row fails
             got, refused = [_tokenize_one(tok, text, special, offsets) for text in texts], True
@@ -258,8 +278,13 @@ def _tokenize_all(tok, asks: list[Ask]) -> tuple[list, bool]:
 def _tokenize_one(tok, text: str, special: bool, offsets: bool):
     """(ids, offsets or None) of one text, or the ValueError that makes its row unusable."""
     try:
-        enc = tok(text, add_special_tokens=special, return_offsets_mapping=offsets, return_attention_mask=False,
-                  return_token_type_ids=False)
+        enc = tok(
+            text,
+            add_special_tokens=special,
+            return_offsets_mapping=offsets,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
     except TypeError:  # the tokenizer's only word for a lone surrogate (JSON's "\ud800" decodes to one)
         bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
         if bad is None:
@@ -275,8 +300,9 @@ def assistant_spans(tok, text: str, messages: list) -> list[tuple[int, int]]:
     # The tokens that close a turn (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>, the eos), not
     # those that open the next one.
     names = set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values() if t.special}
-    specials = sorted({t for t in names if t and (t == tok.eos_token or re.search(r"end|eot|</s>", t, re.I))},
-                      key=len, reverse=True)
+    specials = sorted(
+        {t for t in names if t and (t == tok.eos_token or re.search(r"end|eot|</s>", t, re.I))}, key=len, reverse=True
+    )
     closer = re.compile(r"[ \t]*(?:" + "|".join(map(re.escape, specials)) + ")") if specials else None
     spans, cursor = [], 0
     for i, m in enumerate(messages):
@@ -285,9 +311,11 @@ def assistant_spans(tok, text: str, messages: list) -> list[tuple[int, int]]:
         if at < 0:
             spans.append((0, 0))
             if m["role"] == "assistant" and content:
-                raise ValueError(f"the chat template does not render assistant turn {i} as written (it rewrites or drops "
-                                 "it, as templates that strip earlier reasoning do), so its tokens cannot be located; "
-                                 "keep such turns out of the data or set data.train_on_inputs: true")
+                raise ValueError(
+                    f"the chat template does not render assistant turn {i} as written (it rewrites or drops "
+                    "it, as templates that strip earlier reasoning do), so its tokens cannot be located; "
+                    "keep such turns out of the data or set data.train_on_inputs: true"
+                )
             continue
         end = at + len(content)
         if m["role"] == "assistant":

@@ -118,7 +118,7 @@ def array_units(fs: pafs.FileSystem, path: str, step: int) -> Iterator[Unit]:
                     char = m.group(2)
                     if char is None:  # a string: skipped whole, unless it goes on in the next chunk
                         if m.group(1) is None and pos < size:
-                            carry = chunk[m.start():]
+                            carry = chunk[m.start() :]
                             break
                     elif char in b"[{":
                         depth += 1
@@ -157,10 +157,11 @@ def _array_elements(unit: Unit, raw: bytes, size: int) -> list:
         text = head + raw.decode("utf-8") + tail
         rows = json.loads(text)
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{unit.file}: not a valid JSON array (not UTF-8 text: {exc.reason} at byte "
-                         f"{unit.start + exc.start})") from None
+        raise ValueError(
+            f"{unit.file}: not a valid JSON array (not UTF-8 text: {exc.reason} at byte {unit.start + exc.start})"
+        ) from None
     except json.JSONDecodeError as exc:
-        at = unit.start + len(exc.doc[len(head):max(len(head), exc.pos)].encode())
+        at = unit.start + len(exc.doc[len(head) : max(len(head), exc.pos)].encode())
         raise ValueError(f"{unit.file}: not a valid JSON array ({exc.msg} at byte {at})") from None
     if not rows and (head or tail):  # nothing between two cuts: `[,`, `,,` or a trailing `,]`, valid once bracketed
         at = unit.start + len(raw) - len(raw.lstrip()) if not tail else unit.stop

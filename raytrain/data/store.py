@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.fs as pafs
 
-from raytrain.rundir import signing, storage
-from raytrain.errors import JobError
 from raytrain.data.records import IGNORE
+from raytrain.errors import JobError
+from raytrain.rundir import signing, storage
 
 OPEN_FILES = 32  # shard files a reader keeps open at once (TokenStore._file)
 
@@ -129,9 +129,11 @@ class TokenStore:
             return None
         where = f"the token store {uri}/{MANIFEST}"
         if manifest.get("format_version") != FORMAT_VERSION:
-            raise JobError(f"refusing {where}: it was written by an older raytrain (store format "
-                           f"{manifest.get('format_version')}, this one reads {FORMAT_VERSION}). Delete the folder "
-                           f"{uri} and run the job again (or `raytrain prepare`) to prepare it in the new format")
+            raise JobError(
+                f"refusing {where}: it was written by an older raytrain (store format "
+                f"{manifest.get('format_version')}, this one reads {FORMAT_VERSION}). Delete the folder "
+                f"{uri} and run the job again (or `raytrain prepare`) to prepare it in the new format"
+            )
         manifest = signing.verify_document(manifest, where)
         signing.require_place(manifest, "key", uri.rstrip("/").rsplit("/", 1)[-1], where)
         store = cls(uri, manifest, fs, path)
@@ -144,8 +146,13 @@ class TokenStore:
         if not 0 <= index < self.shards:
             raise IndexError(f"shard {index} of a store of {self.shards} shards")
         record = self._block(index // self._block_shards)[0][index % self._block_shards]
-        return {"file": shard_name(index), "rows": int(record["rows"]), "first_row": int(record["first_row"]),
-                "tokens": int(record["tokens"]), "index_sha256": record["index_sha256"].tobytes().hex()}
+        return {
+            "file": shard_name(index),
+            "rows": int(record["rows"]),
+            "first_row": int(record["first_row"]),
+            "tokens": int(record["tokens"]),
+            "index_sha256": record["index_sha256"].tobytes().hex(),
+        }
 
     def _locate(self, row: int) -> tuple[int, int, int]:
         """(shard, row within it, the shard's rows) of a row: the last shard starting at or before
@@ -189,8 +196,9 @@ class TokenStore:
         count = min(self._block_shards, self.shards - start)
         raw = self._table_read(count * RECORD.itemsize, start * RECORD.itemsize)
         if hashlib.sha256(raw).digest() != sha256s[block].tobytes():
-            raise self._changed(TABLE, f"block {block} (shards {start} to {start + count - 1})'s sha256 is not the "
-                                       "signed one")
+            raise self._changed(
+                TABLE, f"block {block} (shards {start} to {start + count - 1})'s sha256 is not the signed one"
+            )
         records = np.frombuffer(raw, RECORD)
         entry = (records, records["first_row"].astype(np.int64))
         with self._lock:
@@ -245,13 +253,13 @@ class TokenStore:
             dest = out[targets[k]]
             for q in range(s):
                 seq = local * s + k * s + q
-                w = words[int(offsets[seq]) - lo:int(offsets[seq + 1]) - lo].astype(np.int64)
+                w = words[int(offsets[seq]) - lo : int(offsets[seq + 1]) - lo].astype(np.int64)
                 length = len(w)
                 ids, starts = w & id_mask, (w & start_bit) != 0
                 at = np.arange(length)
                 last = np.maximum.accumulate(np.where(starts, at, -1)) if length else at
                 pos = np.where(last >= 0, at - last, int(first_pos[seq]) + at)
-                plane = dest[q * PLANES:(q + 1) * PLANES]
+                plane = dest[q * PLANES : (q + 1) * PLANES]
                 plane[0, :length], plane[1, :length] = ids, np.where((w & trained_bit) != 0, ids, IGNORE)
                 plane[2, :length] = pos
                 plane[0, length:], plane[1, length:] = self.pad_id, IGNORE
@@ -271,8 +279,10 @@ class TokenStore:
             with self.fs.open_input_stream(f"{self.path}/{name}") as f:
                 raw = f.read()
         except FileNotFoundError:
-            raise JobError(f"refusing the token store {self.uri}: {name} is missing (deleted after it was prepared). "
-                           "Delete the folder to prepare it again") from None
+            raise JobError(
+                f"refusing the token store {self.uri}: {name} is missing (deleted after it was prepared). "
+                "Delete the folder to prepare it again"
+            ) from None
         self.read_counters.reads += 1
         self.read_counters.bytes += len(raw)
         if hashlib.sha256(raw).hexdigest() != meta["index_sha256"]:
@@ -280,8 +290,8 @@ class TokenStore:
         sequences = meta["rows"] * self.sequences
         offsets = np.frombuffer(raw, np.uint64, sequences + 1)
         first_pos = np.frombuffer(raw, np.uint32, sequences, offset=8 * (sequences + 1))
-        tail = raw[8 * (sequences + 1) + 4 * sequences:]
-        digests = [tail[k * DIGEST:(k + 1) * DIGEST] for k in range(meta["rows"])]
+        tail = raw[8 * (sequences + 1) + 4 * sequences :]
+        digests = [tail[k * DIGEST : (k + 1) * DIGEST] for k in range(meta["rows"])]
         entry = (offsets, first_pos, digests)
         with self._lock:
             self._index[shard] = entry
@@ -292,8 +302,10 @@ class TokenStore:
         return entry
 
     def _changed(self, name: str, why: str) -> JobError:
-        return JobError(f"refusing the token store {self.uri}: {name} was changed after it was prepared ({why}). "
-                        "Delete the folder to prepare it again")
+        return JobError(
+            f"refusing the token store {self.uri}: {name} was changed after it was prepared ({why}). "
+            "Delete the folder to prepare it again"
+        )
 
     def _file(self, name: str):
         """`name`'s open file. At most OPEN_FILES stay open: a long run over a store of many shards
@@ -307,8 +319,10 @@ class TokenStore:
                 try:
                     self._files[name] = self.fs.open_input_file(f"{self.path}/{name}")
                 except FileNotFoundError:
-                    raise JobError(f"refusing the token store {self.uri}: {name} is missing (deleted after it was "
-                                   "prepared). Delete the folder to prepare it again") from None
+                    raise JobError(
+                        f"refusing the token store {self.uri}: {name} is missing (deleted after it was "
+                        "prepared). Delete the folder to prepare it again"
+                    ) from None
                 while len(self._files) > OPEN_FILES:
                     self._files.popitem(last=False)
             return self._files[name]
@@ -320,5 +334,7 @@ class TokenStore:
             self._files.clear()
 
     def describe(self) -> str:
-        return (f"{self.uri} ({self.rows:,} rows of {self.seq_len} tokens from {len(self.manifest['sources'])} file(s), "
-                f"{self.bad_rows} bad row(s) skipped)")
+        return (
+            f"{self.uri} ({self.rows:,} rows of {self.seq_len} tokens from {len(self.manifest['sources'])} file(s), "
+            f"{self.bad_rows} bad row(s) skipped)"
+        )

@@ -9,14 +9,16 @@ import json
 import numpy as np
 import pyarrow.fs as pafs
 
-from raytrain.rundir import signing
 from raytrain.data.records import IGNORE, document_positions
 from raytrain.data.store import BLOCK_ENTRY, DIGEST, FORMAT_VERSION, MANIFEST, RECORD, TABLE, flags, shard_name
+from raytrain.rundir import signing
 
 TABLE_BLOCK = 1024  # shards a block of the table: what a reader reads and checks at once (56 KiB; the manifest says)
 
 
-def encode_shard(rows: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]], dtype: np.dtype) -> tuple[bytes, bytes, int]:
+def encode_shard(
+    rows: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]], dtype: np.dtype
+) -> tuple[bytes, bytes, int]:
     """Rows, each a list of sequences (ids, labels, positions as packing laid them out, padding
     already cut off) -> (.bin bytes, .idx bytes, tokens). A label is either the token or IGNORE:
     anything else cannot be stored as a flag, so it is refused here, at prepare."""
@@ -41,7 +43,7 @@ def encode_shard(rows: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]], dt
         words.append(joined)
         digests.append(hashlib.blake2b(joined.tobytes(), digest_size=DIGEST).digest())
     data = (np.concatenate(words) if words else np.zeros(0, dtype)).tobytes()
-    index = (np.asarray(offsets, np.uint64).tobytes() + np.asarray(first_pos, np.uint32).tobytes() + b"".join(digests))
+    index = np.asarray(offsets, np.uint64).tobytes() + np.asarray(first_pos, np.uint32).tobytes() + b"".join(digests)
     return data, index, at
 
 
@@ -56,9 +58,11 @@ def shard_rows(docs: list, seq_len: int, pack: bool, pairs: bool) -> list[list[t
     if not docs:
         return []
     ids = np.concatenate([np.asarray(i, np.int64) for i, _ in docs])
-    labels = np.concatenate([np.asarray(l, np.int64) for _, l in docs])
+    labels = np.concatenate([np.asarray(lab, np.int64) for _, lab in docs])
     pos = document_positions([len(i) for i, _ in docs])
-    return [[(ids[a:a + seq_len], labels[a:a + seq_len], pos[a:a + seq_len])] for a in range(0, len(ids), seq_len)]
+    return [
+        [(ids[a : a + seq_len], labels[a : a + seq_len], pos[a : a + seq_len])] for a in range(0, len(ids), seq_len)
+    ]
 
 
 def write_shard(out_fs: pafs.FileSystem, out_path: str, name: str, rows, dtype: np.dtype) -> dict:
@@ -78,19 +82,24 @@ def write_table(fs: pafs.FileSystem, path: str, shards: list[dict], block_shards
     row = 0
     for i, s in enumerate(shards):
         if s["file"] != shard_name(i) or s["first_row"] != row:
-            raise ValueError(f"shard {i} is {s['file']} from row {s['first_row']}: the table needs {shard_name(i)} "
-                             f"from row {row} (the shards in order, each named by its number)")
+            raise ValueError(
+                f"shard {i} is {s['file']} from row {s['first_row']}: the table needs {shard_name(i)} "
+                f"from row {row} (the shards in order, each named by its number)"
+            )
         records[i] = (s["first_row"], s["rows"], s["tokens"], np.frombuffer(bytes.fromhex(s["index_sha256"]), np.uint8))
         row += s["rows"]
     directory = np.zeros(-(-len(shards) // block_shards), BLOCK_ENTRY)
     for b in range(len(directory)):
-        block = records[b * block_shards:(b + 1) * block_shards]
+        block = records[b * block_shards : (b + 1) * block_shards]
         directory[b] = (block["first_row"][0], np.frombuffer(hashlib.sha256(block.tobytes()).digest(), np.uint8))
     with fs.open_output_stream(f"{path}/{TABLE}") as f:
         f.write(records.tobytes())
         f.write(directory.tobytes())
-    return {"shards": len(shards), "block_shards": block_shards,
-            "directory_sha256": hashlib.sha256(directory.tobytes()).hexdigest()}
+    return {
+        "shards": len(shards),
+        "block_shards": block_shards,
+        "directory_sha256": hashlib.sha256(directory.tobytes()).hexdigest(),
+    }
 
 
 def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict) -> None:

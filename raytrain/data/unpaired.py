@@ -22,9 +22,9 @@ Pure functions, like records.py and pairs.py.
 
 from __future__ import annotations
 
+from raytrain.data.pairs import prompt_messages, record_of, response_messages, text_column, text_prompt
+from raytrain.data.records import IGNORE, chat_steps, check_messages, run_batch, turn_messages
 from raytrain.job.data import DataSpec
-from raytrain.data.pairs import prompt_messages, response_messages, text_column, record_of, text_prompt
-from raytrain.data.records import IGNORE, turn_messages, chat_steps, check_messages, run_batch
 
 Sequence = tuple[list[int], list[int]]  # token ids, labels
 
@@ -34,16 +34,28 @@ def to_unpaired(data: DataSpec, row) -> tuple[str | list, str | list, bool]:
     record = record_of(row)
     label = record.get(data.column("label"))
     if not isinstance(label, bool):
-        raise ValueError(f"column {data.column('label')!r} (the row's label) must be true (desirable) or false "
-                         f"(undesirable), got {str(label)[:40]!r}; data.columns.label maps another name")
+        raise ValueError(
+            f"column {data.column('label')!r} (the row's label) must be true (desirable) or false "
+            f"(undesirable), got {str(label)[:40]!r}; data.columns.label maps another name"
+        )
     if data.format == "text":
-        return text_prompt(data, record), text_column(record.get(data.column("completion")), data.column("completion")), label
+        return (
+            text_prompt(data, record),
+            text_column(record.get(data.column("completion")), data.column("completion")),
+            label,
+        )
     if data.format == "chat" and data.column("completion") in record:  # TRL's conversational shape
-        return prompt_messages(data, record), response_messages(data, record[data.column("completion")], "completion"), label
+        return (
+            prompt_messages(data, record),
+            response_messages(data, record[data.column("completion")], "completion"),
+            label,
+        )
     if data.format == "alpaca":
         prompt = prompt_messages(data, record)
         return prompt, response_messages(data, record.get(data.column("response")) or "", "response"), label
-    turns = turn_messages(data, record)  # chat's `messages` / sharegpt's `conversations`: the last turn is the completion
+    turns = turn_messages(
+        data, record
+    )  # chat's `messages` / sharegpt's `conversations`: the last turn is the completion
     if turns[-1]["role"] != "assistant":
         raise ValueError("the last turn must be the assistant's: it is the completion the label judges")
     return turns[:-1], turns[-1:], label
@@ -60,7 +72,7 @@ def encode_unpaired(tok, data: DataSpec, rows: list) -> list:
         (ids, labels), label = encoded[i]
         (other_ids, other_labels), _ = encoded[usable[k - 1]]
         head, other = _first_trained(labels), _first_trained(other_labels)
-        kl = (ids[:head] + other_ids[other:])[:data.seq_len], ([IGNORE] * head + other_labels[other:])[:data.seq_len]
+        kl = (ids[:head] + other_ids[other:])[: data.seq_len], ([IGNORE] * head + other_labels[other:])[: data.seq_len]
         out[i] = ((ids, labels), kl, ([int(label)], [IGNORE]))
     return out
 
@@ -78,8 +90,10 @@ def _steps(tok, data: DataSpec, row, eos: int):
         check_messages([*prompt, *completion])
         ids, labels = yield from chat_steps(tok, [*prompt, *completion], first_trained=len(prompt))
     if len(ids) > data.seq_len:
-        raise ValueError(f"prompt + completion is {len(ids)} tokens, longer than data.seq_len={data.seq_len} "
-                         "(a completion is never truncated: raise seq_len)")
+        raise ValueError(
+            f"prompt + completion is {len(ids)} tokens, longer than data.seq_len={data.seq_len} "
+            "(a completion is never truncated: raise seq_len)"
+        )
     if all(t == IGNORE for t in labels):
         raise ValueError("the completion has no tokens to train")
     return (ids, labels), label

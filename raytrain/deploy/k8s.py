@@ -27,10 +27,10 @@ from pathlib import Path
 
 import yaml
 
-from raytrain.model.facts import ModelFacts
 from raytrain.deploy import pod_sizing
-from raytrain.validate import preflight
+from raytrain.model.facts import ModelFacts
 from raytrain.rundir import storage
+from raytrain.validate import preflight
 
 TEMPLATE_NAME = "rayjob.template.yaml"
 JOB_MOUNT = "/etc/raytrain"  # where the head mounts the ConfigMap; the entrypoint reads job.yaml there
@@ -92,8 +92,9 @@ def _pod_templates(rayjob: dict) -> list[dict]:
     return [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
 
 
-def render(spec, job_text: str, image: str, namespace: str, template: Path | None = None,
-           facts: ModelFacts | None = None) -> list[dict]:
+def render(
+    spec, job_text: str, image: str, namespace: str, template: Path | None = None, facts: ModelFacts | None = None
+) -> list[dict]:
     """ConfigMap, PodDisruptionBudget, NetworkPolicy and RayJob for `spec`, whose file text is
     `job_text`; `facts` (the model's dimensions) size the worker pods."""
     docs = load_template(template)
@@ -127,9 +128,11 @@ def render(spec, job_text: str, image: str, namespace: str, template: Path | Non
                 _set_env(container, "RAY_JOB_STOP_WAIT_TIME_S", str(drain_s))
         if _uses_shared(spec):
             pod["spec"].setdefault("volumes", []).append(
-                {"name": "shared", "persistentVolumeClaim": {"claimName": SHARED_CLAIM}})
+                {"name": "shared", "persistentVolumeClaim": {"claimName": SHARED_CLAIM}}
+            )
             pod["spec"]["containers"][0].setdefault("volumeMounts", []).append(
-                {"name": "shared", "mountPath": SHARED_MOUNT})
+                {"name": "shared", "mountPath": SHARED_MOUNT}
+            )
     for volume in cluster["headGroupSpec"]["template"]["spec"]["volumes"]:
         if volume["name"] == "job":
             volume["configMap"]["name"] = f"{name}-job"
@@ -173,23 +176,31 @@ def cluster_warnings(spec, namespace: str, facts: ModelFacts | None) -> list[str
     out = []
     local = lambda p: not storage.is_remote(p) and not (p == SHARED_MOUNT or p.startswith(SHARED_MOUNT + "/"))
     if local(spec.checkpoint.storage_path):
-        out.append(f"checkpoint.storage_path={spec.checkpoint.storage_path!r} is local to a pod: checkpoints die with it "
-                   f"and a retry cannot resume; use s3://... or a path under {SHARED_MOUNT}")
+        out.append(
+            f"checkpoint.storage_path={spec.checkpoint.storage_path!r} is local to a pod: checkpoints die with it "
+            f"and a retry cannot resume; use s3://... or a path under {SHARED_MOUNT}"
+        )
     for field, data in spec.data.named_inputs():
         if local(data.path):
             out.append(f"{field}={data.path!r} is not in the image: use s3://... or a path under {SHARED_MOUNT}")
     if spec.model.path.startswith((".", "/")) and local(spec.model.path):
-        out.append(f"model.path={spec.model.path!r} is a local folder the pods do not have: use a hub id "
-                   f"(downloaded on the cluster with HF_TOKEN) or a path under {SHARED_MOUNT}")
+        out.append(
+            f"model.path={spec.model.path!r} is a local folder the pods do not have: use a hub id "
+            f"(downloaded on the cluster with HF_TOKEN) or a path under {SHARED_MOUNT}"
+        )
     if not (spec.tracking.uri or "").startswith(("http://", "https://")):
-        out.append(f"tracking.uri is not an MLflow server: runs would be written inside the head pod; use "
-                   f"http://mlflow.{namespace}.svc.cluster.local:5000 (k8s/mlflow.yaml)")
+        out.append(
+            f"tracking.uri is not an MLflow server: runs would be written inside the head pod; use "
+            f"http://mlflow.{namespace}.svc.cluster.local:5000 (k8s/mlflow.yaml)"
+        )
     if not spec.scaling.use_gpu:
         out.append("scaling.use_gpu is false: rendering CPU worker pods")
     if facts is None:
-        out.append(f"model.path={spec.model.path!r}: its dimensions are not readable here, so the worker pods keep the "
-                   f"template's memory and disk; to size them from the job, run `hf download {spec.model.path} config.json` "
-                   "(or point model.path at a local copy) and render again")
+        out.append(
+            f"model.path={spec.model.path!r}: its dimensions are not readable here, so the worker pods keep the "
+            f"template's memory and disk; to size them from the job, run `hf download {spec.model.path} config.json` "
+            "(or point model.path at a local copy) and render again"
+        )
     return out
 
 
@@ -197,7 +208,9 @@ class _Dumper(yaml.SafeDumper):
     """Multi-line strings (the job file, preStop scripts) as readable `|` blocks."""
 
 
-_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+_Dumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
 
 
 def dump(docs: list[dict]) -> str:
@@ -225,8 +238,9 @@ def cmd_render(args) -> int:
         return EXIT_INVALID
     namespace = getattr(args, "namespace", None) or "raytrain"
     facts = preflight.model_facts(spec)
-    docs = render(spec, job_text(args.job, overrides), getattr(args, "image", None) or "raytrain:latest", namespace,
-                  facts=facts)
+    docs = render(
+        spec, job_text(args.job, overrides), getattr(args, "image", None) or "raytrain:latest", namespace, facts=facts
+    )
     for warning in cluster_warnings(spec, namespace, facts):
         print(f"# warning: {warning}", file=sys.stderr)
     sys.stdout.write(dump(docs))

@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from raytrain.validate import memory
-from raytrain.model.facts import DTYPE_BYTES, ModelFacts
 from raytrain.job.spec import JobSpec
+from raytrain.model.facts import DTYPE_BYTES, ModelFacts
+from raytrain.validate import memory
 
 GiB = memory.GiB
 MARGIN = 1.2
@@ -51,9 +51,13 @@ def size_pods(spec: JobSpec, facts: ModelFacts | None) -> PodSize:
     s = spec.scaling
     per = s.workers_per_node
     lo, hi = s.worker_range
-    size = PodSize(pods=(math.ceil(lo / per), math.ceil(hi / per)), workers=per, gpus=per if s.use_gpu else 0,
-                   cpus=math.ceil(per * s.cpus_per_worker) + DATA_CPUS,
-                   shm_gib=per * SHM_GIB_PER_GPU_WORKER if s.use_gpu else SHM_GIB_CPU)
+    size = PodSize(
+        pods=(math.ceil(lo / per), math.ceil(hi / per)),
+        workers=per,
+        gpus=per if s.use_gpu else 0,
+        cpus=math.ceil(per * s.cpus_per_worker) + DATA_CPUS,
+        shm_gib=per * SHM_GIB_PER_GPU_WORKER if s.use_gpu else SHM_GIB_CPU,
+    )
     if facts is None:
         return size
     est = memory.estimate(spec, facts, lo)  # the fewest workers: the largest share per rank
@@ -63,14 +67,30 @@ def size_pods(spec: JobSpec, facts: ModelFacts | None) -> PodSize:
     host_offload = sum(t.bytes for t in est.host)
     staging = ckpt_rank if spec.checkpoint.async_save else 0
     copies = per if spec.training.strategy == "ddp" else 0
-    mem = {"processes": per * PROCESS_GIB[s.use_gpu] * GiB, "offloaded state": per * host_offload,
-           "async checkpoint staging": per * staging, f"loading ({copies} full cop{'y' if copies == 1 else 'ies'})": copies * model,
-           "Ray Data": DATA_GIB * GiB, "/dev/shm": size.shm_gib * GiB}
+    mem = {
+        "processes": per * PROCESS_GIB[s.use_gpu] * GiB,
+        "offloaded state": per * host_offload,
+        "async checkpoint staging": per * staging,
+        f"loading ({copies} full cop{'y' if copies == 1 else 'ies'})": copies * model,
+        "Ray Data": DATA_GIB * GiB,
+        "/dev/shm": size.shm_gib * GiB,
+    }
     export = model * per / lo if spec.training.finetune == "full" else whole_ckpt
-    disk = {"model download": model, "restored checkpoint": whole_ckpt, "staged checkpoint parts": per * ckpt_rank,
-            "final export": export, "Ray logs": RAY_DISK_GIB * GiB}
+    disk = {
+        "model download": model,
+        "restored checkpoint": whole_ckpt,
+        "staged checkpoint parts": per * ckpt_rank,
+        "final export": export,
+        "Ray logs": RAY_DISK_GIB * GiB,
+    }
     size.memory_gib = math.ceil(MARGIN * sum(mem.values()) / GiB)
     size.disk_gib = math.ceil(MARGIN * sum(disk.values()) / GiB)
-    size.basis = [f"memory {size.memory_gib}Gi = {MARGIN} x (" + " + ".join(f"{k} {memory.size(v)}" for k, v in mem.items() if v) + ")",
-                  f"ephemeral-storage {size.disk_gib}Gi = {MARGIN} x (" + " + ".join(f"{k} {memory.size(v)}" for k, v in disk.items() if v) + ")"]
+    size.basis = [
+        f"memory {size.memory_gib}Gi = {MARGIN} x ("
+        + " + ".join(f"{k} {memory.size(v)}" for k, v in mem.items() if v)
+        + ")",
+        f"ephemeral-storage {size.disk_gib}Gi = {MARGIN} x ("
+        + " + ".join(f"{k} {memory.size(v)}" for k, v in disk.items() if v)
+        + ")",
+    ]
     return size

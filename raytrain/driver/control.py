@@ -30,8 +30,8 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
-from raytrain.rundir import lease
 from raytrain.errors import JobError
+from raytrain.rundir import lease
 
 
 @dataclass
@@ -82,13 +82,17 @@ class JobControl:
         record from here, so a group that dies while loading counts too), or why the job
         must end."""
         worlds = [a.world_size for a in self.attempts[1:]] + [world_size]
-        failures = [a for a, next_world in zip(self.attempts, worlds)
-                    if a.preempted_at is None and next_world <= a.world_size]
+        failures = [
+            a for a, next_world in zip(self.attempts, worlds) if a.preempted_at is None and next_world <= a.world_size
+        ]
         last = next((a.error for a in reversed(self.attempts) if a.error), None)
         if self.spent is None and 0 <= self.max_failures < len(failures):
-            self.spent = (f"{len(failures)} worker failures (preemptions and resizes not counted) exceed "
-                          f"failure.max_failures={self.max_failures}" + (f"; the last: {last}" if last else "") +
-                          "; the latest committed checkpoint is kept: raise failure.max_failures and run again to resume")
+            self.spent = (
+                f"{len(failures)} worker failures (preemptions and resizes not counted) exceed "
+                f"failure.max_failures={self.max_failures}"
+                + (f"; the last: {last}" if last else "")
+                + "; the latest committed checkpoint is kept: raise failure.max_failures and run again to resume"
+            )
         if self.spent is None:
             resumed = self.attempts[-1].resumed_from if self.attempts else 0  # until the group says
             self.attempts.append(Attempt(world_size, resumed, time.time()))
@@ -109,13 +113,23 @@ class JobControl:
             self.attempts[-1].error = error
         if retry and not transient and len(self.attempts) >= 2:
             before, now = self.attempts[-2], self.attempts[-1]
-            if (before.error, before.resumed_from, before.last_step) == (error, now.resumed_from, now.last_step) \
-                    and before.preempted_at is None:
-                where = f"in step {now.last_step + 1}" if now.first_step_at or now.last_step else "before the first step"
-                retry, error = False, (f"the same error twice {where}, each time from "
-                                       f"{f'step {now.resumed_from}' if now.resumed_from else 'the start'}: {error}. "
-                                       "A restart repeats it: fix its cause, then run the job again (it resumes from "
-                                       "the latest committed checkpoint, which is kept)")
+            if (before.error, before.resumed_from, before.last_step) == (
+                error,
+                now.resumed_from,
+                now.last_step,
+            ) and before.preempted_at is None:
+                where = (
+                    f"in step {now.last_step + 1}" if now.first_step_at or now.last_step else "before the first step"
+                )
+                retry, error = (
+                    False,
+                    (
+                        f"the same error twice {where}, each time from "
+                        f"{f'step {now.resumed_from}' if now.resumed_from else 'the start'}: {error}. "
+                        "A restart repeats it: fix its cause, then run the job again (it resumes from "
+                        "the latest committed checkpoint, which is kept)"
+                    ),
+                )
         if not retry:
             self.spent = error
             self._wake()
@@ -182,15 +196,23 @@ class JobControl:
             # Recovered at the next attempt's first step; if that attempt died before one, this
             # recovery ends where the next one's begins (its start), so no second counts twice.
             recovered_at = after.first_step_at or (after.started_at if i + 2 < len(self.attempts) else time.time())
-            kind = ("preemption" if before.preempted_at is not None else
-                    "resize" if after.world_size > before.world_size else "failure")
-            failures.append({
-                "kind": kind,
-                "steps_lost": max(0, before.last_step - after.resumed_from),
-                "recovery_s": round(recovered_at - failed_at, 3),
-                "world_size_before": before.world_size, "world_size_after": after.world_size,
-                "resumed_from": after.resumed_from,
-            })
+            kind = (
+                "preemption"
+                if before.preempted_at is not None
+                else "resize"
+                if after.world_size > before.world_size
+                else "failure"
+            )
+            failures.append(
+                {
+                    "kind": kind,
+                    "steps_lost": max(0, before.last_step - after.resumed_from),
+                    "recovery_s": round(recovered_at - failed_at, 3),
+                    "world_size_before": before.world_size,
+                    "world_size_after": after.world_size,
+                    "resumed_from": after.resumed_from,
+                }
+            )
         return asdict(Goodput(round(wall, 3), round(productive, 3), round(max(0.0, wall - productive), 3), failures))
 
     def attempts_summary(self) -> list[dict]:
@@ -211,14 +233,20 @@ def driver_identity() -> dict:
     import ray
 
     config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")  # set for `ray job submit`'s entrypoint
-    return {"host": socket.gethostname(), "pid": os.getpid(), "job_id": ray.get_runtime_context().get_job_id(),
-            "submission_id": config.get("metadata", {}).get("job_submission_id"), "since": time.time()}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job_id": ray.get_runtime_context().get_job_id(),
+        "submission_id": config.get("metadata", {}).get("job_submission_id"),
+        "since": time.time(),
+    }
 
 
 @dataclass
 class Held:
     """A driver's hold on its run directory: the control actor (the lock within its Ray cluster) and
     the lease in storage (lease.py: across clusters), renewed while the job runs."""
+
     actor: object
     token: str  # the lease's generation:token, signed into the run plan for the workers' fence
     renewal: lease.Renewal
@@ -242,6 +270,7 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False, wi
     another cluster is refused by the lease, or fenced with `takeover`."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
+
     # Pinned to the driver's node: it must not die with a spot worker node it happened to land on.
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -251,7 +280,8 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False, wi
     # data_ready is pending at once, so its slots must outnumber the ranks, or the driver's calls
     # (data_prepared among them) would queue behind the waits they end.
     make = ray.remote(num_cpus=0, max_concurrency=MAX_CALLS)(JobControl).options(
-        name=name, namespace=NAMESPACE, scheduling_strategy=here)
+        name=name, namespace=NAMESPACE, scheduling_strategy=here
+    )
     for _ in range(20):
         try:
             actor = make.remote(max_failures, me, window)
@@ -271,11 +301,16 @@ def start_actor(run_dir: str, max_failures: int = -1, takeover: bool = False, wi
             time.sleep(0.5)
             continue
         if not takeover:
-            raise JobError(f"run directory {run_dir} is in use by another driver of this job: {lease.describe(holder)}. "
-                           f"Wait for it, stop it with {lease.how_to_stop(holder)}, or run with --takeover to have it "
-                           "checkpoint and stop and continue the run here")
-        print(f"[raytrain] --takeover: asking {lease.describe(holder)} to checkpoint and stop; this driver continues the run",
-              flush=True)
+            raise JobError(
+                f"run directory {run_dir} is in use by another driver of this job: {lease.describe(holder)}. "
+                f"Wait for it, stop it with {lease.how_to_stop(holder)}, or run with --takeover to have it "
+                "checkpoint and stop and continue the run here"
+            )
+        print(
+            f"[raytrain] --takeover: asking {lease.describe(holder)} to checkpoint and stop; this driver continues "
+            f"the run",
+            flush=True,
+        )
         holder_actor.request_stop.remote(f"taken over by {lease.describe(me)}")
         deadline = time.monotonic() + TAKEOVER_WAIT_S
         while time.monotonic() < deadline and _exists(name):

@@ -10,18 +10,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from raytrain.rundir import checkpoints, lease, metrics_backlog, signing
+from raytrain.data import prepare
 from raytrain.driver import control
-from raytrain.model import hub
-from raytrain.tracking import mlflow_run
 from raytrain.driver.trainer import build_trainer
 from raytrain.driver.worker_env import controller_env, start_relay
-from raytrain.tracking.timeline import Timeline
-from raytrain.rundir.checkpoints import TrainState, forget_deleted, latest_checkpoint
-from raytrain.data import prepare
-from raytrain.rundir.job_file import read_job_file, write_job_file
-from raytrain.job.spec import JobSpec
 from raytrain.errors import JobError, forward_worker_stdout_only, user_message
+from raytrain.job.spec import JobSpec
+from raytrain.model import hub
+from raytrain.rundir import checkpoints, lease, metrics_backlog, signing
+from raytrain.rundir.checkpoints import TrainState, forget_deleted, latest_checkpoint
+from raytrain.rundir.job_file import read_job_file, write_job_file
+from raytrain.tracking import mlflow_run
+from raytrain.tracking.timeline import Timeline
 
 
 @dataclass
@@ -88,9 +88,11 @@ def pin_model(spec: JobSpec, latest: TrainState | None, where: str | None) -> Jo
     checkpoints were trained on when it resumes, else the one model.revision names now."""
     saved = latest.model_commit if latest else None
     if saved and hub.COMMIT.fullmatch(spec.model.revision or "") and spec.model.revision != saved:
-        raise JobError(f"model.revision {spec.model.revision} differs from commit {saved} that {where} was trained on; "
-                       "a resumed run keeps its base model. Remove model.revision (or set it to that commit), "
-                       "or start a new run (a new name or checkpoint.storage_path)")
+        raise JobError(
+            f"model.revision {spec.model.revision} differs from commit {saved} that {where} was trained on; "
+            "a resumed run keeps its base model. Remove model.revision (or set it to that commit), "
+            "or start a new run (a new name or checkpoint.storage_path)"
+        )
     commit = saved or hub.resolve_commit(spec)
     if commit is None:
         return spec
@@ -102,9 +104,13 @@ def pin_model(spec: JobSpec, latest: TrainState | None, where: str | None) -> Jo
 def _stop_on_signals(job_control) -> None:
     """`ray job stop` sends the driver SIGTERM: ask the workers to checkpoint and finish.
     A second signal falls through to the default (immediate) behaviour."""
+
     def on_signal(signum, frame):
-        print(f"[raytrain] {signal.Signals(signum).name}: checkpointing at the next step, then stopping "
-              "(send again to stop at once)", flush=True)
+        print(
+            f"[raytrain] {signal.Signals(signum).name}: checkpointing at the next step, then stopping "
+            "(send again to stop at once)",
+            flush=True,
+        )
         job_control.request_stop.remote(signal.Signals(signum).name)
         signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
 
@@ -132,8 +138,12 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
     # (the run snapshot, job.json, the MLflow run's status).
     held = job_control = run_id = None
     try:  # once the MLflow run is open, whatever happens ends it: it never stays RUNNING
-        held = control.start_actor(spec.run_dir, spec.failure.max_failures, takeover,
-                                   window=spec.checkpoint.every_n_steps * (spec.checkpoint.keep_last + 1))
+        held = control.start_actor(
+            spec.run_dir,
+            spec.failure.max_failures,
+            takeover,
+            window=spec.checkpoint.every_n_steps * (spec.checkpoint.keep_last + 1),
+        )
         job_control = held.actor
         checkpoints.await_committed(spec.run_dir, (lease.read(spec.run_dir) or {}).get("committed"), lease.TTL_S)
         gone = forget_deleted(spec.run_dir)
@@ -148,25 +158,37 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
             mlflow_run.set_tags(spec, run_id, {"raytrain.model_commit": spec.model.revision})
         write_job_file(spec)
         try:
-            written = mlflow_run.sync_pending(spec, metrics_backlog.unwritten(spec.run_dir, latest), run_id, resume=True)
+            written = mlflow_run.sync_pending(
+                spec, metrics_backlog.unwritten(spec.run_dir, latest), run_id, resume=True
+            )
         except Exception as exc:  # MLflow just opened the run; if it fails now, what is kept stays kept
             written = 0
-            print(f"[raytrain] metrics MLflow missed earlier not written yet ({type(exc).__name__}); they stay kept in "
-                  f"{spec.run_dir}", flush=True)
+            print(
+                f"[raytrain] metrics MLflow missed earlier not written yet ({type(exc).__name__}); they stay kept in "
+                f"{spec.run_dir}",
+                flush=True,
+            )
         if written:
-            print(f"[raytrain] wrote {written} steps' metrics that MLflow missed in an earlier run of this job", flush=True)
+            print(
+                f"[raytrain] wrote {written} steps' metrics that MLflow missed in an earlier run of this job",
+                flush=True,
+            )
         _stop_on_signals(job_control)
-        print(f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, workers "
-              f"{spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at {mlflow_run.tracking_uri(spec)}",
-              flush=True)
+        print(
+            f"[raytrain] job {spec.name}: {spec.training.strategy}/{spec.training.finetune}, workers "
+            f"{spec.scaling.worker_range}, run dir {spec.run_dir}, mlflow run {run_id} at "
+            f"{mlflow_run.tracking_uri(spec)}",
+            flush=True,
+        )
         planned = prepare.plan_inputs(spec)
         if latest:  # positions in other data would be other rows
             latest.require_same_data(planned["key"], where)
         # Secrets never ride in the workers' runtime_env (Ray's dashboard shows it): a worker whose
         # node lacks some, a spot node added mid-run included, asks this relay for them and says so.
         relay = start_relay()
-        result = _prepare_and_fit(spec, job_control, lambda: build_trainer(spec, run_id, planned, job_control, relay, timeline,
-                                                                           held.token))
+        result = _prepare_and_fit(
+            spec, job_control, lambda: build_trainer(spec, run_id, planned, job_control, relay, timeline, held.token)
+        )
         verdict = ray.get(job_control.verdict.remote())
         if verdict:  # the workers stopped restarting: the failure budget is spent, or a job error
             raise JobError(verdict)

@@ -43,29 +43,48 @@ class TorchBackend(BackendConfig):
         return {"backend": self.backend, "init_method": self.init_method, "timeout_s": self.timeout_s}
 
 
-def build_trainer(spec: JobSpec, run_id: str, prepared: dict, control=None, relay=None,
-                  timeline: Timeline | None = None, lease_token: str = ""):
+def build_trainer(
+    spec: JobSpec,
+    run_id: str,
+    prepared: dict,
+    control=None,
+    relay=None,
+    timeline: Timeline | None = None,
+    lease_token: str = "",
+):
     """Ray Train's trainer of this job: its workers, run directory and restarts (all of them: the
     control actor decides what counts, driver/control.py), and the signed plan each worker acts on."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     lo, hi = spec.scaling.worker_range
-    scaling = ScalingConfig(num_workers=lo if lo == hi else (lo, hi), use_gpu=spec.scaling.use_gpu,
-                            resources_per_worker={"CPU": spec.scaling.cpus_per_worker, **spec.scaling.resources_per_worker},
-                            elastic_resize_monitor_interval_s=spec.scaling.resize_check_interval_s)
-    run = RunConfig(name=spec.name, storage_path=spec.checkpoint.storage_path,
-                    checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
-                    # Ray restarts without limit; raytrain's control actor decides what counts (control.py).
-                    failure_config=FailureConfig(max_failures=-1),
-                    worker_runtime_env=runtime_env(spec, relay.env if relay else None))
+    scaling = ScalingConfig(
+        num_workers=lo if lo == hi else (lo, hi),
+        use_gpu=spec.scaling.use_gpu,
+        resources_per_worker={"CPU": spec.scaling.cpus_per_worker, **spec.scaling.resources_per_worker},
+        elastic_resize_monitor_interval_s=spec.scaling.resize_check_interval_s,
+    )
+    run = RunConfig(
+        name=spec.name,
+        storage_path=spec.checkpoint.storage_path,
+        checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
+        # Ray restarts without limit; raytrain's control actor decides what counts (control.py).
+        failure_config=FailureConfig(max_failures=-1),
+        worker_runtime_env=runtime_env(spec, relay.env if relay else None),
+    )
     # No Ray Data inside the training workers: each rank reads its rows of each global batch straight
     # from the prepared token store (raytrain/data/), so the trainer has no datasets, and no dataset
     # actor. Each worker first receives the secrets its node lacks from the driver's relay (train/entry.py).
-    config = {"run_id": run_id,  # the job rides inside the signed plan
-              "control": control,  # the job's control actor (driver/control.py), by handle
-              **({entry.RELAY_CONFIG: relay.actor} if relay else {}),
-              "plan": sign_plan(RunPlan.of(spec, prepared, lease=lease_token), spec),
-              "timeline": (timeline or Timeline()).to_config()}
+    config = {
+        "run_id": run_id,  # the job rides inside the signed plan
+        "control": control,  # the job's control actor (driver/control.py), by handle
+        **({entry.RELAY_CONFIG: relay.actor} if relay else {}),
+        "plan": sign_plan(RunPlan.of(spec, prepared, lease=lease_token), spec),
+        "timeline": (timeline or Timeline()).to_config(),
+    }
     return private_apis.trainer_without_datasets(
-        train_loop_per_worker=entry.train_func, train_loop_config=config, scaling_config=scaling, run_config=run,
-        backend_config=TorchBackend(backend="nccl" if spec.scaling.use_gpu else "gloo"))
+        train_loop_per_worker=entry.train_func,
+        train_loop_config=config,
+        scaling_config=scaling,
+        run_config=run,
+        backend_config=TorchBackend(backend="nccl" if spec.scaling.use_gpu else "gloo"),
+    )

@@ -44,8 +44,15 @@ def controller_env(spec: JobSpec) -> dict[str, str]:
 # The host allocator's variables are allocator.worker_env's (mimalloc on CPU workers, unless the
 # submitter chose).
 SETTINGS_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
-SECRETS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
-               "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", signing.KEY_ENV)
+SECRETS_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "HF_TOKEN",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    signing.KEY_ENV,
+)
 
 
 class SecretRelay:
@@ -72,7 +79,8 @@ class SecretRelay:
 
 @dataclass
 class Relay:
-    actor: object  # the handle: for the workers' train_loop_config; referenced while the job runs (Ray ends an unreferenced actor)
+    # the handle: for the workers' train_loop_config; referenced while the job runs (Ray ends an unreferenced actor)
+    actor: object
     env: dict[str, str]  # names and a salted key id only: for the workers' runtime_env
 
 

@@ -72,8 +72,10 @@ def generate(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
         config["communication_data_type"] = "fp32"
     if t.offload.optimizer and gpu:
         # Offloaded optimizer steps run on the CPU: DeepSpeedCPUAdam (AdamW mode), not torch AdamW.
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
-                                                           "weight_decay": o.weight_decay}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+        }
     elif t.offload.optimizer:
         # On a CPU-only machine "offload to CPU" moves nothing; keep torch AdamW (the same math as
         # FSDP2/DDP, and no cpu_adam build) and tell DeepSpeed that is deliberate.
@@ -94,7 +96,7 @@ def build(spec, world_size: int, hidden_size: int) -> dict[str, Any]:
     config = merge(generate(spec, world_size, hidden_size), spec.training.deepspeed or {})
     left = auto_paths(config)
     if left:  # cannot happen from generate(); a guard so "no auto" is a property, not a hope
-        raise ValueError(f"DeepSpeed config still has \"auto\" at {left}")
+        raise ValueError(f'DeepSpeed config still has "auto" at {left}')
     return config
 
 

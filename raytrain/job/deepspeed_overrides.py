@@ -32,8 +32,11 @@ def override_problems(spec) -> list[str]:
     block = spec.training.deepspeed
     if block is None:
         return []
-    problems = [f"training.deepspeed.{path}: \"auto\" is a Hugging Face Trainer placeholder; give a value "
-                f"(raytrain computes every field it owns)" for path in auto_paths(block)]
+    problems = [
+        f'training.deepspeed.{path}: "auto" is a Hugging Face Trainer placeholder; give a value '
+        f"(raytrain computes every field it owns)"
+        for path in auto_paths(block)
+    ]
     flat = dict(leaves(block))
     for owned, field in OWNED.items():
         if any(p == owned or p.startswith(owned + ".") for p in flat):
@@ -49,13 +52,19 @@ def override_problems(spec) -> list[str]:
         if not isinstance(section, dict):
             problems.append(f"training.deepspeed.zero_optimization.{key}: must be a mapping (device, pin_memory, ...)")
         elif not enabled:
-            problems.append(f"training.deepspeed.zero_optimization.{key}: offload is off; set {field}: true "
-                            f"(this block only tunes it)")
+            problems.append(
+                f"training.deepspeed.zero_optimization.{key}: offload is off; set {field}: true "
+                f"(this block only tunes it)"
+            )
         elif section.get("device", "cpu") not in ("cpu", "nvme"):
-            problems.append(f"training.deepspeed.zero_optimization.{key}.device = {section['device']!r}: use cpu or "
-                            f"nvme; to turn offload off set {field}: false")
+            problems.append(
+                f"training.deepspeed.zero_optimization.{key}.device = {section['device']!r}: use cpu or "
+                f"nvme; to turn offload off set {field}: false"
+            )
         elif section.get("device") == "nvme" and not section.get("nvme_path"):
-            problems.append(f"training.deepspeed.zero_optimization.{key}: device nvme needs nvme_path (a local NVMe folder)")
+            problems.append(
+                f"training.deepspeed.zero_optimization.{key}: device nvme needs nvme_path (a local NVMe folder)"
+            )
     return problems
 
 

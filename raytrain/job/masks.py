@@ -36,8 +36,12 @@ def windows(config: dict, seq_len: int) -> tuple[int | None, ...]:
         return (None,)
     layer_types = config.get("layer_types")
     if layer_types:  # Gemma 2/3, Qwen2 and most newer configs name each layer's kind
-        return tuple(sorted({window if kind == "sliding_attention" else None for kind in layer_types},
-                            key=lambda w: -1 if w is None else w))
+        return tuple(
+            sorted(
+                {window if kind == "sliding_attention" else None for kind in layer_types},
+                key=lambda w: -1 if w is None else w,
+            )
+        )
     if config.get("use_sliding_window") is False:  # older Qwen2 configs: the window is off
         return (None,)
     return (window,)  # Mistral: every layer
@@ -45,6 +49,7 @@ def windows(config: dict, seq_len: int) -> tuple[int | None, ...]:
 
 def attention_shape(config: dict) -> tuple[int, int, int]:
     """(layers, KV heads, head_dim) of a model's config.json, under Llama's key names or GPT-2's."""
+
     def first(*keys: str) -> int:
         return next((config[k] for k in keys if isinstance(config.get(k), int)), 0)
 
@@ -60,12 +65,19 @@ def sdpa_varlen(implementation: str, kernel_runs: bool, config: dict) -> bool:
     that flash lacks: a head size flash takes (a multiple of 8 up to 256), no logit softcap (Gemma 2),
     no attention dropout. Without it, sdpa with a boolean mask falls to the memory-efficient kernel."""
     head_dim = attention_shape(config)[2]
-    return (implementation == "sdpa" and kernel_runs and 0 < head_dim <= 256 and head_dim % 8 == 0
-            and not config.get("attn_logit_softcapping") and not config.get("attention_dropout"))
+    return (
+        implementation == "sdpa"
+        and kernel_runs
+        and 0 < head_dim <= 256
+        and head_dim % 8 == 0
+        and not config.get("attn_logit_softcapping")
+        and not config.get("attention_dropout")
+    )
 
 
-def mask_windows(implementation: str, packed: bool, windows_: tuple[int | None, ...],
-                 varlen: bool = False) -> tuple[int | None, ...]:
+def mask_windows(
+    implementation: str, packed: bool, windows_: tuple[int | None, ...], varlen: bool = False
+) -> tuple[int | None, ...]:
     """The windows a mask is built for (one b x s x s mask each): none for flash (varlen boundaries
     and its window argument) nor for sdpa on torch's varlen kernel (`varlen`, the same), every one
     for eager, and for sdpa those its causal kernel alone would get wrong (a row of several

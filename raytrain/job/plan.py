@@ -26,6 +26,7 @@ class Mesh:
     Ranks that differ only in (k, t) read the same rows (one data-parallel rank, `dp_rank`); FSDP2
     shards and averages gradients over replicate x (shard·sp); the tp ranks of a layer split its
     weights and compute the same loss."""
+
     replicate: int
     shard: int
     sp: int = 1
@@ -55,8 +56,11 @@ class Mesh:
 
     def sp_groups(self) -> list[list[int]]:
         """The ranks of each sequence-parallel group (one per dp rank and tp rank)."""
-        return [[start + k * self.tp + t for k in range(self.sp)]
-                for start in range(0, self.dp * self.row_ranks, self.row_ranks) for t in range(self.tp)]
+        return [
+            [start + k * self.tp + t for k in range(self.sp)]
+            for start in range(0, self.dp * self.row_ranks, self.row_ranks)
+            for t in range(self.tp)
+        ]
 
 
 @dataclass(frozen=True)
@@ -78,14 +82,22 @@ class RunPlan:
     def of(cls, spec: JobSpec, stores: dict | None = None, lease: str = "") -> "RunPlan":
         t, s = spec.training, spec.scaling
         sync = t.gradient_sync == "every_micro_batch" or (
-            t.gradient_sync == "auto" and t.finetune == "full" and t.strategy != "ddp")
-        return cls(strategy=t.strategy, bf16=t.precision == "bf16" or (t.precision == "auto" and s.use_gpu),
-                   compile=t.compile is True or (t.compile == "auto" and s.use_gpu and compiles(spec)),
-                   hsdp=bool(s.use_gpu if s.hsdp == "auto" else s.hsdp) and t.strategy == "fsdp2",
-                   workers_per_node=s.workers_per_node, global_batch=t.global_batch_size,
-                   micro_batch=t.micro_batch_size, sync_every_micro_batch=sync,
-                   sequence_parallel=s.sequence_parallel, tensor_parallel=s.tensor_parallel, stores=dict(stores or {}),
-                   lease=lease)
+            t.gradient_sync == "auto" and t.finetune == "full" and t.strategy != "ddp"
+        )
+        return cls(
+            strategy=t.strategy,
+            bf16=t.precision == "bf16" or (t.precision == "auto" and s.use_gpu),
+            compile=t.compile is True or (t.compile == "auto" and s.use_gpu and compiles(spec)),
+            hsdp=bool(s.use_gpu if s.hsdp == "auto" else s.hsdp) and t.strategy == "fsdp2",
+            workers_per_node=s.workers_per_node,
+            global_batch=t.global_batch_size,
+            micro_batch=t.micro_batch_size,
+            sync_every_micro_batch=sync,
+            sequence_parallel=s.sequence_parallel,
+            tensor_parallel=s.tensor_parallel,
+            stores=dict(stores or {}),
+            lease=lease,
+        )
 
     # --- rules of the world size N
     def mesh(self, workers: int) -> Mesh:
@@ -95,8 +107,10 @@ class RunPlan:
         gathers and the sequence and tensor exchanges stay on the node's links."""
         group = self.sequence_parallel * self.tensor_parallel
         if workers % group:
-            raise ValueError(f"{workers} workers cannot form sequence_parallel x tensor_parallel = {group} groups: "
-                             f"use a multiple of {group} workers")
+            raise ValueError(
+                f"{workers} workers cannot form sequence_parallel x tensor_parallel = {group} groups: "
+                f"use a multiple of {group} workers"
+            )
         dp = workers // group
         if self.hsdp and 1 < self.workers_per_node < workers and self.workers_per_node % group == 0:
             per_node = self.workers_per_node // group
@@ -120,7 +134,11 @@ class RunPlan:
         return -(-rows // self.micro_batch)
 
 
-TP_FAMILIES = ("llama", "mistral", "qwen2")  # decoder layouts the tensor-parallel plan names (strategies/tensor_parallel.py)
+TP_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+)  # decoder layouts the tensor-parallel plan names (strategies/tensor_parallel.py)
 
 
 def compiles(spec: JobSpec) -> bool:
@@ -135,8 +153,13 @@ def frozen_head_apart(spec: JobSpec) -> bool:
     of the model): adapters (the layer does not train; not a reward model's score head), the table
     computing in the dtype it is loaded in (FSDP2 casts only what it manages), not offloaded."""
     t, plan = spec.training, RunPlan.of(spec)
-    return (t.strategy == "fsdp2" and t.adapters and not spec.scores and (not plan.bf16 or spec.model.dtype == "bfloat16")
-            and not (spec.scaling.use_gpu and (t.offload.params or t.offload.optimizer)))
+    return (
+        t.strategy == "fsdp2"
+        and t.adapters
+        and not spec.scores
+        and (not plan.bf16 or spec.model.dtype == "bfloat16")
+        and not (spec.scaling.use_gpu and (t.offload.params or t.offload.optimizer))
+    )
 
 
 def splits_vocabulary(spec: JobSpec, workers: int) -> bool:
@@ -160,22 +183,49 @@ def model_parallel_problems(config: dict, sp: int, tp: int) -> list[tuple[str, s
     if tp > 1:
         family = config.get("model_type", "?")
         if family not in TP_FAMILIES:
-            out.append(("scaling.tensor_parallel", str(tp), f"the tensor-parallel plan knows {', '.join(TP_FAMILIES)} "
-                        f"decoders, not {family!r}: remove scaling.tensor_parallel (FSDP2 alone shards any model)"))
-        for key, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                       ("intermediate_size", config.get("intermediate_size") or 0)):
+            out.append(
+                (
+                    "scaling.tensor_parallel",
+                    str(tp),
+                    f"the tensor-parallel plan knows {', '.join(TP_FAMILIES)} "
+                    f"decoders, not {family!r}: remove scaling.tensor_parallel (FSDP2 alone shards any model)",
+                )
+            )
+        for key, n in (
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv),
+            ("intermediate_size", config.get("intermediate_size") or 0),
+        ):
             if n % tp:
                 fits = [d for d in range(1, tp) if n % d == 0 and d & (d - 1) == 0]
-                out.append(("scaling.tensor_parallel", str(tp), f"the model's {key}={n} is not divisible by {tp}: "
-                            f"each rank takes an equal part; use tensor_parallel {max(fits or [1])}"))
+                out.append(
+                    (
+                        "scaling.tensor_parallel",
+                        str(tp),
+                        f"the model's {key}={n} is not divisible by {tp}: "
+                        f"each rank takes an equal part; use tensor_parallel {max(fits or [1])}",
+                    )
+                )
     if sp > 1 and heads and not out:
         local_heads, local_kv = heads // tp, max(1, kv // tp)
         if local_heads % sp:
-            out.append(("scaling.sequence_parallel", str(sp), f"{local_heads} attention heads per tensor-parallel rank "
-                        f"are not divisible by {sp}: Ulysses gives each rank an equal part of the heads; use a "
-                        f"sequence_parallel that divides {local_heads}"))
+            out.append(
+                (
+                    "scaling.sequence_parallel",
+                    str(sp),
+                    f"{local_heads} attention heads per tensor-parallel rank "
+                    f"are not divisible by {sp}: Ulysses gives each rank an equal part of the heads; use a "
+                    f"sequence_parallel that divides {local_heads}",
+                )
+            )
         elif local_kv % sp and sp % local_kv:
-            out.append(("scaling.sequence_parallel", str(sp), f"{local_kv} key/value heads per tensor-parallel rank "
-                        f"neither divide by {sp} nor divide it: use a sequence_parallel that divides {local_kv} or is a "
-                        f"multiple of it"))
+            out.append(
+                (
+                    "scaling.sequence_parallel",
+                    str(sp),
+                    f"{local_kv} key/value heads per tensor-parallel rank "
+                    f"neither divide by {sp} nor divide it: use a sequence_parallel that divides {local_kv} or is a "
+                    f"multiple of it",
+                )
+            )
     return out

@@ -20,14 +20,15 @@ from raytrain.job.data import DataSpec
 from raytrain.job.grpo import GRPOSpec
 from raytrain.job.section import Section
 
-
 LOSS_CHUNK_BYTES = 256 << 20  # fp32 logits a chunk of `training.chunked_loss` holds
 # The URI schemes a run directory may have besides a plain path: its lease is a record that changes
 # only by conditional writes (rundir/versioned.py has them for S3; a file system has flock and rename).
 LEASE_SCHEMES = ("s3://", "file://")
 # A key that names a secret: a job file holds none (validate refuses one), and MLflow never gets one.
-SECRET_KEY = re.compile(r"(^|[_\-.])(token|secrets?|password|passwd|pwd|api[_-]?key|access[_-]?key|credentials?|auth)($|[_\-.])",
-                        re.I)
+SECRET_KEY = re.compile(
+    r"(^|[_\-.])(token|secrets?|password|passwd|pwd|api[_-]?key|access[_-]?key|credentials?|auth)($|[_\-.])", re.I
+)
+
 
 class ModelSpec(Section):
     path: str
@@ -38,7 +39,8 @@ class ModelSpec(Section):
     tokenizer: str | None = None
     """Tokenizer path or hub id; defaults to `model.path`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype the model is loaded in and a LoRA job's frozen base is kept in. Trained weights (a full fine-tune's) always keep an fp32 master copy with fp32 AdamW state, under every strategy; compute precision is `training.precision`."""
+    """Dtype the model is loaded in and a LoRA job's frozen base is kept in. Trained weights (a full fine-tune's) always
+    keep an fp32 master copy with fp32 AdamW state, under every strategy; compute precision is `training.precision`."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code. Off unless the job says so: it executes code from the hub."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
@@ -61,12 +63,14 @@ class LoraSpec(Section):
     target_modules: list[str] | None = None
     """Module names to adapt; default: the attention and MLP projections of the architecture."""
     use_dora: bool = False
-    """DoRA (peft's weight-decomposed LoRA): each adapted weight's per-row magnitude is trained beside the low-rank update of its direction. fsdp2, zero3 and ddp; not with tensor parallelism."""
+    """DoRA (peft's weight-decomposed LoRA): each adapted weight's per-row magnitude is trained beside the low-rank
+    update of its direction. fsdp2, zero3 and ddp; not with tensor parallelism."""
 
 
 class OffloadSpec(Section):
     optimizer: bool = False
-    """Keep the optimizer state (with the fp32 master weights) in CPU memory and step it there. fsdp2 can only offload parameters, gradients and optimizer state together: set both."""
+    """Keep the optimizer state (with the fp32 master weights) in CPU memory and step it there. fsdp2 can only offload
+    parameters, gradients and optimizer state together: set both."""
     params: bool = False
     """Keep the sharded parameters in CPU memory between uses."""
 
@@ -75,7 +79,9 @@ class PreferenceSpec(Section):
     beta: float = Field(0.1, gt=0)
     """DPO: strength of the pull toward the reference (the rewards are beta x log-ratio). SimPO: the reward scale."""
     loss: Literal["sigmoid", "ipo", "hinge", "apo_zero_unpaired"] = "sigmoid"
-    """DPO's loss, as TRL names them: `sigmoid` (the DPO paper), `ipo` (length-normalized squared), `hinge` (SLiC). KTO's: `sigmoid` (KTO's own, TRL's `kto`) or `apo_zero_unpaired` (TRL's unpaired APO-zero: no KL estimate, no KL sequences run; for completions better than the model's own)."""
+    """DPO's loss, as TRL names them: `sigmoid` (the DPO paper), `ipo` (length-normalized squared), `hinge` (SLiC).
+    KTO's: `sigmoid` (KTO's own, TRL's `kto`) or `apo_zero_unpaired` (TRL's unpaired APO-zero: no KL estimate, no KL
+    sequences run; for completions better than the model's own)."""
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
     """The share of pairs assumed mislabelled (conservative DPO / SimPO); `sigmoid` only."""
     gamma: float = Field(0.5, ge=0.0)
@@ -85,16 +91,25 @@ class PreferenceSpec(Section):
     undesirable_weight: float = Field(1.0, gt=0)
     """KTO: the weight of an undesirable row's loss."""
     center_rewards_coefficient: float | None = Field(None, gt=0)
-    """Reward models: TRL's `center_rewards_coefficient`, the weight of mean((r_chosen + r_rejected)^2) added to the loss, which keeps the scores centred on 0 (Eisenstein et al.); null: none."""
+    """Reward models: TRL's `center_rewards_coefficient`, the weight of mean((r_chosen + r_rejected)^2) added to the
+    loss, which keeps the scores centred on 0 (Eisenstein et al.); null: none."""
 
 
 class TrainingSpec(Section):
     strategy: Literal["fsdp2", "zero3", "ddp"] = "fsdp2"
     """Parallelism: `fsdp2` (torch fully_shard), `zero3` (DeepSpeed ZeRO-3), `ddp` (replicated, small models)."""
     finetune: Literal["lora", "qlora", "full"] = "lora"
-    """`lora` trains adapters only (base weights frozen); `qlora` the same over a base stored in NF4 (4-bit NormalFloat, as QLoRA; about a quarter of bf16's bytes; fsdp2 only); `full` trains every weight."""
+    """`lora` trains adapters only (base weights frozen); `qlora` the same over a base stored in NF4 (4-bit NormalFloat,
+    as QLoRA; about a quarter of bf16's bytes; fsdp2 only); `full` trains every weight."""
     objective: Literal["sft", "dpo", "simpo", "reward", "kto", "grpo"] = "sft"
-    """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the model). `simpo`: length-normalized preference loss, no reference. `reward`: a reward model on the same pairs: the causal LM with a one-score head (`AutoModelForSequenceClassification`, num_labels 1, TRL's RewardTrainer's model) trained so chosen outscores rejected; under LoRA the head is trained whole. `kto`: unpaired rows, each a prompt, a completion and a true/false label (TRL's KTOTrainer), against a reference as DPO's. `grpo`: online RL on prompt rows (TRL's GRPOTrainer): the workers sample `grpo.num_generations` completions of each prompt, the rewards score them, and the loss follows the group-normalized advantages."""
+    """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a
+    frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the
+    model). `simpo`: length-normalized preference loss, no reference. `reward`: a reward model on the same pairs: the
+    causal LM with a one-score head (`AutoModelForSequenceClassification`, num_labels 1, TRL's RewardTrainer's model)
+    trained so chosen outscores rejected; under LoRA the head is trained whole. `kto`: unpaired rows, each a prompt,
+    a completion and a true/false label (TRL's KTOTrainer), against a reference as DPO's. `grpo`: online RL on prompt
+    rows (TRL's GRPOTrainer): the workers sample `grpo.num_generations` completions of each prompt, the rewards score
+    them, and the loss follows the group-normalized advantages."""
     grpo: GRPOSpec | None = None
     """GRPO's settings (`objective: grpo`), TRL's names; `rewards` is required."""
     preference: PreferenceSpec = PreferenceSpec()
@@ -102,9 +117,12 @@ class TrainingSpec(Section):
     lora: LoraSpec = LoraSpec()
     """LoRA settings, used when `finetune: lora` or `qlora`."""
     global_batch_size: int = Field(32, gt=0)
-    """Sequences (GRPO: prompts, each with its num_generations completions) per optimizer step over all workers; fixed for the whole job, whatever the worker count (each of N workers gets ceil or floor of global/N, so any N up to it works)."""
+    """Sequences (GRPO: prompts, each with its num_generations completions) per optimizer step over all workers; fixed
+    for the whole job, whatever the worker count (each of N workers gets ceil or floor of global/N, so any N up to it
+    works)."""
     micro_batch_size: int = Field(4, gt=0)
-    """Sequences (GRPO: prompts, with their completions) per forward pass on one worker; gradient accumulation fills the rest of the global batch."""
+    """Sequences (GRPO: prompts, with their completions) per forward pass on one worker; gradient accumulation fills the
+    rest of the global batch."""
     max_steps: int = Field(100, gt=0)
     """Optimizer steps to run (epochs repeat the dataset as needed)."""
     seed: int = 0
@@ -116,16 +134,25 @@ class TrainingSpec(Section):
     offload: OffloadSpec = OffloadSpec()
     """CPU offload, meaning the same under `fsdp2` and `zero3`."""
     gradient_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
-    """When gradients are reduced while accumulating (fsdp2, ddp; zero3 always reduce-scatters each micro-batch). `every_micro_batch` keeps only this rank's shard of the gradients (fsdp2), at one reduce-scatter per micro-batch; `last_micro_batch` communicates once per step but keeps every parameter's whole fp32 gradient until then. `auto`: every micro-batch for full fine-tuning (those gradients are the model's size), the last for LoRA (adapters are small). The loss and steps are the same either way."""
+    """When gradients are reduced while accumulating (fsdp2, ddp; zero3 always reduce-scatters each micro-batch).
+    `every_micro_batch` keeps only this rank's shard of the gradients (fsdp2), at one reduce-scatter per micro-batch;
+    `last_micro_batch` communicates once per step but keeps every parameter's whole fp32 gradient until then. `auto`:
+    every micro-batch for full fine-tuning (those gradients are the model's size), the last for LoRA (adapters are
+    small). The loss and steps are the same either way."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward to save memory."""
     compile: Literal["auto"] | bool = "auto"
-    """torch.compile each decoder block (fsdp2, ddp), as torchtitan does: fused kernels, the same losses. The first step pays the compilation (tens of seconds, in the start-up line's step_1); CPU workers need a C++ compiler. `auto`: on GPU workers where it applies (fsdp2 or ddp, no sequence or tensor parallelism, not GRPO or QLoRA), off on CPU workers; false opts out."""
+    """torch.compile each decoder block (fsdp2, ddp), as torchtitan does: fused kernels, the same losses. The first step
+    pays the compilation (tens of seconds, in the start-up line's step_1); CPU workers need a C++ compiler. `auto`: on
+    GPU workers where it applies (fsdp2 or ddp, no sequence or tensor parallelism, not GRPO or QLoRA), off on CPU
+    workers; false opts out."""
     chunked_loss: Literal["auto"] | bool | int = "auto"
-    """Compute the cross-entropy a chunk of tokens at a time, each chunk's logits recomputed in backward, so a micro-batch's whole fp32 logits never exist (fsdp2, ddp). `auto`: when they would pass 1 GiB (long sequences at a 128k vocabulary); true: always; a number: that many tokens a chunk (else 256 MiB of fp32 logits' worth). The per-token losses are the same; their sum is taken in another order (~1e-7 relative)."""
+    """Compute the cross-entropy a chunk of tokens at a time, each chunk's logits recomputed in backward, so a
+    micro-batch's whole fp32 logits never exist (fsdp2, ddp). `auto`: when they would pass 1 GiB (long sequences at a
+    128k vocabulary); true: always; a number: that many tokens a chunk (else 256 MiB of fp32 logits' worth). The
+    per-token losses are the same; their sum is taken in another order (~1e-7 relative)."""
     deepspeed: dict[str, Any] | None = None
     """Expert overrides merged into the generated DeepSpeed config (`zero3` only)."""
-
 
     @property
     def adapters(self) -> bool:
@@ -164,7 +191,8 @@ class ScalingSpec(Section):
     resources_per_worker: dict[str, float] = {}
     """Extra Ray resources each worker needs (e.g. {"spot-gpu": 1} to pin workers to a node pool)."""
     resize_check_interval_s: float = Field(60.0, gt=0)
-    """Elastic jobs: how often Ray Train checks whether more workers fit (growing restarts from the latest checkpoint)."""
+    """Elastic jobs: how often Ray Train checks whether more workers fit (growing restarts from the latest checkpoint).
+    """
     accelerator_memory_gb: float | None = Field(None, gt=0)
     """Memory of one accelerator, for the pre-flight memory estimate (e.g. 80 for an H100)."""
     workers_per_node: int = Field(1, gt=0)
@@ -199,21 +227,29 @@ class ScalingSpec(Section):
         if self.min_workers and self.max_workers and self.min_workers > self.max_workers:
             raise ValueError(f"min_workers={self.min_workers} > max_workers={self.max_workers}: swap them")
         if any(n % self.workers_per_node for n in self.worker_range):
-            raise ValueError(f"workers_per_node={self.workers_per_node} does not divide the worker count(s) "
-                             f"{sorted(set(self.worker_range))}: nodes are whole, so use multiples of it")
+            raise ValueError(
+                f"workers_per_node={self.workers_per_node} does not divide the worker count(s) "
+                f"{sorted(set(self.worker_range))}: nodes are whole, so use multiples of it"
+            )
         group = self.model_parallel
         if group > 1 and any(n % group for n in self.worker_range):
-            raise ValueError(f"sequence_parallel x tensor_parallel = {group} does not divide the worker count(s) "
-                             f"{sorted(set(self.worker_range))}: use multiples of {group} (only the data-parallel "
-                             "ranks change with the worker count)")
+            raise ValueError(
+                f"sequence_parallel x tensor_parallel = {group} does not divide the worker count(s) "
+                f"{sorted(set(self.worker_range))}: use multiples of {group} (only the data-parallel "
+                "ranks change with the worker count)"
+            )
         if group > 1 and self.workers_per_node > 1 and self.workers_per_node % group:
-            raise ValueError(f"workers_per_node={self.workers_per_node} is not a multiple of sequence_parallel x "
-                             f"tensor_parallel = {group}: a sequence's ranks must share a node (their exchanges run "
-                             f"every layer); use a sequence_parallel x tensor_parallel that divides {self.workers_per_node}")
+            raise ValueError(
+                f"workers_per_node={self.workers_per_node} is not a multiple of sequence_parallel x "
+                f"tensor_parallel = {group}: a sequence's ranks must share a node (their exchanges run "
+                f"every layer); use a sequence_parallel x tensor_parallel that divides {self.workers_per_node}"
+            )
         if group > 1 and self.min_workers and self.workers_per_node % group:
-            raise ValueError(f"an elastic job with sequence_parallel x tensor_parallel = {group} must grow and shrink "
-                             f"by whole groups: set scaling.workers_per_node to a multiple of {group} (its nodes hold "
-                             "that many workers), or give a fixed num_workers")
+            raise ValueError(
+                f"an elastic job with sequence_parallel x tensor_parallel = {group} must grow and shrink "
+                f"by whole groups: set scaling.workers_per_node to a multiple of {group} (its nodes hold "
+                "that many workers), or give a fixed num_workers"
+            )
         return self
 
     @property
@@ -231,7 +267,10 @@ class CheckpointSpec(Section):
     every_n_steps: int = Field(50, gt=0)
     """Commit a sharded checkpoint every N optimizer steps (and at the end)."""
     async_save: bool = False
-    """Write and upload periodic checkpoints in the background: training blocks only while the state is copied to CPU memory (FSDP2/DDP; ZeRO-3 writes its files first). Costs one extra copy of the model+optimizer shards in host memory while a save is in flight. A crash before the commit resumes from the previous checkpoint; preemption and final checkpoints always commit before going on."""
+    """Write and upload periodic checkpoints in the background: training blocks only while the state is copied to CPU
+    memory (FSDP2/DDP; ZeRO-3 writes its files first). Costs one extra copy of the model+optimizer shards in host memory
+    while a save is in flight. A crash before the commit resumes from the previous checkpoint; preemption and final
+    checkpoints always commit before going on."""
     keep_last: int = Field(2, gt=0)
     """Committed checkpoints to keep; older ones are pruned after a newer one commits."""
     export_final: bool = True
@@ -242,32 +281,39 @@ class CheckpointSpec(Section):
         # One driver per run directory is a compare-and-swap record there (rundir/lease.py, versioned.py)
         if "://" in self.storage_path and not self.storage_path.startswith(LEASE_SCHEMES):
             scheme = self.storage_path.split("://", 1)[0]
-            raise ValueError(f"storage_path={self.storage_path!r}: a run directory on {scheme}:// cannot hold the "
-                             "run's lease (one driver per run directory needs conditional writes, which raytrain "
-                             "has for s3:// and for local or shared file systems); use an s3:// bucket (or an "
-                             "S3-compatible store with conditional writes) or a shared file system with locks "
-                             "(NFS: Filestore on GCP, EFS on AWS) mounted on every node")
+            raise ValueError(
+                f"storage_path={self.storage_path!r}: a run directory on {scheme}:// cannot hold the "
+                "run's lease (one driver per run directory needs conditional writes, which raytrain "
+                "has for s3:// and for local or shared file systems); use an s3:// bucket (or an "
+                "S3-compatible store with conditional writes) or a shared file system with locks "
+                "(NFS: Filestore on GCP, EFS on AWS) mounted on every node"
+            )
         return self
 
 
 class FailureSpec(Section):
     max_failures: int = Field(3, ge=-1)
-    """Worker failures (a crash, a node lost without notice) the job survives, each resumed from the latest committed checkpoint; -1: no limit. A preemption whose notice committed a checkpoint (SIGTERM, a Ray drain) and an elastic resize never count."""
+    """Worker failures (a crash, a node lost without notice) the job survives, each resumed from the latest committed
+    checkpoint; -1: no limit. A preemption whose notice committed a checkpoint (SIGTERM, a Ray drain) and an elastic
+    resize never count."""
     checkpoint_on_preemption: bool = True
     """Commit a checkpoint at the next step boundary on Ray's preemption/drain notice (checked every step)."""
     preemption_grace_s: float = Field(120.0, gt=0)
-    """After SIGTERM, a worker finishes its step and checkpoint, and is killed at this deadline at the latest; keep it below the pod's terminationGracePeriodSeconds."""
+    """After SIGTERM, a worker finishes its step and checkpoint, and is killed at this deadline at the latest; keep it
+    below the pod's terminationGracePeriodSeconds."""
 
 
 class TrackingSpec(Section):
     uri: str | None = None
-    """MLflow tracking URI (http://host:5000, sqlite:///...); default: the sqlite file <checkpoint.storage_path>/mlflow.db."""
+    """MLflow tracking URI (http://host:5000, sqlite:///...); default: the sqlite file
+    <checkpoint.storage_path>/mlflow.db."""
     experiment: str = "raytrain"
     """MLflow experiment name."""
     log_every_n_steps: int = Field(1, gt=0)
     """Metric logging interval."""
     log_model: bool = False
-    """Also upload the final model into the MLflow run's artifacts. Off: the run gets the tag `raytrain.final_model` with the export's URI (`<run_dir>/final_model`), and a large model is not stored twice."""
+    """Also upload the final model into the MLflow run's artifacts. Off: the run gets the tag `raytrain.final_model`
+    with the export's URI (`<run_dir>/final_model`), and a large model is not stored twice."""
 
 
 class JobSpec(Section):
@@ -304,12 +350,22 @@ class JobSpec(Section):
         vocab, chunked = model_config.get("vocab_size") or 0, self.training.chunked_loss
         if any(model_config.get(k) is not None for k in ("final_logit_softcapping", "logit_scale")):
             chunked = False
-        tokens = self.training.micro_batch_size * self.sequences_per_row * self.data.seq_len // self.scaling.sequence_parallel
+        tokens = (
+            self.training.micro_batch_size
+            * self.sequences_per_row
+            * self.data.seq_len
+            // self.scaling.sequence_parallel
+        )
         # auto: chunked once the logits pass a chunk's 256 MiB of fp32 (a CPU worker's DPO pair of 1k
         # tokens at a 49k vocabulary kept 1.1 GiB of logits and their gradient at once); the price is
         # the output layer's matmul again in backward, ~3% of a 135M model's step, less for larger ones.
-        if chunked is False or not vocab or self.training.strategy == "zero3" or self.scores or (
-                chunked == "auto" and tokens * vocab * 4 <= LOSS_CHUNK_BYTES):
+        if (
+            chunked is False
+            or not vocab
+            or self.training.strategy == "zero3"
+            or self.scores
+            or (chunked == "auto" and tokens * vocab * 4 <= LOSS_CHUNK_BYTES)
+        ):
             return 0
         if chunked is True or chunked == "auto":
             return max(1, LOSS_CHUNK_BYTES // (vocab * 4))  # 523 tokens at 128k

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from raytrain.model import kernels
-from raytrain.job import masks
 from raytrain import private_apis
+from raytrain.job import masks
+from raytrain.model import kernels
 
 PREFIX = "raytrain-"
 
@@ -64,11 +64,18 @@ class Boundaries:
         if additive is None:
             return allowed
         return torch.zeros(allowed.shape, dtype=additive, device=documents.device).masked_fill(
-            ~allowed, torch.finfo(additive).min)
+            ~allowed, torch.finfo(additive).min
+        )
 
 
-def model_kwargs(boundaries: Boundaries, implementation: str, windows: tuple[int | None, ...],
-                 device: torch.device, dtype: torch.dtype, on_device: bool = False) -> dict:
+def model_kwargs(
+    boundaries: Boundaries,
+    implementation: str,
+    windows: tuple[int | None, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    on_device: bool = False,
+) -> dict:
     """What the model's forward is given for this micro-batch's attention (masks.py says what), for
     `implementation` as the worker runs it (`kernels.attention_kernel`: sdpa may run varlen).
     `on_device`: the boundaries' documents are on `device` already (a plain forward's fallback)."""
@@ -117,8 +124,10 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     kwargs.pop("position_ids", None)  # flash would read packing from them: the boundaries say it
     given = (raytrain_masks is not None or varlen) if not flash else ("cu_seq_lens_q" in kwargs)
     if not given and split is not None:
-        raise RuntimeError("sequence-parallel attention was called without the micro-batch's document "
-                           "boundaries: call the model with `attention.model_kwargs(...)` (objectives.forward does)")
+        raise RuntimeError(
+            "sequence-parallel attention was called without the micro-batch's document "
+            "boundaries: call the model with `attention.model_kwargs(...)` (objectives.forward does)"
+        )
     # Multi-head attention without grouped keys (GPT-NeoX, Phi-2) has no num_key_value_groups: one group
     groups = getattr(module, "num_key_value_groups", 1)
     if split is not None:
@@ -126,25 +135,38 @@ def attend(module, query, key, value, *, inner: str, split, raytrain_masks: dict
     window = kwargs.get("sliding_window")  # this layer's; one as long as the rows cuts nothing
     window = window if window is not None and window < query.shape[2] else None
     if varlen:
-        out = kernels.varlen_attention(query, key, value, cu=kwargs["cu_seq_lens_q"], longest=kwargs["max_length_q"],
-                                       groups=groups, window=window, scale=kwargs.get("scaling"))
+        out = kernels.varlen_attention(
+            query,
+            key,
+            value,
+            cu=kwargs["cu_seq_lens_q"],
+            longest=kwargs["max_length_q"],
+            groups=groups,
+            window=window,
+            scale=kwargs.get("scaling"),
+        )
         return (split.scatter_positions(out) if split is not None else out), None
     mask = None
     if not flash:
         if not given:  # a plain forward (an exported or loaded model outside training): each row one
             # document. Training never comes here: objectives.staged gives every forward its boundaries.
-            one_each = Boundaries(torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device),
-                                  False)
-            raytrain_masks = model_kwargs(one_each, inner, (window,), query.device, query.dtype,
-                                          on_device=True)["raytrain_masks"]
+            one_each = Boundaries(
+                torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device), False
+            )
+            raytrain_masks = model_kwargs(one_each, inner, (window,), query.device, query.dtype, on_device=True)[
+                "raytrain_masks"
+            ]
         mask = raytrain_masks.get(window)
         if mask is None and (inner == "eager" or window is not None):
             raise RuntimeError(f"no mask for window {window} (masks.windows disagrees with the model's layers)")
     function, config = _inner_function(module, inner), module.config
     # transformers' flash integration loads its kernels by the name in the layer's config: the inner
     # one's for the call (the config is the model's, shared by its layers; forwards run one at a time)
-    with _key_value_groups(module, groups), _masked_kernels(mask, query.device), (
-            private_apis.attn_implementation_as(config, inner) if flash else contextlib.nullcontext()):
+    with (
+        _key_value_groups(module, groups),
+        _masked_kernels(mask, query.device),
+        private_apis.attn_implementation_as(config, inner) if flash else contextlib.nullcontext(),
+    ):
         out, _ = function(module, query, key, value, mask, **kwargs)
     if split is not None:
         out = split.scatter_positions(out)

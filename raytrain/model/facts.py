@@ -98,13 +98,25 @@ def layout_from_config(config: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
     for i in range(n_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (heads * hd, d), p + "self_attn.k_proj.weight": (kv * hd, d),
-                       p + "self_attn.v_proj.weight": (kv * hd, d), p + "self_attn.o_proj.weight": (d, heads * hd),
-                       p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (heads * hd, d),
+                p + "self_attn.k_proj.weight": (kv * hd, d),
+                p + "self_attn.v_proj.weight": (kv * hd, d),
+                p + "self_attn.o_proj.weight": (d, heads * hd),
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+            }
+        )
         for e in range(experts):
             mlp = p + (f"mlp.experts.{e}." if experts > 1 else "mlp.")
-            shapes.update({mlp + "gate_proj.weight": (inter, d), mlp + "up_proj.weight": (inter, d),
-                           mlp + "down_proj.weight": (d, inter)})
+            shapes.update(
+                {
+                    mlp + "gate_proj.weight": (inter, d),
+                    mlp + "up_proj.weight": (inter, d),
+                    mlp + "down_proj.weight": (d, inter),
+                }
+            )
     if not config.get("tie_word_embeddings", False):  # absent: count lm_head (an over- rather than under-estimate)
         shapes["lm_head.weight"] = (vocab, d)
     return shapes

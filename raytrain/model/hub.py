@@ -32,10 +32,12 @@ def resolve_commit(spec: JobSpec) -> str | None:
     try:
         config = hf_hub_download(spec.model.path, "config.json", revision=spec.model.revision)
     except Exception as exc:  # offline and not cached, no such repo or revision, no access
-        raise JobError(f"model.path {spec.model.path!r} at model.revision {spec.model.revision or 'main'!r}: cannot "
-                       f"resolve it to a commit ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-                       "Check the hub id and revision, HF_TOKEN for a gated model, or download it into the "
-                       "Hugging Face cache of every node (hf download)") from None
+        raise JobError(
+            f"model.path {spec.model.path!r} at model.revision {spec.model.revision or 'main'!r}: cannot "
+            f"resolve it to a commit ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+            "Check the hub id and revision, HF_TOKEN for a gated model, or download it into the "
+            "Hugging Face cache of every node (hf download)"
+        ) from None
     return Path(config).parent.name  # the cache keeps each file under snapshots/<commit>/
 
 
@@ -91,8 +93,14 @@ def model_folder(spec: JobSpec, download: bool = False) -> Path | None:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(spec.model.path, revision=spec.model.revision, local_files_only=not download,
-                                      allow_patterns=["*.json", "*.safetensors"]))
+        return Path(
+            snapshot_download(
+                spec.model.path,
+                revision=spec.model.revision,
+                local_files_only=not download,
+                allow_patterns=["*.json", "*.safetensors"],
+            )
+        )
     except Exception:  # offline and not cached, gated: the caller falls back to from_pretrained
         return None
 

@@ -51,7 +51,9 @@ VARLEN: dict[str, Kernel] = {}
 
 
 def kernel(function: Callable, dtypes: tuple[torch.dtype, ...]) -> Kernel:
-    return Kernel(function, dtypes, frozenset(inspect.signature(function).parameters) & {"window_size", "enable_gqa", "scale"})
+    return Kernel(
+        function, dtypes, frozenset(inspect.signature(function).parameters) & {"window_size", "enable_gqa", "scale"}
+    )
 
 
 @functools.cache
@@ -74,18 +76,23 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> Kernel | None:
     return found if found is not None and dtype in found.dtypes else None
 
 
-def attention_kernel(implementation: str, device: torch.device, dtype: torch.dtype, config: dict,
-                     windows: tuple[int | None, ...]) -> str:
+def attention_kernel(
+    implementation: str, device: torch.device, dtype: torch.dtype, config: dict, windows: tuple[int | None, ...]
+) -> str:
     """The kernel a worker's attention runs: VARLEN_NAME where sdpa can take torch's varlen kernel
     here (masks.sdpa_varlen), else `implementation` (with its masks where masks.py needs them)."""
     found = varlen_kernel(device, dtype)
-    fits = found is not None and (windows == (None,) or "window_size" in found.keywords) and (
-        "scale" in found.keywords or not config.get("query_pre_attn_scalar"))
+    fits = (
+        found is not None
+        and (windows == (None,) or "window_size" in found.keywords)
+        and ("scale" in found.keywords or not config.get("query_pre_attn_scalar"))
+    )
     return VARLEN_NAME if masks.sdpa_varlen(implementation, fits, config) else implementation
 
 
-def varlen_attention(query, key, value, *, cu: torch.Tensor, longest: int, groups: int, window: int | None,
-                     scale: float | None) -> torch.Tensor:
+def varlen_attention(
+    query, key, value, *, cu: torch.Tensor, longest: int, groups: int, window: int | None, scale: float | None
+) -> torch.Tensor:
     """[b, h, s, d] query (key/value [b, h / groups, s, d]) in, [b, s, h, d] out: the rows laid end to
     end as one sequence, each document its own segment; a window W as masks.py counts it (a key fewer
     than W positions back), flash's left bound W - 1."""
@@ -104,14 +111,20 @@ def varlen_attention(query, key, value, *, cu: torch.Tensor, longest: int, group
 
 
 def fused_loss(spec, device: torch.device) -> Callable | None:
-    """Liger's `liger_fused_linear_cross_entropy`, or None (raytrain's own loss). Taken under
-    training.chunked_loss auto (true or a number asks for raytrain's chunks) where the output layer is
-    whole at the loss (fsdp2 or ddp without tensor parallelism: objectives/tokens.py applies it after
-    the forward; where fsdp2 split a frozen one by rows, strategies/vocab_parallel.py's loss runs) and the objective scores vocabulary logits at temperature 1 (not a reward model's one
-    score, not GRPO's tempered log-probs)."""
+    """Liger's `liger_fused_linear_cross_entropy`, or None (raytrain's own loss). Taken under training.chunked_loss auto
+    (true or a number asks for raytrain's chunks) where the output layer is whole at the loss (fsdp2 or ddp without
+    tensor parallelism: objectives/tokens.py applies it after the forward; where fsdp2 split a frozen one by rows,
+    strategies/vocab_parallel.py's loss runs) and the objective scores vocabulary logits at temperature 1 (not a reward
+    model's one score, not GRPO's tempered log-probs)."""
     t = spec.training
-    if device.type != "cuda" or t.chunked_loss != "auto" or t.strategy == "zero3" or spec.scaling.tensor_parallel > 1 \
-            or spec.scores or spec.rl:
+    if (
+        device.type != "cuda"
+        or t.chunked_loss != "auto"
+        or t.strategy == "zero3"
+        or spec.scaling.tensor_parallel > 1
+        or spec.scores
+        or spec.rl
+    ):
         return None
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

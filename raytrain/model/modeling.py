@@ -9,12 +9,11 @@ import re
 import torch
 from torch import nn
 
-from raytrain.model import attention
 from raytrain import private_apis
-from raytrain.job.spec import JobSpec
-from raytrain.model import hub, targets
-from raytrain.model.facts import SCORE_HEAD
 from raytrain.errors import JobError
+from raytrain.job.spec import JobSpec
+from raytrain.model import attention, hub, targets
+from raytrain.model.facts import SCORE_HEAD
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,8 +23,10 @@ def lora_targets(spec: JobSpec, model: nn.Module) -> list[str]:
     chosen = targets.lora_targets(spec, linear)
     if not chosen:  # validate refuses it first, from the weight names
         leaves = sorted({name.rsplit(".", 1)[-1] for name in linear})
-        raise JobError(f"no default LoRA targets in {type(model).__name__}; set training.lora.target_modules "
-                       f"(its linear layers: {leaves})")
+        raise JobError(
+            f"no default LoRA targets in {type(model).__name__}; set training.lora.target_modules "
+            f"(its linear layers: {leaves})"
+        )
     return chosen
 
 
@@ -43,12 +44,17 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    kwargs = dict(dtype=DTYPES[spec.model.dtype], attn_implementation=spec.model.attn_implementation,
-                  trust_remote_code=spec.model.trust_remote_code)
+    kwargs = dict(
+        dtype=DTYPES[spec.model.dtype],
+        attn_implementation=spec.model.attn_implementation,
+        trust_remote_code=spec.model.trust_remote_code,
+    )
     auto, head = AutoModelForCausalLM, {}
     if spec.scores:  # a reward model: TRL's RewardTrainer's, read where transformers reads it (`objectives.Reward`)
-        auto, head = AutoModelForSequenceClassification, {"num_labels": 1,
-                                                          "pad_token_id": hub.load_tokenizer(spec).pad_token_id}
+        auto, head = (
+            AutoModelForSequenceClassification,
+            {"num_labels": 1, "pad_token_id": hub.load_tokenizer(spec).pad_token_id},
+        )
     try:
         if on_meta or empty:
             config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs(), **head)
@@ -64,9 +70,11 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
     except ImportError as exc:  # transformers' word that the kernels are not on this node
         if not spec.model.attn_implementation.startswith("flash"):
             raise
-        raise JobError(f"model.attn_implementation {spec.model.attn_implementation} cannot run on this worker "
-                       f"({str(exc).splitlines()[0]}): flash-attn needs GPU workers with the flash-attn package in "
-                       "their image; install it there, or use model.attn_implementation: sdpa") from None
+        raise JobError(
+            f"model.attn_implementation {spec.model.attn_implementation} cannot run on this worker "
+            f"({str(exc).splitlines()[0]}): flash-attn needs GPU workers with the flash-attn package in "
+            "their image; install it there, or use model.attn_implementation: sdpa"
+        ) from None
     model.config.use_cache = False  # the KV cache only costs memory in training
     # raytrain tells attention where each micro-batch's documents are (attention.py); the strategy
     # puts Ulysses' exchange around it under sequence parallelism.
@@ -84,9 +92,14 @@ def apply_lora(spec: JobSpec, model: nn.Module) -> nn.Module:
     torch.manual_seed(spec.training.seed)  # same adapter init on every rank and every restart
     # A reward model's head is new: peft's SEQ_CLS task trains it whole beside the adapters (its
     # `modules_to_save`), and the exported adapter carries it.
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora_targets(spec, model), task_type="SEQ_CLS" if spec.scores else "CAUSAL_LM",
-                        use_dora=lora.use_dora)
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora_targets(spec, model),
+        task_type="SEQ_CLS" if spec.scores else "CAUSAL_LM",
+        use_dora=lora.use_dora,
+    )
     model = get_peft_model(model, config)
     for name, module in model.named_modules():  # the head's trained copy, as peft keeps its adapters:
         if name.endswith(f"{SCORE_HEAD}.modules_to_save.default"):  # plain parameters, fp32 under a 16-bit base
@@ -105,8 +118,10 @@ def new_weights(spec: JobSpec, model: nn.Module) -> dict[str, torch.Tensor]:
         return {}
     params = {n: p for n, p in model.named_parameters() if base_name(n).split(".")[0] == SCORE_HEAD}
     if not params:
-        raise JobError(f"training.objective: reward needs a sequence-classification head named {SCORE_HEAD!r}; "
-                       f"{type(model).__name__} has none. Use a model whose architecture has ...ForSequenceClassification")
+        raise JobError(
+            f"training.objective: reward needs a sequence-classification head named {SCORE_HEAD!r}; "
+            f"{type(model).__name__} has none. Use a model whose architecture has ...ForSequenceClassification"
+        )
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     std = getattr(base.config.get_text_config(), "initializer_range", 0.02)
     out = {}
@@ -126,8 +141,9 @@ def meta_base(model: nn.Module):
     swapped: dict[int, nn.Parameter] = {}
     places = [(m, n, p) for m in model.modules() for n, p in m.named_parameters(recurse=False)]
     for module, name, p in places:
-        stand_in = swapped.setdefault(id(p), nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
-                                                          requires_grad=p.requires_grad))
+        stand_in = swapped.setdefault(
+            id(p), nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=p.requires_grad)
+        )
         setattr(module, name, stand_in)
     try:
         yield
@@ -160,8 +176,10 @@ def init_buffers(model: nn.Module) -> None:
             private_apis.init_weights(base, module)
             left = [n for n, b in own if b.is_floating_point() and bool(b.isnan().any())]
             if left:
-                raise JobError(f"cannot compute the buffer(s) {left} of {type(module).__name__} when loading "
-                               f"{type(base).__name__} shard by shard. Use training.strategy: zero3 or ddp")
+                raise JobError(
+                    f"cannot compute the buffer(s) {left} of {type(module).__name__} when loading "
+                    f"{type(base).__name__} shard by shard. Use training.strategy: zero3 or ddp"
+                )
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -215,8 +233,12 @@ def sparse_tied_lookup(model: nn.Module, device: torch.device) -> bool:
     backend without sparse kernels aborts in the backward, as the stand-in device of
     tests/test_device.py did; CUDA's sparse path under FSDP2 has not run on a GPU here)."""
     lookup, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if device.type != "cpu" or not isinstance(lookup, nn.Embedding) or not _tied(lookup, head) \
-            or not lookup.weight.requires_grad:
+    if (
+        device.type != "cpu"
+        or not isinstance(lookup, nn.Embedding)
+        or not _tied(lookup, head)
+        or not lookup.weight.requires_grad
+    ):
         return False
     lookup.sparse = True
     return True
@@ -243,10 +265,15 @@ def require_complete(model: nn.Module, missing: list[str], unexpected: list[str]
     given = {n for group in names.values() if group - missing_set for n in group}  # saved under another name
     absent = sorted(k for k in missing if k not in frozen and k not in given)
     if absent or unexpected:
-        parts = ([f"no saved value for {len(absent)} weight(s) of the model, e.g. {absent[:3]}"] if absent else []) + \
-                ([f"{len(unexpected)} saved weight(s) the model does not have, e.g. {sorted(unexpected)[:3]}"] if unexpected else [])
-        raise JobError(f"the checkpoint {where} does not match model.path ({'; '.join(parts)}): it was written for "
-                       f"another model or its keys were renamed. Point model.path at the model it was trained from")
+        parts = ([f"no saved value for {len(absent)} weight(s) of the model, e.g. {absent[:3]}"] if absent else []) + (
+            [f"{len(unexpected)} saved weight(s) the model does not have, e.g. {sorted(unexpected)[:3]}"]
+            if unexpected
+            else []
+        )
+        raise JobError(
+            f"the checkpoint {where} does not match model.path ({'; '.join(parts)}): it was written for "
+            f"another model or its keys were renamed. Point model.path at the model it was trained from"
+        )
 
 
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
@@ -255,5 +282,3 @@ _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
 def base_name(name: str) -> str:
     """A peft parameter name as the base model calls it."""
     return _PEFT_PREFIX.sub("", name).replace(".base_layer.", ".")
-
-

@@ -1,28 +1,26 @@
-"""QLoRA (`training.finetune: qlora`): the frozen base's adapted linear weights stored in NF4, the
-4-bit NormalFloat of the QLoRA paper, sharded by FSDP2, dequantized a layer at a time for compute;
-the adapters and their AdamW state stay fp32, as under LoRA.
+"""QLoRA (`training.finetune: qlora`): the frozen base's adapted linear weights stored in NF4, the 4-bit NormalFloat of
+the QLoRA paper, sharded by FSDP2, dequantized a layer at a time for compute; the adapters and their AdamW state stay
+fp32, as under LoRA.
 
-NF4 (Dettmers et al. 2023): the flattened weight in blocks of 64, each block divided by its absmax
-and every value rounded to the nearest of 16 NormalFloat levels (4 bits); the blocks' absmax
-scales are themselves quantized ("double quantization"): their mean subtracted, then int8 with one
-scale factor per group of scales. About 0.52 bytes a weight against bf16's 2.
+NF4 (Dettmers et al. 2023): the flattened weight in blocks of 64, each block divided by its absmax and every value
+rounded to the nearest of 16 NormalFloat levels (4 bits); the blocks' absmax scales are themselves quantized ("double
+quantization"): their mean subtracted, then int8 with one scale factor per group of scales. About 0.52 bytes a weight
+against bf16's 2.
 
-Why torchao's NF4Tensor: it implements FSDP2's all-gather extension (fsdp_pre_all_gather /
-fsdp_post_all_gather), so FSDP2 shards and gathers the 4-bit codes themselves, as torchtune's
-distributed QLoRA does. bitsandbytes' Params4bit has open FSDP2 defects (bitsandbytes #1945
-"FSDP2 breaks Linear4bit"; accelerate #3874; accelerate #3987's loss 0 / grad norm NaN).
+Why torchao's NF4Tensor: it implements FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather), so
+FSDP2 shards and gathers the 4-bit codes themselves, as torchtune's distributed QLoRA does. bitsandbytes' Params4bit has
+open FSDP2 defects (bitsandbytes #1945 "FSDP2 breaks Linear4bit"; accelerate #3874; accelerate #3987's loss 0 / grad
+norm NaN).
 
-Quantized on load, each rank its own rows: a block never crosses a row (in_features is a multiple
-of 64) and a group of scales never crosses a row (the group is gcd(256, blocks a row)), so a shard
-of whole rows quantizes on its own, except for the scales' mean, which is the whole weight's: one
-all-reduce for all weights. The bytes are those of quantizing the whole weight and slicing it
-(tests/test_qlora.py holds them to torchao's own quantizer), for any number of ranks: a run
+Quantized on load, each rank its own rows: a block never crosses a row (in_features is a multiple of 64) and a group of
+scales never crosses a row (the group is gcd(256, blocks a row)), so a shard of whole rows quantizes on its own, except
+for the scales' mean, which is the whole weight's: one all-reduce for all weights. The bytes are those of quantizing the
+whole weight and slicing it (tests/test_qlora.py holds them to torchao's own quantizer), for any number of ranks: a run
 resized to another worker count rebuilds the same base. The base is never checkpointed.
 
-torchao's NF4Tensor fields and its constructor are torchao's internals: used in this module only,
-with the version checked (private_apis.TESTED, the one registry of tested versions). The layout rules (block, group, what shards) are nf4_layout.py's,
-which validate reads without torch.
-"""
+torchao's NF4Tensor fields and its constructor are torchao's internals: used in this module only, with the version
+checked (private_apis.TESTED, the one registry of tested versions). The layout rules (block, group, what shards) are
+nf4_layout.py's, which validate reads without torch."""
 
 from __future__ import annotations
 
@@ -35,8 +33,24 @@ from raytrain.errors import JobError
 from raytrain.job.nf4_layout import BLOCK, group_size
 
 TESTED = private_apis.TESTED["torchao"]  # the torchao version whose NF4Tensor internals this module was tested with
-LEVELS = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379,
-          0.4407, 0.5626, 0.7230, 1.0)  # the NF4 code book (torchao's, the QLoRA paper's rounded)
+LEVELS = (
+    -1.0,
+    -0.6962,
+    -0.5251,
+    -0.3949,
+    -0.2844,
+    -0.1848,
+    -0.0911,
+    0.0,
+    0.0796,
+    0.1609,
+    0.2461,
+    0.3379,
+    0.4407,
+    0.5626,
+    0.7230,
+    1.0,
+)  # the NF4 code book (torchao's, the QLoRA paper's rounded)
 
 
 def nf4():
@@ -45,18 +59,25 @@ def nf4():
         import torchao
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as exc:
-        raise JobError(f"training.finetune: qlora needs torchao on every worker ({type(exc).__name__}: {exc}); "
-                       f"pip install 'torchao=={TESTED}.*' in the workers' image") from None
+        raise JobError(
+            f"training.finetune: qlora needs torchao on every worker ({type(exc).__name__}: {exc}); "
+            f"pip install 'torchao=={TESTED}.*' in the workers' image"
+        ) from None
     if not torchao.__version__.startswith(TESTED + "."):
-        raise JobError(f"training.finetune: qlora was tested with torchao {TESTED}, and the workers have "
-                       f"{torchao.__version__}: pip install 'torchao=={TESTED}.*'")
+        raise JobError(
+            f"training.finetune: qlora was tested with torchao {TESTED}, and the workers have "
+            f"{torchao.__version__}: pip install 'torchao=={TESTED}.*'"
+        )
     return nf4_tensor
 
 
 def base_layers(model: nn.Module) -> dict[str, nn.Linear]:
     """The linear layers under peft's LoRA adapters: the weights QLoRA stores in NF4."""
-    return {name: module.base_layer for name, module in model.named_modules()
-            if hasattr(module, "lora_A") and isinstance(getattr(module, "base_layer", None), nn.Linear)}
+    return {
+        name: module.base_layer
+        for name, module in model.named_modules()
+        if hasattr(module, "lora_A") and isinstance(getattr(module, "base_layer", None), nn.Linear)
+    }
 
 
 def quantized_weights(spec, model: nn.Module) -> set[nn.Parameter]:
@@ -82,12 +103,17 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     rows, cols = shape
     n, group = rows * cols, group_size(cols)
     meta = m.SubclassTensorArgs(torch.Size(shape), (cols, 1), 0, dtype, torch.device(device), False)
-    return m.NF4Tensor(meta, BLOCK, n // BLOCK, group,
-                       torch.empty(n // BLOCK, dtype=torch.int8, device=device),
-                       torch.empty(n // (BLOCK * group), dtype=dtype, device=device),
-                       torch.empty((), dtype=dtype, device=device),
-                       torch.empty(n // 2, dtype=torch.uint8, device=device),
-                       torch.tensor(LEVELS, dtype=dtype, device=device))
+    return m.NF4Tensor(
+        meta,
+        BLOCK,
+        n // BLOCK,
+        group,
+        torch.empty(n // BLOCK, dtype=torch.int8, device=device),
+        torch.empty(n // (BLOCK * group), dtype=dtype, device=device),
+        torch.empty((), dtype=dtype, device=device),
+        torch.empty(n // 2, dtype=torch.uint8, device=device),
+        torch.tensor(LEVELS, dtype=dtype, device=device),
+    )
 
 
 @torch.no_grad()
@@ -144,8 +170,10 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     held = elements = 0
     for layer in base_layers(model).values():
         shard = _local(layer.weight)
-        held += sum(t.numel() * t.element_size() for t in (shard.quantized_data, shard.quantized_scalers,
-                                                            shard.quantization_factor))
+        held += sum(
+            t.numel() * t.element_size()
+            for t in (shard.quantized_data, shard.quantized_scalers, shard.quantization_factor)
+        )
         elements += layer.weight.numel()
     return held, elements
 

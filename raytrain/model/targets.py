@@ -9,11 +9,26 @@ from collections.abc import Iterable
 # Linear layers LoRA adapts by default, by the names architectures use for them: attention
 # and MLP projections (QLoRA's finding: adapting all of them matters).
 DEFAULT_LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",  # llama, mistral, qwen, gemma
-    "c_attn", "c_proj", "c_fc",  # gpt2
-    "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",  # gpt-neox, falcon
-    "Wqkv", "out_proj", "fc1", "fc2",  # mpt, phi, opt
-    "qkv_proj", "gate_up_proj",  # phi-3 (its o_proj and down_proj are above)
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",  # llama, mistral, qwen, gemma
+    "c_attn",
+    "c_proj",
+    "c_fc",  # gpt2
+    "query_key_value",
+    "dense",
+    "dense_h_to_4h",
+    "dense_4h_to_h",  # gpt-neox, falcon
+    "Wqkv",
+    "out_proj",
+    "fc1",
+    "fc2",  # mpt, phi, opt
+    "qkv_proj",
+    "gate_up_proj",  # phi-3 (its o_proj and down_proj are above)
 )
 
 

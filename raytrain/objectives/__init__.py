@@ -19,16 +19,44 @@ from typing import Iterable
 
 import torch
 
-from raytrain.model import attention
 from raytrain.job.spec import JobSpec
+from raytrain.model import attention
 from raytrain.objectives.grpo import GRPO
 from raytrain.objectives.kto import KTO
 from raytrain.objectives.pairs import Preference, Reward, pair_losses, score
-from raytrain.objectives.tokens import SFT, Hidden, chunked_cross_entropy, forward, sequence_logps, staged, targets_of, token_loss, unstage
+from raytrain.objectives.tokens import (
+    SFT,
+    Hidden,
+    chunked_cross_entropy,
+    forward,
+    sequence_logps,
+    staged,
+    targets_of,
+    token_loss,
+    unstage,
+)
 
-__all__ = ["GRPO", "KTO", "SFT", "Hidden", "Preference", "Reward", "build", "chunked_cross_entropy", "evaluate", "finish",
-           "forward", "pair_losses", "score", "sequence_logps", "staged", "targets_of", "to_device", "token_loss",
-           "unstage"]
+__all__ = [
+    "GRPO",
+    "KTO",
+    "SFT",
+    "Hidden",
+    "Preference",
+    "Reward",
+    "build",
+    "chunked_cross_entropy",
+    "evaluate",
+    "finish",
+    "forward",
+    "pair_losses",
+    "score",
+    "sequence_logps",
+    "staged",
+    "targets_of",
+    "to_device",
+    "token_loss",
+    "unstage",
+]
 
 
 def build(spec: JobSpec) -> SFT | Preference | Reward | KTO | GRPO:

@@ -25,22 +25,24 @@ import time
 import torch
 import torch.nn.functional as F
 
-from raytrain.model import attention
-from raytrain.job.spec import JobSpec
 from raytrain.data import IGNORE
 from raytrain.data.prompts import columns_of
+from raytrain.job.grpo import reward_model_bytes
+from raytrain.job.spec import JobSpec
+from raytrain.model import attention
+from raytrain.objectives.tokens import Hidden, chunked_cross_entropy, forward
 from raytrain.rl import rewards as rewards_module
 from raytrain.rl.losses import advantages, importance_ratio, nanstd, summed_loss, token_terms, units_of
 from raytrain.rl.sampling import completion_key, rollout
-from raytrain.job.grpo import reward_model_bytes
-from raytrain.objectives.tokens import Hidden, chunked_cross_entropy, forward
+
 
 def token_logps(out, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """Each target token's log-probability under logits / temperature (TRL's), 0 where unlabelled."""
     if isinstance(out, Hidden):
         return -chunked_cross_entropy(out, targets, temperature)
-    return -F.cross_entropy(out.flatten(0, 1).float() / temperature, targets.flatten(), ignore_index=IGNORE,
-                            reduction="none").view(targets.shape)
+    return -F.cross_entropy(
+        out.flatten(0, 1).float() / temperature, targets.flatten(), ignore_index=IGNORE, reduction="none"
+    ).view(targets.shape)
 
 
 class GRPO:
@@ -76,7 +78,9 @@ class GRPO:
 
             self.tokenizer = load_tokenizer(self.spec)
             dtype = torch.bfloat16 if reward_model_bytes(self.spec) == 2 else torch.float32  # a reward model's
-            self.rewards = [rewards_module.Reward(r, self.g.max_completion_length, device, dtype) for r in self.g.rewards]
+            self.rewards = [
+                rewards_module.Reward(r, self.g.max_completion_length, device, dtype) for r in self.g.rewards
+            ]
 
     def begin(self, strategy, micro_batches: list[dict]) -> None:
         """Roll out, score and normalize the whole step's completions; turn each micro-batch into them."""
@@ -96,8 +100,9 @@ class GRPO:
                     columns.append(columns_of(mb["input_ids"][b + i, :m].tolist()))  # host: the columns' bytes
                     ids.append(next(rows))
             asked = [p for p in prompts for _ in range(g.num_generations)] or [[tok.pad_token_id]] * g.num_generations
-            keys = [completion_key(self.spec.training.seed, self.step, r, k) for r in ids
-                    for k in range(g.num_generations)] or [0] * g.num_generations
+            keys = [
+                completion_key(self.spec.training.seed, self.step, r, k) for r in ids for k in range(g.num_generations)
+            ] or [0] * g.num_generations
             asks.append((prompts, columns, ids, asked, keys))
         t0, engine_logps, host = time.perf_counter(), None, {}
         if g.engine == "vllm":  # one request for the rank's whole step, after the sync of this step's weights
@@ -112,12 +117,14 @@ class GRPO:
             flat, logps = self.engine.generate([p for a in asks for p in a[3]], [k for a in asks for k in a[4]], eos)
             at, outs, engine_logps = 0, [], []
             for a in asks:
-                outs.append(flat[at:at + len(a[3])])
-                engine_logps.append(logps[at:at + len(a[3])])
+                outs.append(flat[at : at + len(a[3])])
+                engine_logps.append(logps[at : at + len(a[3])])
                 at += len(a[3])
         else:
-            outs = [rollout(strategy, a[3], a[4], g.max_completion_length, g.temperature, g.top_p, eos,
-                            tok.pad_token_id) for a in asks]
+            outs = [
+                rollout(strategy, a[3], a[4], g.max_completion_length, g.temperature, g.top_p, eos, tok.pad_token_id)
+                for a in asks
+            ]
         gen_s = time.perf_counter() - t0
         generated = sum(len(c) for cs in outs for c in cs)
         made, t0 = [], time.perf_counter()
@@ -128,7 +135,7 @@ class GRPO:
         local = [(s, len(c), c[-1] in eos if c else False) for _, _, cs, ss in made for s, c in zip(ss, cs)]
         everyone = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, local)  # small: a few floats a completion
-        mine = sum(len(x) for x in everyone[:torch.distributed.get_rank()])
+        mine = sum(len(x) for x in everyone[: torch.distributed.get_rank()])
         flat = [x for part in everyone for x in part]
         scores = torch.tensor([s for s, _, _ in flat], dtype=torch.float64).view(len(flat), len(self.rewards))
         weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
@@ -138,10 +145,11 @@ class GRPO:
         at = mine
         for k, (mb, asked, completions, ss) in enumerate(made):
             count = len(ss)
-            mine_adv = adv[at:at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
+            mine_adv = adv[at : at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
             at += count
-            self._as_training_rows(mb, asked, completions, mine_adv, count,
-                                   engine_logps[k] if engine_logps is not None else None)
+            self._as_training_rows(
+                mb, asked, completions, mine_adv, count, engine_logps[k] if engine_logps is not None else None
+            )
         self._keep_samples(made)
         self.host["time/rollout_s"] = time.perf_counter() - started
 
@@ -158,16 +166,27 @@ class GRPO:
     def _metrics(self, scores, summed, zero_std, flat, gen_s, reward_s, generated) -> None:
         lengths = torch.tensor([n for _, n, _ in flat], dtype=torch.float64)
         ended = torch.tensor([e for _, _, e in flat], dtype=torch.bool)
-        host = {f"rewards/{r.name}/mean": torch.nanmean(scores[:, i]).item() for i, r in enumerate(self.rewards)}  # host: CPU
-        host.update({f"rewards/{r.name}/std": nanstd(scores[:, i]).item() for i, r in enumerate(self.rewards)})  # host: CPU
-        host.update({"reward": torch.nanmean(summed).item(), "reward_std": nanstd(summed).item(),  # host: CPU tensors
-                     "frac_reward_zero_std": zero_std.double().mean().item(),  # host: CPU tensor
-                     "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),  # host: CPU
-                     "completions/max_length": lengths.max().item(),  # host: CPU tensor
-                     "completions/clipped_ratio": 1 - ended.double().mean().item(),  # host: CPU tensor
-                     "completions/mean_terminated_length": lengths[ended].mean().item() if ended.any() else 0.0,  # host: CPU
-                     "time/generation_s": gen_s, "time/reward_s": reward_s,
-                     "generation_tokens_per_s": generated / gen_s if gen_s else 0.0})
+        host = {
+            f"rewards/{r.name}/mean": torch.nanmean(scores[:, i]).item() for i, r in enumerate(self.rewards)
+        }  # host: CPU
+        host.update(
+            {f"rewards/{r.name}/std": nanstd(scores[:, i]).item() for i, r in enumerate(self.rewards)}
+        )  # host: CPU
+        host.update(
+            {
+                "reward": torch.nanmean(summed).item(),
+                "reward_std": nanstd(summed).item(),  # host: CPU tensors
+                "frac_reward_zero_std": zero_std.double().mean().item(),  # host: CPU tensor
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),  # host: CPU
+                "completions/max_length": lengths.max().item(),  # host: CPU tensor
+                "completions/clipped_ratio": 1 - ended.double().mean().item(),  # host: CPU tensor
+                "completions/mean_terminated_length": lengths[ended].mean().item() if ended.any() else 0.0,  # host: CPU
+                "time/generation_s": gen_s,
+                "time/reward_s": reward_s,
+                "generation_tokens_per_s": generated / gen_s if gen_s else 0.0,
+            }
+        )
         self.host = host
 
     def _as_training_rows(self, mb: dict, asked, completions, adv: list[float], real: int, engine_logps) -> None:
@@ -177,14 +196,18 @@ class GRPO:
         labels = torch.full((len(asked), n), IGNORE, dtype=torch.long)
         sampled = torch.zeros((len(asked), n), dtype=torch.float32)  # the engine's log-probs, where labelled
         for i, (p, c) in enumerate(zip(asked, completions)):
-            ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             if i < real:
-                labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+                labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
                 if engine_logps is not None:
-                    sampled[i, len(p):len(p) + len(c)] = torch.tensor(engine_logps[i], dtype=torch.float32)
+                    sampled[i, len(p) : len(p) + len(c)] = torch.tensor(engine_logps[i], dtype=torch.float32)
         mb.clear()
-        mb.update(input_ids=ids, labels=labels, position_ids=torch.arange(n)[None].repeat(len(asked), 1),
-                  advantages=torch.tensor(adv, dtype=torch.float32))
+        mb.update(
+            input_ids=ids,
+            labels=labels,
+            position_ids=torch.arange(n)[None].repeat(len(asked), 1),
+            advantages=torch.tensor(adv, dtype=torch.float32),
+        )
         if engine_logps is not None:
             mb["_sampling_logps"] = sampled[:, 1:]  # aligned as the targets are (position t scores label t + 1)
         tokens = int((labels != IGNORE).sum())  # host: built on the host
@@ -193,9 +216,15 @@ class GRPO:
     def _keep_samples(self, made) -> None:
         tok, out = self.tokenizer, []
         for mb, asked, completions, scores in made:
-            for p, c, s in list(zip(asked, completions, scores))[:max(0, self.g.samples_per_checkpoint - len(out))]:
-                out.append({"step": self.step + 1, "prompt": tok.decode(p), "completion": tok.decode(c, skip_special_tokens=True),
-                            **{f"reward/{r.name}": v for r, v in zip(self.rewards, s)}})
+            for p, c, s in list(zip(asked, completions, scores))[: max(0, self.g.samples_per_checkpoint - len(out))]:
+                out.append(
+                    {
+                        "step": self.step + 1,
+                        "prompt": tok.decode(p),
+                        "completion": tok.decode(c, skip_special_tokens=True),
+                        **{f"reward/{r.name}": v for r, v in zip(self.rewards, s)},
+                    }
+                )
         self.samples = out
 
     def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -217,14 +246,26 @@ class GRPO:
             if "_is_ratio" not in mb:  # once a micro-batch: `old` and the engine's do not change within a step
                 sampled = attention.to_device(mb["_sampling_logps"], strategy.device)
                 mb["_logp_diff"] = ((old - sampled).abs() * mask).sum()
-                mb["_is_ratio"] = importance_ratio(old, sampled, mask, g) if g.vllm_importance_sampling_correction else None
+                mb["_is_ratio"] = (
+                    importance_ratio(old, sampled, mask, g) if g.vllm_importance_sampling_correction else None
+                )
             diff, ratio = mb["_logp_diff"], mb["_is_ratio"]
             if ratio is not None:
                 ratio_sum = (ratio * (mask if ratio.shape[-1] > 1 else real[:, None])).sum()
         loss, kl, low, high = token_terms(logps, old, ref, adv, mask, g, ratio)
-        over = mask if low.shape[-1] > 1 else real[:, None]  # clips counted over tokens, or completions (sequence level)
-        stats = [real.sum(), mask.sum(), (kl.detach() * mask).sum() if kl is not None else mask.sum() * 0,
-                 (low * over).sum(), (high * over).sum(), (torch.maximum(low, high) * over).sum(), diff, ratio_sum]
+        over = (
+            mask if low.shape[-1] > 1 else real[:, None]
+        )  # clips counted over tokens, or completions (sequence level)
+        stats = [
+            real.sum(),
+            mask.sum(),
+            (kl.detach() * mask).sum() if kl is not None else mask.sum() * 0,
+            (low * over).sum(),
+            (high * over).sum(),
+            (torch.maximum(low, high) * over).sum(),
+            diff,
+            ratio_sum,
+        ]
         return summed_loss(loss, mask, g.loss_type), stats
 
     def finish(self, means: dict[str, float]) -> dict[str, float]:
@@ -236,15 +277,21 @@ class GRPO:
         elif self.g.loss_type == "sapo":  # no clip to count
             out = {}
         else:
-            out = {"clip_ratio/low_mean": means["_low"] / counted, "clip_ratio/high_mean": means["_high"] / counted,
-                   "clip_ratio/region_mean": means["_region"] / counted}
+            out = {
+                "clip_ratio/low_mean": means["_low"] / counted,
+                "clip_ratio/high_mean": means["_high"] / counted,
+                "clip_ratio/region_mean": means["_region"] / counted,
+            }
         if self.g.beta:
             out["kl"] = means["_kl"] / tokens
         if self.g.engine == "vllm":  # TRL's names
             out["sampling/sampling_logp_difference/mean"] = means["_logp_diff"] / tokens
             if self.g.vllm_importance_sampling_correction:
-                per = (means["_sequences"] or math.inf) if self.g.vllm_importance_sampling_mode.startswith("sequence") \
+                per = (
+                    (means["_sequences"] or math.inf)
+                    if self.g.vllm_importance_sampling_mode.startswith("sequence")
                     else tokens
+                )
                 out["sampling/importance_sampling_ratio/mean"] = means["_is_ratio"] / per
         return {**out, **self.host}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from raytrain.job.spec import JobSpec
 from raytrain.data import IGNORE
+from raytrain.job.spec import JobSpec
 from raytrain.objectives.tokens import forward, sequence_logps, staged, unstage
 
 
@@ -20,8 +20,15 @@ class KTO:
     global batch (`begin`, one all-reduce before the step's first forward), so it is the same at any
     worker count and micro-batch split."""
 
-    metrics = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "count/chosen",
-               "count/rejected")
+    metrics = (
+        "kl",
+        "rewards/chosen",
+        "rewards/rejected",
+        "logps/chosen",
+        "logps/rejected",
+        "count/chosen",
+        "count/rejected",
+    )
     shown = (("kl", "kl"), ("margin", "rewards/margins"))
 
     def __init__(self, spec: JobSpec):
@@ -67,12 +74,20 @@ class KTO:
         ratio = logps - ref_logps
         # KTO: 1 - sigmoid(beta (ratio - KL)) / 1 - sigmoid(beta (KL - ratio)); APO-zero: KL is 0 and an
         # undesirable row's loss is sigmoid(beta ratio), the same value as KTO's at KL 0.
-        loss = desirable * self.weights[0] * (1 - torch.sigmoid(self.beta * (ratio - kl))) + \
-            (1 - desirable) * self.weights[1] * (1 - torch.sigmoid(self.beta * (kl - ratio)))
+        loss = desirable * self.weights[0] * (1 - torch.sigmoid(self.beta * (ratio - kl))) + (
+            1 - desirable
+        ) * self.weights[1] * (1 - torch.sigmoid(self.beta * (kl - ratio)))
         real = x["real"] / (split.size if split else 1)  # as Preference's
         reward, lp = self.beta * ratio.detach(), logps.detach()
-        stats = [kl.expand_as(lp), reward * desirable, reward * (1 - desirable), lp * desirable, lp * (1 - desirable),
-                 desirable, 1 - desirable]
+        stats = [
+            kl.expand_as(lp),
+            reward * desirable,
+            reward * (1 - desirable),
+            lp * desirable,
+            lp * (1 - desirable),
+            desirable,
+            1 - desirable,
+        ]
         return (loss * real).sum(), [(s * real).sum() for s in stats]
 
     @staticmethod
@@ -95,8 +110,8 @@ def _split_kto(mb: dict) -> dict:
     if "kl" not in mb:
         b = len(mb["input_ids"]) // 3
         planes = {k: mb[k] for k in ("input_ids", "labels", "position_ids")}
-        label = planes["input_ids"][2 * b:, 0].float()  # the tag's one token: 1 desirable, 0 not
+        label = planes["input_ids"][2 * b :, 0].float()  # the tag's one token: 1 desirable, 0 not
         real = (planes["labels"][:b, 1:] != IGNORE).any(-1).float()
         mb.update({k: v[:b] for k, v in planes.items()}, label=label, real=real)
-        mb["kl"] = {**{k: v[b:2 * b] for k, v in planes.items()}, "label": label, "real": real}
+        mb["kl"] = {**{k: v[b : 2 * b] for k, v in planes.items()}, "label": label, "real": real}
     return mb

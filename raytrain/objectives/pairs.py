@@ -7,15 +7,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raytrain.job.spec import JobSpec, PreferenceSpec
 from raytrain.data.pairs import MARGIN_TAG_BITS
+from raytrain.job.spec import JobSpec, PreferenceSpec
 from raytrain.model.facts import SCORE_HEAD
 from raytrain.objectives.tokens import forward, real_pairs, replaced_forward, sequence_logps, staged, unwrapped
 
 
-def pair_losses(objective: str, p: PreferenceSpec, chosen: torch.Tensor, rejected: torch.Tensor,
-                ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, n_chosen: torch.Tensor,
-                n_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pair_losses(
+    objective: str,
+    p: PreferenceSpec,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    n_chosen: torch.Tensor,
+    n_rejected: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, chosen reward, rejected reward) per pair, from summed log-probs and token counts."""
     if objective == "simpo":  # length-normalized, no reference, a target margin gamma
         chosen_avg, rejected_avg = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
@@ -25,7 +32,9 @@ def pair_losses(objective: str, p: PreferenceSpec, chosen: torch.Tensor, rejecte
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     delta = chosen_ratio - rejected_ratio
     if p.loss == "sigmoid":  # with label smoothing: conservative DPO
-        loss = -(1 - p.label_smoothing) * F.logsigmoid(p.beta * delta) - p.label_smoothing * F.logsigmoid(-p.beta * delta)
+        loss = -(1 - p.label_smoothing) * F.logsigmoid(p.beta * delta) - p.label_smoothing * F.logsigmoid(
+            -p.beta * delta
+        )
     elif p.loss == "hinge":
         loss = torch.relu(1 - p.beta * delta)
     else:  # ipo, normalized by the completion's tokens as TRL does (confirmed with IPO's authors, per TRL)
@@ -38,8 +47,14 @@ class Preference:
     """DPO or SimPO over the pairs of a micro-batch (its first half chosen, its second half
     rejected, in one forward); the mean over the global batch's pairs."""
 
-    metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-               "logps/rejected")
+    metrics = (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    )
     shown = (("acc", "rewards/accuracies"), ("margin", "rewards/margins"))  # on the step line
 
     def __init__(self, spec: JobSpec):
@@ -72,8 +87,14 @@ class Preference:
         # it, so the group's sums are the pair's values, and the summed log-probs' gradient flows to
         # each part once (`SequenceSplit.sum`).
         real = real / (split.size if split else 1)
-        stats = [reward_c, reward_r, (reward_c > reward_r).float(), reward_c - reward_r, chosen_logged.detach(),
-                 rejected_logged.detach()]
+        stats = [
+            reward_c,
+            reward_r,
+            (reward_c > reward_r).float(),
+            reward_c - reward_r,
+            chosen_logged.detach(),
+            rejected_logged.detach(),
+        ]
         return (loss * real).sum(), [(s * real).sum() for s in stats]
 
 
@@ -116,8 +137,8 @@ def split_margins(mb: dict) -> dict:
     made once, in place. A padding pair's margin is 0 (its tag is padding, not a number)."""
     if "margin" not in mb:
         b = len(mb["input_ids"]) // 3
-        tags = mb["input_ids"][2 * b:]
-        mb.update({k: mb[k][:2 * b] for k in ("input_ids", "labels", "position_ids")})
+        tags = mb["input_ids"][2 * b :]
+        mb.update({k: mb[k][: 2 * b] for k in ("input_ids", "labels", "position_ids")})
         mb["margin"] = torch.where(real_pairs(mb), margins_of(tags), 0.0)
     return mb
 

@@ -12,14 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from raytrain.model import attention
 from raytrain.data import IGNORE
+from raytrain.model import attention
 
 
 @dataclass
 class Hidden:
     """What a forward gives under `training.chunked_loss`: the last hidden states and the output
     layer, which the loss applies a chunk of tokens at a time."""
+
     states: torch.Tensor
     head: torch.nn.Module
     chunk: int  # tokens a chunk of raytrain's own (0 where `fused` does the chunking)
@@ -41,8 +42,11 @@ def sequence_logps(out: torch.Tensor | Hidden, targets: torch.Tensor) -> torch.T
     vocabulary: one fp32 copy of the logits, not two."""
     if isinstance(out, Hidden):
         return -chunked_cross_entropy(out, targets).sum(-1)
-    return -F.cross_entropy(out.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                            reduction="none").view(targets.shape).sum(-1)
+    return (
+        -F.cross_entropy(out.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
+        .view(targets.shape)
+        .sum(-1)
+    )
 
 
 def targets_of(labels: torch.Tensor) -> torch.Tensor:
@@ -62,18 +66,32 @@ def chunked_cross_entropy(out: Hidden, targets: torch.Tensor, temperature: float
     weight, bias = out.head.weight, out.head.bias
     if out.fused is not None and temperature == 1.0:  # Liger's kernel: its own chunks and recomputation
         with out.autocast():
-            return out.fused(states, weight, labels, bias, ignore_index=IGNORE, reduction="none").float().view(
-                targets.shape)
+            return (
+                out.fused(states, weight, labels, bias, ignore_index=IGNORE, reduction="none")
+                .float()
+                .view(targets.shape)
+            )
     with out.autocast():  # recorded by each checkpoint and restored when backward recomputes it
-        parts = [checkpoint(_chunk_cross_entropy, states[i:i + out.chunk], weight, bias, labels[i:i + out.chunk],
-                            temperature, use_reentrant=False) for i in range(0, len(labels), out.chunk)]
+        parts = [
+            checkpoint(
+                _chunk_cross_entropy,
+                states[i : i + out.chunk],
+                weight,
+                bias,
+                labels[i : i + out.chunk],
+                temperature,
+                use_reentrant=False,
+            )
+            for i in range(0, len(labels), out.chunk)
+        ]
     return torch.cat(parts).view(targets.shape)
 
 
 def _chunk_cross_entropy(states, weight, bias, labels, temperature: float = 1.0) -> torch.Tensor:
     logits = F.linear(states, weight, bias).float()
-    return F.cross_entropy(logits / temperature if temperature != 1.0 else logits, labels, ignore_index=IGNORE,
-                           reduction="none")
+    return F.cross_entropy(
+        logits / temperature if temperature != 1.0 else logits, labels, ignore_index=IGNORE, reduction="none"
+    )
 
 
 class SFT:
@@ -129,8 +147,11 @@ def staged(strategy, mb: dict) -> dict:
     ids, positions, targets = mb["input_ids"], mb["position_ids"], targets_of(mb["labels"])
     boundaries = attention.Boundaries.of(positions)  # whole rows: under sp too
     compute = torch.bfloat16 if strategy.compute_bf16 else torch.float32
-    out = {"attention": attention.model_kwargs(boundaries, strategy.attention_kernel, strategy.attention_windows,
-                                               device, compute)}
+    out = {
+        "attention": attention.model_kwargs(
+            boundaries, strategy.attention_kernel, strategy.attention_windows, device, compute
+        )
+    }
     if strategy.spec.unpaired:  # KTO's labels and real rows (`_split_kto`)
         out["label"], out["real"] = attention.to_device(mb["label"], device), attention.to_device(mb["real"], device)
     elif strategy.spec.preference:  # whole sequences' counts (targets before the split)
@@ -146,8 +167,11 @@ def staged(strategy, mb: dict) -> dict:
         out["margin"] = attention.to_device(mb["margin"], device)  # the pairs' (objectives.pairs.split_margins)
     if split:
         ids, positions, targets = split.part(ids), split.part(positions), split.part(targets)
-    out.update(input_ids=attention.to_device(ids, device), position_ids=attention.to_device(positions, device),
-               targets=attention.to_device(targets, device))
+    out.update(
+        input_ids=attention.to_device(ids, device),
+        position_ids=attention.to_device(positions, device),
+        targets=attention.to_device(targets, device),
+    )
     mb["_staged"] = out
     return out
 

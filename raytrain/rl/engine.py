@@ -1,21 +1,20 @@
-"""`training.grpo.engine: vllm`: each training worker drives its own vLLM engine, colocated on its
-node (and, on a GPU, its device: `vllm_gpu_memory_utilization` of it, as TRL's colocate mode and
-verl's hybrid engine share it), in a process of its own Python environment (vllm_server.py). A rank
-samples its own prompts there, as it does with `engine: hf`: the step's prompts are spread over the
-engines by the data order itself, and nothing crosses ranks but the rewards (objectives/grpo.py).
+"""`training.grpo.engine: vllm`: each training worker drives its own vLLM engine, colocated on its node (and, on a GPU,
+its device: `vllm_gpu_memory_utilization` of it, as TRL's colocate mode and verl's hybrid engine share it), in a
+process of its own Python environment (vllm_server.py). A rank samples its own prompts there, as it does with
+`engine: hf`: the step's prompts are spread over the engines by the data order itself, and nothing crosses ranks but
+the rewards (objectives/grpo.py).
 
-Weight sync, before every rollout (so after every update, and after a restore): the trained
-weights, one parameter at a time, whole (`Strategy.full_parameters`: a collective where they are
-sharded), written as safetensors into the engine's folder (shared memory where the node has it)
-and loaded there. A full fine-tune moves every weight, in files of at most SHARD_BYTES, so no rank
-holds a whole copy beyond the engine's own; LoRA moves the adapter alone (a new vLLM adapter id each
-sync) or, by `vllm_lora_sync`, the weights with the adapter folded in (`merged`, CPU's default). The sync's bytes and seconds are the step's `vllm/sync_mb` and
-`vllm/sync_s`.
+Weight sync, before every rollout (so after every update, and after a restore): the trained weights, one parameter at a
+time, whole (`Strategy.full_parameters`: a collective where they are sharded), written as safetensors into the engine's
+folder (shared memory where the node has it) and loaded there. A full fine-tune moves every weight, in files of at most
+SHARD_BYTES, so no rank holds a whole copy beyond the engine's own; LoRA moves the adapter alone (a new vLLM adapter id
+each sync) or, by `vllm_lora_sync`, the weights with the adapter folded in (`merged`, CPU's default). The sync's bytes
+and seconds are the step's `vllm/sync_mb` and `vllm/sync_s`.
 
-The engine dies with its worker (PR_SET_PDEATHSIG, which fires when the spawning thread ends: the
-training thread, whose end is the run's): a killed or preempted worker leaves no engine holding
-memory, and the restarted one starts a fresh engine and syncs the restored weights. A killed
-worker's engine folder stays until the next engine on the node sweeps it (`_sweep`)."""
+The engine dies with its worker (PR_SET_PDEATHSIG, which fires when the spawning thread ends: the training thread, whose
+end is the run's): a killed or preempted worker leaves no engine holding memory, and the restarted one starts a fresh
+engine and syncs the restored weights. A killed worker's engine folder stays until the next engine on the node sweeps it
+(`_sweep`)."""
 
 from __future__ import annotations
 
@@ -66,14 +65,16 @@ def merged(model, weights):
     that order); everything else passes through."""
     held: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        plain = name[len(PEFT):] if name.startswith(PEFT) else name
+        plain = name[len(PEFT) :] if name.startswith(PEFT) else name
         for piece in (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
             if name.endswith(piece):
                 module = name[: -len(piece)]
                 held[piece] = tensor.detach().float().clone()
                 if len(held) == 3:
                     scaling = model.get_submodule(module).scaling["default"]
-                    w = held[".base_layer.weight"] + scaling * (held[".lora_B.default.weight"] @ held[".lora_A.default.weight"])
+                    w = held[".base_layer.weight"] + scaling * (
+                        held[".lora_B.default.weight"] @ held[".lora_A.default.weight"]
+                    )
                     held = {}
                     yield plain[: -len(piece)] + ".weight", w
                 break
@@ -96,12 +97,19 @@ class VLLMEngine:
         _sweep(root)
         self.dir = Path(tempfile.mkdtemp(prefix=f"raytrain-engine-{os.getpid()}-", dir=root))
         self.syncs = 0
-        args = {"model": spec.model.path, "dtype": "bfloat16" if self.dtype == torch.bfloat16 else "float32",
-                "max_model_len": spec.data.seq_len, "enforce_eager": not on_gpu,
-                "lora_rank": max(8, 1 << (spec.training.lora.rank - 1).bit_length()) if self.mode == "adapter" else 0,
-                "raytrain_root": str(SERVER.parents[1]),
-                **({"gpu_memory_utilization": g.vllm_gpu_memory_utilization} if on_gpu
-                   else {"kv_cache_bytes": engine_kv_bytes(_config(spec), completions, spec.data.seq_len)})}
+        args = {
+            "model": spec.model.path,
+            "dtype": "bfloat16" if self.dtype == torch.bfloat16 else "float32",
+            "max_model_len": spec.data.seq_len,
+            "enforce_eager": not on_gpu,
+            "lora_rank": max(8, 1 << (spec.training.lora.rank - 1).bit_length()) if self.mode == "adapter" else 0,
+            "raytrain_root": str(SERVER.parents[1]),
+            **(
+                {"gpu_memory_utilization": g.vllm_gpu_memory_utilization}
+                if on_gpu
+                else {"kv_cache_bytes": engine_kv_bytes(_config(spec), completions, spec.data.seq_len)}
+            ),
+        }
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         if not on_gpu:  # the worker's cores are the worker's: no binding of its own, its thread count
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(torch.get_num_threads()))
@@ -111,22 +119,32 @@ class VLLMEngine:
         python = vllm_python()
         started = time.perf_counter()
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([str(python), str(SERVER), json.dumps(args)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, env=env, text=True,
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                [str(python), str(SERVER), json.dumps(args)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                text=True,
+                preexec_fn=_die_with_parent,
+            )
         ready = self._read("start")
         self.start_s = time.perf_counter() - started
         if ready.get("vllm") and ready["vllm"].rsplit(".", 1)[0] != private_apis.ENGINE_TESTED["vllm"]:
-            print(f"[raytrain] the rollout engine runs vllm {ready['vllm']}, not the tested "
-                  f"{private_apis.ENGINE_TESTED['vllm']}.*; raytrain relies on its {private_apis.ENGINE_USES['vllm']}")
+            print(
+                f"[raytrain] the rollout engine runs vllm {ready['vllm']}, not the tested "
+                f"{private_apis.ENGINE_TESTED['vllm']}.*; raytrain relies on its {private_apis.ENGINE_USES['vllm']}"
+            )
 
     def _read(self, what: str) -> dict:
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
             tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-15:])
-            raise JobError(f"the vLLM rollout engine ({vllm_python()}) ended during {what} with exit code "
-                           f"{self.proc.returncode}; the end of its log ({self.log_path}):\n{tail}")
+            raise JobError(
+                f"the vLLM rollout engine ({vllm_python()}) ended during {what} with exit code "
+                f"{self.proc.returncode}; the end of its log ({self.log_path}):\n{tail}"
+            )
         out = json.loads(line)
         if "error" in out:
             raise JobError(f"the vLLM rollout engine refused {what}: {out['error']}")
@@ -141,8 +159,17 @@ class VLLMEngine:
         """Each prompt's completion (up to and including its first end token) and the engine's
         log-probability of each sampled token (of logits / temperature, top_p applied: TRL's)."""
         g = self.spec.training.grpo
-        out = self._ask({"op": "generate", "prompts": prompts, "keys": keys, "max_tokens": g.max_completion_length,
-                         "temperature": g.temperature, "top_p": g.top_p, "eos": sorted(eos)})
+        out = self._ask(
+            {
+                "op": "generate",
+                "prompts": prompts,
+                "keys": keys,
+                "max_tokens": g.max_completion_length,
+                "temperature": g.temperature,
+                "top_p": g.top_p,
+                "eos": sorted(eos),
+            }
+        )
         return out["completions"], out["logps"]
 
     def sync(self, strategy) -> tuple[float, float]:

@@ -51,11 +51,20 @@ def importance_ratio(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Te
     high = g.vllm_importance_sampling_clip_max
     if g.vllm_importance_sampling_mode.endswith("truncate"):
         return torch.clamp(ratio, min=low, max=high)
-    return ratio.masked_fill((ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high)), 0.0)
+    return ratio.masked_fill(
+        (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high)), 0.0
+    )
 
 
-def token_terms(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, adv: torch.Tensor,
-                mask: torch.Tensor, g, is_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def token_terms(
+    logps: torch.Tensor,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    g,
+    is_ratio: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Per token: (loss, KL or None, low-clipped, high-clipped), as TRL's _compute_loss for `g`'s
     loss_type and importance_sampling_level (`g`: a GRPOSpec). The clip flags are per completion,
     [n, 1], at sequence level (TRL counts completions there), and 0 where the loss has no such clip

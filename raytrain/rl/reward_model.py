@@ -28,8 +28,13 @@ class RewardModel:
         if self.tokenizer.pad_token_id is None:  # TRL's rule: the head reads the last token that is not padding
             self.tokenizer.pad_token = self.tokenizer.eos_token
         model = AutoModelForSequenceClassification.from_pretrained(
-            base, num_labels=1, pad_token_id=self.tokenizer.pad_token_id, dtype=dtype, use_safetensors=True,
-            trust_remote_code=False)
+            base,
+            num_labels=1,
+            pad_token_id=self.tokenizer.pad_token_id,
+            dtype=dtype,
+            use_safetensors=True,
+            trust_remote_code=False,
+        )
         if adapter:
             from peft import PeftModel
 
@@ -43,6 +48,7 @@ class RewardModel:
             texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
-        inputs = self.tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
-                                add_special_tokens=False).to(self.device)
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(self.device)
         return self.model(**inputs).logits[:, 0].float().tolist()  # host: the rewards, for the advantages

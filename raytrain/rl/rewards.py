@@ -82,12 +82,15 @@ class Reward:
             try:
                 self.model = RewardModel(spec.model, device or "cpu", dtype)
             except (OSError, ValueError, KeyError) as exc:
-                raise RewardError(f"training.grpo.rewards: model {spec.model!r} does not load as a reward model "
-                                  f"({type(exc).__name__}: {str(exc)[:200]}); give a folder `raytrain run` exported "
-                                  "for objective: reward, or a ...ForSequenceClassification model") from None
+                raise RewardError(
+                    f"training.grpo.rewards: model {spec.model!r} does not load as a reward model "
+                    f"({type(exc).__name__}: {str(exc)[:200]}); give a folder `raytrain run` exported "
+                    "for objective: reward, or a ...ForSequenceClassification model"
+                ) from None
 
-    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
-                 rows: list) -> list[float]:
+    def __call__(
+        self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list], rows: list
+    ) -> list[float]:
         s = self.spec
         if self.model is not None:
             return self.model(prompts, completions)
@@ -97,27 +100,36 @@ class Reward:
             return [float(re.search(s.pattern, text_of(c), re.DOTALL) is not None) for c in completions]  # host: 0/1
         if s.builtin == "accuracy":
             if s.column not in columns:
-                raise RewardError(f"training.grpo.rewards: accuracy reads column {s.column!r}, which row {rows[0]} "
-                                  f"does not have (its columns: {sorted(columns)}); set `column` to one of them")
-            return [float(same_answer(answer_of(text_of(c), s.pattern), answer_of(str(ref))))  # host: 0/1
-                    for c, ref in zip(completions, columns[s.column])]
+                raise RewardError(
+                    f"training.grpo.rewards: accuracy reads column {s.column!r}, which row {rows[0]} "
+                    f"does not have (its columns: {sorted(columns)}); set `column` to one of them"
+                )
+            return [
+                float(same_answer(answer_of(text_of(c), s.pattern), answer_of(str(ref))))  # host: 0/1
+                for c, ref in zip(completions, columns[s.column])
+            ]
         try:
             out = self.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as exc:
-            raise RewardError(f"reward function {s.function} raised {type(exc).__name__}: {exc} (on the completions "
-                              f"of rows {rows[:4]} (source, epoch, row)); fix the function, or return None for a "
-                              "completion it cannot judge") from None
+            raise RewardError(
+                f"reward function {s.function} raised {type(exc).__name__}: {exc} (on the completions "
+                f"of rows {rows[:4]} (source, epoch, row)); fix the function, or return None for a "
+                "completion it cannot judge"
+            ) from None
         if not isinstance(out, (list, tuple)) or len(out) != len(completions):
             got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
-            raise RewardError(f"reward function {s.function} returned {got} for {len(completions)} completions: it "
-                              "must return one float (or None) per completion, in order")
+            raise RewardError(
+                f"reward function {s.function} returned {got} for {len(completions)} completions: it "
+                "must return one float (or None) per completion, in order"
+            )
         try:
             if any(isinstance(v, (str, bytes)) for v in out):  # TRL's tensor of them refuses text too
                 raise TypeError
             return [math.nan if v is None else float(v) for v in out]  # host: the function's numbers
         except (TypeError, ValueError):
-            raise RewardError(f"reward function {s.function} returned {str(out)[:80]}: each value must be a number "
-                              "or None") from None
+            raise RewardError(
+                f"reward function {s.function} returned {str(out)[:80]}: each value must be a number or None"
+            ) from None
 
 
 def _import(target: str):
@@ -127,16 +139,24 @@ def _import(target: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise RewardError(f"training.grpo.rewards: function {target!r}: cannot import {module_name!r} ({exc}); ship "
-                          "it with the job (`ray job submit --working-dir .`, or a package the image has)") from None
+        raise RewardError(
+            f"training.grpo.rewards: function {target!r}: cannot import {module_name!r} ({exc}); ship "
+            "it with the job (`ray job submit --working-dir .`, or a package the image has)"
+        ) from None
     function = getattr(module, name, None)
     if not callable(function):
         raise RewardError(f"training.grpo.rewards: function {target!r}: {module_name} has no function {name!r}")
     return function
 
 
-def score(rewards: list[Reward], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], rows: list) -> list[list[float]]:
+def score(
+    rewards: list[Reward],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    rows: list,
+) -> list[list[float]]:
     """Per completion, each reward's score (NaN where it returned None): [completions][rewards]."""
     per = [r(prompts, completions, completion_ids, columns, rows) for r in rewards]
     return [list(v) for v in zip(*per)]

@@ -20,7 +20,6 @@ import torch
 
 from raytrain import private_apis
 
-
 CHECK = 8  # tokens between the ranks' "all ended?" agreement: at most CHECK - 1 idle forwards
 M32 = 0xFFFFFFFF
 
@@ -76,8 +75,16 @@ def _all_ended(ended: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def rollout(strategy, prompts: list[list[int]], keys: list[int], max_tokens: int, temperature: float, top_p: float,
-            eos: set[int], pad: int) -> list[list[int]]:
+def rollout(
+    strategy,
+    prompts: list[list[int]],
+    keys: list[int],
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos: set[int],
+    pad: int,
+) -> list[list[int]]:
     """Each prompt's completion (its tokens up to and including the first end token, at most
     `max_tokens`), sampled by the strategy's model (gathered once: `strategy.gathered`)."""
     device, model = strategy.device, strategy.model
@@ -85,7 +92,7 @@ def rollout(strategy, prompts: list[list[int]], keys: list[int], max_tokens: int
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding: every prompt ends where decoding starts
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     ids, mask, keys_t = ids.to(device), mask.to(device), torch.tensor(keys, dtype=torch.long, device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)
@@ -107,8 +114,14 @@ def rollout(strategy, prompts: list[list[int]], keys: list[int], max_tokens: int
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # an ended row's pads: never read
                 last = last + 1
-                step = model(input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None],
-                             past_key_values=step.past_key_values, use_cache=True, logits_to_keep=1)
+                step = model(
+                    input_ids=token[:, None],
+                    attention_mask=mask,
+                    position_ids=last[:, None],
+                    past_key_values=step.past_key_values,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
     finally:
         model.train(was_training)
     completions = []

@@ -24,21 +24,43 @@ import time
 def _engine(args: dict):
     from vllm import LLM
 
-    sizing = ({"kv_cache_memory_bytes": args["kv_cache_bytes"]} if args.get("kv_cache_bytes")
-              else {"gpu_memory_utilization": args["gpu_memory_utilization"]})
+    sizing = (
+        {"kv_cache_memory_bytes": args["kv_cache_bytes"]}
+        if args.get("kv_cache_bytes")
+        else {"gpu_memory_utilization": args["gpu_memory_utilization"]}
+    )
     lora = {"enable_lora": True, "max_lora_rank": args["lora_rank"], "max_loras": 1} if args.get("lora_rank") else {}
-    return LLM(model=args["model"], dtype=args["dtype"], seed=0, enforce_eager=args["enforce_eager"],
-               max_model_len=args["max_model_len"], enable_prefix_caching=False, skip_tokenizer_init=True,
-               logprobs_mode="processed_logprobs",  # after temperature and top_p: the distribution sampled
-               trust_remote_code=False, **sizing, **lora)
+    return LLM(
+        model=args["model"],
+        dtype=args["dtype"],
+        seed=0,
+        enforce_eager=args["enforce_eager"],
+        max_model_len=args["max_model_len"],
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        logprobs_mode="processed_logprobs",  # after temperature and top_p: the distribution sampled
+        trust_remote_code=False,
+        **sizing,
+        **lora,
+    )
 
 
 def _generate(llm, lora, req: dict) -> dict:
     from vllm import SamplingParams
 
-    params = [SamplingParams(n=1, max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
-                             seed=key, logprobs=0, stop_token_ids=req["eos"], detokenize=False)
-              for key in req["keys"]]
+    params = [
+        SamplingParams(
+            n=1,
+            max_tokens=req["max_tokens"],
+            temperature=req["temperature"],
+            top_p=req["top_p"],
+            seed=key,
+            logprobs=0,
+            stop_token_ids=req["eos"],
+            detokenize=False,
+        )
+        for key in req["keys"]
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params, lora_request=lora, use_tqdm=False)
     completions, logps = [], []
     for out in outs:

@@ -24,11 +24,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from raytrain.rundir import lease, signing, storage
 from raytrain.errors import JobError
+from raytrain.rundir import lease, signing, storage
 
 STATE_FILE = "train_state.json"
-METRICS_FILE = "step_metrics.json"  # rank 0's steps MLflow did not have yet at this checkpoint: rank 0 and the driver read it
+METRICS_FILE = (
+    "step_metrics.json"  # rank 0's steps MLflow did not have yet at this checkpoint: rank 0 and the driver read it
+)
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
 LATEST_FILE = "latest_checkpoint.json"  # raytrain's signed record of the newest registered one
 
@@ -82,9 +84,11 @@ class TrainState:
         (or anything that changes its tokens) changed under the job, those positions mean
         other rows, so the run stops and says so."""
         if self.data.store and self.data.store != store_key:
-            raise JobError(f"the data changed under a running job: {where} was trained on data {self.data.store} "
-                           f"(token stores, weights, held-out rows), but the job's data and tokenizer now give {store_key}. "
-                           "Restore the data as it was, or start a new run (a new name or checkpoint.storage_path)")
+            raise JobError(
+                f"the data changed under a running job: {where} was trained on data {self.data.store} "
+                f"(token stores, weights, held-out rows), but the job's data and tokenizer now give {store_key}. "
+                "Restore the data as it was, or start a new run (a new name or checkpoint.storage_path)"
+            )
 
     @classmethod
     def from_json(cls, text: str) -> "TrainState":
@@ -124,10 +128,12 @@ def latest_checkpoint(run_dir: str) -> str:
         record = signing.verify_document(json.loads(storage.read_text(record_uri)), record_uri)
         signing.require_place(record, "run_dir", signing.place(run_dir), record_uri)
         if record["latest"] > (name or "") and storage.exists(storage.join(run_dir, record["latest"])):
-            raise JobError(f"refusing {uri}: Ray Train's run snapshot names {name or 'no checkpoint'} as the latest, but "
-                           f"{record['latest']} was registered after it and is still there (its signed record, "
-                           f"{LATEST_FILE}): the snapshot was rolled back or edited, and resuming from it would silently "
-                           f"drop steps. To go back on purpose, delete {record['latest']} and any newer step_* folder")
+            raise JobError(
+                f"refusing {uri}: Ray Train's run snapshot names {name or 'no checkpoint'} as the latest, but "
+                f"{record['latest']} was registered after it and is still there (its signed record, "
+                f"{LATEST_FILE}): the snapshot was rolled back or edited, and resuming from it would silently "
+                f"drop steps. To go back on purpose, delete {record['latest']} and any newer step_* folder"
+            )
     if name is None:
         raise FileNotFoundError(f"no registered checkpoint under {run_dir} (Ray Train's {RAY_SNAPSHOT} names none)")
     return storage.join(run_dir, name)
@@ -147,8 +153,11 @@ def await_committed(run_dir: str, name: str | None, timeout_s: float) -> None:
         if name in {r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])}:
             return
         if not said:
-            print(f"[raytrain] waiting up to {timeout_s:.0f} s for {name}, committed under the previous lease, to "
-                  "finish uploading", flush=True)
+            print(
+                f"[raytrain] waiting up to {timeout_s:.0f} s for {name}, committed under the previous lease, to "
+                "finish uploading",
+                flush=True,
+            )
             said = True
         time.sleep(1.0)
     print(f"[raytrain] {name} did not finish uploading: resuming from the checkpoint before it", flush=True)
@@ -156,8 +165,11 @@ def await_committed(run_dir: str, name: str | None, timeout_s: float) -> None:
 
 def _newest_present(results: list[dict], present: set[str]) -> dict | None:
     """Of Ray's registered checkpoint results, the newest whose folder is still there."""
-    return max((r for r in results if r["checkpoint_dir_name"] in present), default=None,
-               key=lambda r: r["checkpoint_dir_name"])
+    return max(
+        (r for r in results if r["checkpoint_dir_name"] in present),
+        default=None,
+        key=lambda r: r["checkpoint_dir_name"],
+    )
 
 
 def forget_deleted(run_dir: str) -> list[str]:
@@ -181,11 +193,12 @@ def forget_deleted(run_dir: str) -> list[str]:
     latest = snapshot.get("latest_checkpoint_result")
     if latest and latest["checkpoint_dir_name"] in gone:
         snapshot["latest_checkpoint_result"] = _newest_present(snapshot["checkpoint_results"], present)
-    pending = [(r, v) for r, v in zip(snapshot["pending_training_results"], snapshot["pending_validation_specs"])
-               if r["checkpoint_dir_name"] not in gone]
+    pending = [
+        (r, v)
+        for r, v in zip(snapshot["pending_training_results"], snapshot["pending_validation_specs"])
+        if r["checkpoint_dir_name"] not in gone
+    ]
     snapshot["pending_training_results"] = [r for r, _ in pending]
     snapshot["pending_validation_specs"] = [v for _, v in pending]
     storage.write_text(uri, json.dumps(snapshot))
     return sorted(gone)
-
-

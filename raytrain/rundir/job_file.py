@@ -12,7 +12,6 @@ from raytrain.job.plan import RunPlan
 from raytrain.job.spec import JobSpec
 from raytrain.rundir import signing, storage
 
-
 JOB_FILE = "job.json"
 
 
@@ -36,8 +35,9 @@ def read_job_file(run_dir: str) -> JobSpec:
 def sign_plan(plan: RunPlan, spec: JobSpec) -> dict:
     """One signed document of everything a worker acts on: the driver's plan and the job itself (its
     `model.path`, `trust_remote_code`, data, every field), bound to the run directory."""
-    return signing.sign_document({**asdict(plan), "spec": spec.model_dump(mode="json"),
-                                  "run_dir": signing.place(spec.run_dir)})
+    return signing.sign_document(
+        {**asdict(plan), "spec": spec.model_dump(mode="json"), "run_dir": signing.place(spec.run_dir)}
+    )
 
 
 def verify_plan(doc: dict) -> tuple[JobSpec, RunPlan]:

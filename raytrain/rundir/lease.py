@@ -35,8 +35,8 @@ import socket
 import threading
 import time
 
-from raytrain.rundir import storage, versioned
 from raytrain.errors import JobError
+from raytrain.rundir import storage, versioned
 
 FILE = "driver.json"
 TTL_S = 60.0  # unrenewed this long, as this driver watched: gone
@@ -84,8 +84,10 @@ def _load(run_dir: str, patient: bool = True) -> tuple[dict | None, str | None]:
             return versioned.load(uri(run_dir))
         except versioned.Unreadable as exc:
             if time.monotonic() >= deadline:
-                raise JobError(f"the run directory's lease {uri(run_dir)} cannot be read ({exc}); nothing was "
-                               "started. Check the storage, then run again") from exc
+                raise JobError(
+                    f"the run directory's lease {uri(run_dir)} cannot be read ({exc}); nothing was "
+                    "started. Check the storage, then run again"
+                ) from exc
             time.sleep(1.0)
 
 
@@ -136,33 +138,49 @@ def acquire(run_dir: str, me: dict, cluster: str, takeover: bool) -> str:
         if holder and not holder.get("released"):
             why = gone(holder, cluster)
             if why is None and not takeover:
-                print(f"[raytrain] the run directory is held by {describe(holder)}: watching its lease for up to "
-                      f"{TTL_S:.0f} s", flush=True)
+                print(
+                    f"[raytrain] the run directory is held by {describe(holder)}: watching its lease for up to "
+                    f"{TTL_S:.0f} s",
+                    flush=True,
+                )
                 changed, now = _watch(run_dir, version, TTL_S)
                 if changed is not None and not changed.get("released"):
-                    raise JobError(f"run directory {run_dir} is in use by another driver of this job: "
-                                   f"{describe(changed)}, on another Ray cluster (this driver saw it renew its lease). "
-                                   f"Wait for it, stop it with {how_to_stop(changed)}, or run with --takeover: its "
-                                   "workers stop before their next step and commit nothing more, and this driver "
-                                   "continues from its last checkpoint")
+                    raise JobError(
+                        f"run directory {run_dir} is in use by another driver of this job: "
+                        f"{describe(changed)}, on another Ray cluster (this driver saw it renew its lease). "
+                        f"Wait for it, stop it with {how_to_stop(changed)}, or run with --takeover: its "
+                        "workers stop before their next step and commit nothing more, and this driver "
+                        "continues from its last checkpoint"
+                    )
                 if changed is not None:  # released while watched: read it again
                     continue
                 why = f"it has not renewed its lease for {TTL_S:.0f} s (watched by this driver)"
             live = why is None
-            print(f"[raytrain] taking over the run directory from {describe(holder)}: "
-                  f"{why or 'fencing it (--takeover): its workers stop before their next step and commit nothing more'}",
-                  flush=True)
+            print(
+                f"[raytrain] taking over the run directory from {describe(holder)}: "
+                f"{why or 'fencing it (--takeover): its workers stop before their next step and commit nothing more'}",
+                flush=True,
+            )
         generation = int((holder or {}).get("generation", 0)) + 1
         token = f"{generation}:{secrets.token_hex(6)}"
-        doc = {**me, **process_identity(), "cluster": cluster, "token": token, "generation": generation,
-               "renewals": 0, "committed": (holder or {}).get("committed")}
+        doc = {
+            **me,
+            **process_identity(),
+            "cluster": cluster,
+            "token": token,
+            "generation": generation,
+            "renewals": 0,
+            "committed": (holder or {}).get("committed"),
+        }
         try:
             versioned.write(uri(run_dir), doc, version)
         except versioned.Conflict:
             continue  # another driver wrote first: decide again on what it wrote
         except versioned.Unreadable as exc:
-            raise JobError(f"the run directory's lease {uri(run_dir)} cannot be written ({exc}); nothing was "
-                           "started. Check the storage and its credentials, then run again") from exc
+            raise JobError(
+                f"the run directory's lease {uri(run_dir)} cannot be written ({exc}); nothing was "
+                "started. Check the storage and its credentials, then run again"
+            ) from exc
         if live:  # fenced a live holder: let its rank 0 see it before its next step
             print(f"[raytrain] waiting {2 * CHECK_S:.0f} s for its workers to read the lease and stop", flush=True)
             time.sleep(2 * CHECK_S)
@@ -200,8 +218,10 @@ def commit(run_dir: str, token: str, name: str) -> None:
 
 def fenced_message(run_dir: str, holder: dict) -> str:
     who = describe(holder) if holder else "another driver (its lease record is gone)"
-    return (f"stopped: the run directory {run_dir} was taken over by {who}; this worker group committed "
-            "nothing after it, and that driver continues the run")
+    return (
+        f"stopped: the run directory {run_dir} was taken over by {who}; this worker group committed "
+        "nothing after it, and that driver continues the run"
+    )
 
 
 class Renewal:

@@ -32,7 +32,7 @@ def _spans(run_dir: str) -> list[tuple[int, int, str]]:
     spans = []
     for name in storage.files(_folder(run_dir)):
         if name.startswith("steps_") and name.endswith(".json"):  # not a local write's temporary name
-            first, last = name[len("steps_"):-len(".json")].split("-")
+            first, last = name[len("steps_") : -len(".json")].split("-")
             spans.append((int(first), int(last), name))
     return sorted(spans)
 

@@ -30,8 +30,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from raytrain.rundir import storage
 from raytrain.errors import JobError
+from raytrain.rundir import storage
 
 KEY_ENV = "RAYTRAIN_CHECKPOINT_KEY"
 KEY_FILE = "~/.raytrain/checkpoint.key"
@@ -42,8 +42,10 @@ OLD_MANIFEST_PREFIX = "MANIFEST.rank-"  # one per rank, before MANIFEST.json: su
 def key() -> bytes:
     value = os.environ.get(KEY_ENV) or _read_key_file()
     if not value:
-        raise JobError(f"no signing key: set {KEY_ENV} (the same value on every node; on Kubernetes the Secret "
-                       f"raytrain-secrets) or run on the machine that trained it ({KEY_FILE})")
+        raise JobError(
+            f"no signing key: set {KEY_ENV} (the same value on every node; on Kubernetes the Secret "
+            f"raytrain-secrets) or run on the machine that trained it ({KEY_FILE})"
+        )
     return value.encode()
 
 
@@ -101,9 +103,11 @@ def place(uri: str) -> str:
 def require_place(doc: dict, field: str, expected: str, what: str) -> None:
     """A verified document signed for another place (a run directory, a store key) is refused."""
     if doc.get(field) != expected:
-        raise JobError(f"refusing {what}: it is signed for {field} {doc.get(field)!r}, not {expected!r} where it was "
-                       "read (a signed file copied from another run or store). Nothing in it was used; delete it to "
-                       "write it again, or use the run it belongs to")
+        raise JobError(
+            f"refusing {what}: it is signed for {field} {doc.get(field)!r}, not {expected!r} where it was "
+            "read (a signed file copied from another run or store). Nothing in it was used; delete it to "
+            "write it again, or use the run it belongs to"
+        )
 
 
 def checkpoint_part(directory: str) -> dict[str, str]:
@@ -122,9 +126,11 @@ def sign_checkpoint(directory: str, run_dir: str, name: str, parts: list[dict[st
 
 
 def _refuse(where: str, what: str) -> JobError:
-    return JobError(f"refusing checkpoint {where}: {what}. Nothing in it was loaded (a checkpoint's files can run code "
-                    "when read, so only files signed with this cluster's key are). If this is your checkpoint, check "
-                    f"that {KEY_ENV} is the key it was written with; else delete the folder to resume from the one before")
+    return JobError(
+        f"refusing checkpoint {where}: {what}. Nothing in it was loaded (a checkpoint's files can run code "
+        "when read, so only files signed with this cluster's key are). If this is your checkpoint, check "
+        f"that {KEY_ENV} is the key it was written with; else delete the folder to resume from the one before"
+    )
 
 
 def verified_manifest(uri: str, present: set[str], run_dir: str, name: str, where: str | None = None) -> dict[str, str]:
@@ -134,10 +140,12 @@ def verified_manifest(uri: str, present: set[str], run_dir: str, name: str, wher
     where, run_dir = where or uri, place(run_dir)
     if MANIFEST not in present:
         if any(f.startswith(OLD_MANIFEST_PREFIX) for f in present):
-            raise JobError(f"refusing checkpoint {where}: it was written before raytrain signed one manifest per "
-                           f"checkpoint (it has {OLD_MANIFEST_PREFIX}*.json, one per rank, and no {MANIFEST}). Nothing "
-                           "in it was loaded. Start a new run (a new name or checkpoint.storage_path), or finish this "
-                           "one with the raytrain version that wrote it")
+            raise JobError(
+                f"refusing checkpoint {where}: it was written before raytrain signed one manifest per "
+                f"checkpoint (it has {OLD_MANIFEST_PREFIX}*.json, one per rank, and no {MANIFEST}). Nothing "
+                "in it was loaded. Start a new run (a new name or checkpoint.storage_path), or finish this "
+                "one with the raytrain version that wrote it"
+            )
         raise _refuse(where, f"it has no signed manifest ({MANIFEST})")
     try:
         manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST)))
@@ -147,13 +155,18 @@ def verified_manifest(uri: str, present: set[str], run_dir: str, name: str, wher
     if not hmac.compare_digest(str(claimed), mac(manifest)):
         raise _refuse(where, f"{MANIFEST} has a wrong signature (written with another key, or changed)")
     if manifest.get("run_dir") != run_dir or manifest.get("checkpoint") != name:
-        raise _refuse(where, f"{MANIFEST} signs checkpoint {manifest.get('checkpoint')} of run directory "
-                             f"{manifest.get('run_dir')}, not {name} of {run_dir}")
+        raise _refuse(
+            where,
+            f"{MANIFEST} signs checkpoint {manifest.get('checkpoint')} of run directory "
+            f"{manifest.get('run_dir')}, not {name} of {run_dir}",
+        )
     listed: dict[str, str] = {}
     for rank, files in enumerate(manifest["ranks"]):
         for file, digest in files.items():
             if file in listed:
-                raise _refuse(where, f"{file} is listed by two ranks (two ranks wrote it: one copy overwrote the other)")
+                raise _refuse(
+                    where, f"{file} is listed by two ranks (two ranks wrote it: one copy overwrote the other)"
+                )
             listed[file] = digest
     return listed
 
@@ -172,7 +185,9 @@ class SignedCheckpoint:
         present.discard(MANIFEST)
         unlisted, missing = sorted(present - self.listed.keys()), sorted(self.listed.keys() - present)
         if unlisted:
-            raise _refuse(self.where, f"{unlisted[0]} is in no manifest: it was put there after the checkpoint was written")
+            raise _refuse(
+                self.where, f"{unlisted[0]} is in no manifest: it was put there after the checkpoint was written"
+            )
         if missing:
             raise _refuse(self.where, f"{missing[0]} is missing")
         self.bytes_read = 0  # from storage, by this process (benchmarks/memory.py's M4)
@@ -227,7 +242,9 @@ def verify_checkpoint(directory: str, run_dir: str, name: str, where: str | None
     checkpoint = SignedCheckpoint(directory, run_dir, name, where)
     for file, digest in sorted(checkpoint.listed.items()):
         if file_sha256(Path(directory, file)) != digest:
-            raise _refuse(checkpoint.where, f"{file} was changed after it was written (its sha256 is not the signed one)")
+            raise _refuse(
+                checkpoint.where, f"{file} was changed after it was written (its sha256 is not the signed one)"
+            )
 
 
 # --- small signed documents: the job file, the latest checkpoint, a token store's manifest ---
@@ -240,6 +257,8 @@ def verify_document(doc: dict, what: str) -> dict:
     doc = dict(doc)
     claimed = doc.pop("hmac", None)
     if claimed is None or not hmac.compare_digest(str(claimed), mac(doc)):
-        raise JobError(f"refusing {what}: its signature is {'missing' if claimed is None else 'wrong'} (written with "
-                       f"another key, or changed after it was written). Check {KEY_ENV}, or delete it to write it again")
+        raise JobError(
+            f"refusing {what}: its signature is {'missing' if claimed is None else 'wrong'} (written with "
+            f"another key, or changed after it was written). Check {KEY_ENV}, or delete it to write it again"
+        )
     return doc

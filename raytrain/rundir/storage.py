@@ -34,9 +34,12 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it). S3 endpoints come from AWS_ENDPOINT_URL like boto's."""
     if uri.startswith("s3://") and os.environ.get("AWS_ENDPOINT_URL"):
         endpoint = os.environ["AWS_ENDPOINT_URL"]
-        fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="https" if endpoint.startswith("https") else "http",
-                               region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
-        return fs, uri[len("s3://"):]
+        fs = pafs.S3FileSystem(
+            endpoint_override=endpoint,
+            scheme="https" if endpoint.startswith("https") else "http",
+            region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+        )
+        return fs, uri[len("s3://") :]
     if not is_remote(uri):
         return pafs.LocalFileSystem(), str(Path(uri.removeprefix("file://")).resolve())
     return pafs.FileSystem.from_uri(uri)
@@ -113,7 +116,7 @@ def tree(uri: str) -> list[str]:
     REQUESTS["list"] += 1
     fs, path = filesystem(uri)
     entries = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    return sorted(e.path[len(path):].lstrip("/") for e in entries if e.type == pafs.FileType.File)
+    return sorted(e.path[len(path) :].lstrip("/") for e in entries if e.type == pafs.FileType.File)
 
 
 def join(uri: str, *parts: str) -> str:

@@ -27,6 +27,7 @@ import os
 
 from raytrain.rundir import storage
 
+
 class Conflict(Exception):
     """Another writer changed (or created) the record since the version this write named."""
 
@@ -135,7 +136,9 @@ class _S3:
 
         condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
         try:
-            put = self._client().put_object(Bucket=self.bucket, Key=self.key, Body=json.dumps(doc).encode(), **condition)
+            put = self._client().put_object(
+                Bucket=self.bucket, Key=self.key, Body=json.dumps(doc).encode(), **condition
+            )
         except ClientError as exc:
             if exc.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                 raise Conflict(f"{self.uri} changed since version {version}") from exc

@@ -19,15 +19,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor, Shard
 
-from raytrain.model import kernels, modeling
-from raytrain.job import masks
-from raytrain.job.spec import JobSpec
-from raytrain.job.plan import RunPlan
 from raytrain.errors import JobError
+from raytrain.job import masks
+from raytrain.job.plan import RunPlan
+from raytrain.job.spec import JobSpec
+from raytrain.model import kernels, modeling
 from raytrain.rundir.signing import SignedCheckpoint
 from raytrain.strategies import hf_files, ulysses, vocab_parallel
 from raytrain.strategies.dcp_files import SplitWriter, read_checkpoint
@@ -69,22 +73,34 @@ class Strategy(ABC):
     def attention_windows(self) -> tuple[int | None, ...]:
         """The windows the model's layers attend within (masks.windows), for the masks each micro-batch needs."""
         config = self.hf_model.config
-        return masks.windows({k: getattr(config, k, None) for k in ("sliding_window", "layer_types", "use_sliding_window")},
-                             self.spec.data.seq_len)
+        return masks.windows(
+            {k: getattr(config, k, None) for k in ("sliding_window", "layer_types", "use_sliding_window")},
+            self.spec.data.seq_len,
+        )
 
     @functools.cached_property
     def attention_kernel(self) -> str:
         """The kernel the model's attention runs here (kernels.attention_kernel): the job's
         implementation, or torch's varlen flash kernel for sdpa on a GPU."""
-        return kernels.attention_kernel(self.spec.model.attn_implementation, self.device,
-                                        torch.bfloat16 if self.compute_bf16 else torch.float32,
-                                        self.hf_model.config.to_dict(), self.attention_windows)
+        return kernels.attention_kernel(
+            self.spec.model.attn_implementation,
+            self.device,
+            torch.bfloat16 if self.compute_bf16 else torch.float32,
+            self.hf_model.config.to_dict(),
+            self.attention_windows,
+        )
 
     def kernel_line(self) -> str:
         """What runs a step's hottest parts on this worker, for the start-up line and MLflow's tags."""
-        loss = "cross-entropy over the vocabulary's rows split across ranks" if isinstance(
-            self.fused_loss, vocab_parallel.Loss) else "Liger's fused linear cross-entropy" if self.fused_loss is not None else \
-            f"cross-entropy in chunks of {self.loss_chunk} tokens" if self.loss_chunk else "cross-entropy"
+        loss = (
+            "cross-entropy over the vocabulary's rows split across ranks"
+            if isinstance(self.fused_loss, vocab_parallel.Loss)
+            else "Liger's fused linear cross-entropy"
+            if self.fused_loss is not None
+            else f"cross-entropy in chunks of {self.loss_chunk} tokens"
+            if self.loss_chunk
+            else "cross-entropy"
+        )
         blocks = "compiled" if self.plan.compile else f"eager ({self.block_kernels})" if self.block_kernels else "eager"
         return f"attention {self.attention_kernel}, loss {loss}, blocks {blocks}"
 
@@ -174,8 +190,11 @@ class TorchStrategy(Strategy):
         self.on_phase("loaded")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_chunk = self.spec.loss_chunk_tokens(self.hf_model.config.to_dict())
-        self.fused_loss = vocab_parallel.Loss(self.loss_chunk) if vocab_parallel.is_split(self.hf_model) else \
-            kernels.fused_loss(self.spec, self.device)
+        self.fused_loss = (
+            vocab_parallel.Loss(self.loss_chunk)
+            if vocab_parallel.is_split(self.hf_model)
+            else kernels.fused_loss(self.spec, self.device)
+        )
         self.optimizer = adamw(self.params, self.spec)
         self.trainable = modeling.trainable_names(self.hf_model)
         if self.spec.reference_copy:
@@ -231,15 +250,22 @@ class TorchStrategy(Strategy):
     def load(self, checkpoint: SignedCheckpoint) -> None:
         state = self._state()
         read_checkpoint(state, checkpoint)
-        result = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                                optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
-        modeling.require_complete(self.model, result.missing_keys, result.unexpected_keys,
-                                  self.spec.training.finetune, checkpoint.where)
+        result = set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=False),
+        )
+        modeling.require_complete(
+            self.model, result.missing_keys, result.unexpected_keys, self.spec.training.finetune, checkpoint.where
+        )
 
     def export(self, directory: str, tokenizer) -> None:
         if self.spec.training.adapters:  # only the adapter is gathered, on rank 0
-            adapter = get_model_state_dict(self.model, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+            adapter = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+            )
             if self.rank == 0:
                 write_hf_export(self.spec, self.hf_model, adapter, directory, tokenizer)
         else:  # every rank writes its file, each tensor gathered to its writer, one at a time (hf_files.py)
@@ -247,7 +273,9 @@ class TorchStrategy(Strategy):
             entries = export_entries(self.spec, tensors)
             owner = hf_files.file_owners(entries, self.world_size)
             whole = ((k, gather_to(t, owner[k])) for k, t in tensors.items())
-            write_full_export(self.spec, self.hf_model, whole, entries, directory, tokenizer, self.rank, self.world_size)
+            write_full_export(
+                self.spec, self.hf_model, whole, entries, directory, tokenizer, self.rank, self.world_size
+            )
         dist.barrier()
 
 
@@ -260,16 +288,25 @@ def gather_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:
     if not isinstance(t, DTensor):
         return t
     mesh = t.device_mesh
-    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or not t.shape[0] \
-            or dst not in dist.get_process_group_ranks(mesh.get_group()):
+    if (
+        mesh.ndim != 1
+        or tuple(t.placements) != (Shard(0),)
+        or not t.shape[0]
+        or dst not in dist.get_process_group_ranks(mesh.get_group())
+    ):
         return t.full_tensor()
     # Detached: a trained weight's shard requires grad, and NCCL's gather on one rank copies it into
     # `out`'s chunks (views) with autograd watching, which refuses an in-place write to such views.
     group, local, n = mesh.get_group(), t.to_local().detach(), t.shape[0]
     per = -(-n // mesh.size())
-    padded = local if local.shape[0] == per else torch.cat([local, local.new_zeros((per - local.shape[0], *t.shape[1:]))])
-    out = torch.empty((per * mesh.size(), *t.shape[1:]), dtype=t.dtype, device=local.device) \
-        if dist.get_rank() == dst else None
+    padded = (
+        local if local.shape[0] == per else torch.cat([local, local.new_zeros((per - local.shape[0], *t.shape[1:]))])
+    )
+    out = (
+        torch.empty((per * mesh.size(), *t.shape[1:]), dtype=t.dtype, device=local.device)
+        if dist.get_rank() == dst
+        else None
+    )
     dist.gather(padded.contiguous(), list(out.chunk(mesh.size())) if out is not None else None, dst=dst, group=group)
     return out[:n] if out is not None else None
 
@@ -311,9 +348,11 @@ def compile_blocks(compile_: bool, hf_model: torch.nn.Module, device: torch.devi
     it is sharded or wrapped (torchtitan's order), so FSDP2's per-block hooks stay outside the compiled graphs."""
     if compile_:
         if device.type == "cpu" and not shutil.which(os.environ.get("CXX", "c++")):
-            raise JobError("training.compile on CPU workers needs a C++ compiler (torch.compile builds its CPU "
-                           "kernels with it) and this node has none: install g++ on every node, or remove "
-                           "training.compile")
+            raise JobError(
+                "training.compile on CPU workers needs a C++ compiler (torch.compile builds its CPU "
+                "kernels with it) and this node has none: install g++ on every node, or remove "
+                "training.compile"
+            )
         for block in modeling.decoder_blocks(hf_model):
             block.compile()
     return hf_model

@@ -33,8 +33,10 @@ def read_checkpoint(state: dict, checkpoint: SignedCheckpoint, reader: "SignedRe
         missing = re.search(r"Missing key in checkpoint state_dict: ([\w.-]+?)\.(?:\s|$)", str(exc))
         if missing is None:
             raise
-        raise JobError(f"the checkpoint {checkpoint.where} has no value for {missing.group(1)}: it was written for "
-                       f"another model or its keys were renamed. Point model.path at the model it was trained from") from None
+        raise JobError(
+            f"the checkpoint {checkpoint.where} has no value for {missing.group(1)}: it was written for "
+            f"another model or its keys were renamed. Point model.path at the model it was trained from"
+        ) from None
 
 
 class SignedReader(FileSystemReader):

@@ -27,8 +27,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from raytrain.model import modeling, qlora
 from raytrain.job.plan import splits_vocabulary
+from raytrain.model import modeling, qlora
 from raytrain.strategies import tensor_parallel, vocab_parallel, weights
 from raytrain.strategies.base import TorchStrategy, needs_fp32_master, to_fp32_master
 
@@ -69,8 +69,9 @@ class FSDP2Strategy(TorchStrategy):
             mesh=dp_mesh,
             ignored_params=ignored or None,
             # bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU.
-            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.compute_bf16 else None,
-                                           reduce_dtype=torch.float32),
+            mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16 if self.compute_bf16 else None, reduce_dtype=torch.float32
+            ),
             offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         )
         blocks = modeling.decoder_blocks(model)
@@ -116,7 +117,7 @@ class FSDP2Strategy(TorchStrategy):
         mesh or HSDP's replicate x shard, the sequence-parallel ranks inside shard (they hold one
         model and average gradients), x tp when tensor parallel (a 2-D/3-D mesh of DTensors)."""
         shape = self.plan.mesh_shape(self.world_size)
-        names = ("replicate", "shard")[-len(shape):]
+        names = ("replicate", "shard")[-len(shape) :]
         if self.layout.tp == 1:
             return init_device_mesh(self.device.type, shape, mesh_dim_names=names), None
         mesh = init_device_mesh(self.device.type, (*shape, self.layout.tp), mesh_dim_names=(*names, "tp"))
@@ -133,15 +134,14 @@ class FSDP2Strategy(TorchStrategy):
 
     @contextlib.contextmanager
     def gathered(self):
-        """The whole model gathered once and kept until the context ends, then resharded: GRPO's
-        pass over a step (loop.train_step: the rollout, then each micro-batch's forward and backward;
-        regathered for each of num_iterations' updates, which change the shards) runs inside, so
-        neither a decode step per token nor each forward and backward all-gathers the model again (RL1, benchmarks/RESULTS.md: a rollout 0.88-0.91x, a step's training half ~0.8x on 2
-        gloo ranks, 135M model; the same losses bit for bit). Gradients still reduce-scatter to
-        their shards at the last backward. Each rank holds the whole model in the compute dtype
-        meanwhile, as TRL's ds3_gather_for_generation and verl's hybrid engine do (memory.py counts
-        it). Re-entrant: the rollout inside a gathered step gathers nothing more. Each unit's own
-        setting is restored after (`wrap`)."""
+        """The whole model gathered once and kept until the context ends, then resharded: GRPO's pass over a step
+        (loop.train_step: the rollout, then each micro-batch's forward and backward; regathered for each of
+        num_iterations' updates, which change the shards) runs inside, so neither a decode step per token nor each
+        forward and backward all-gathers the model again (RL1, benchmarks/RESULTS.md: a rollout 0.88-0.91x, a step's
+        training half ~0.8x on 2 gloo ranks, 135M model; the same losses bit for bit). Gradients still reduce-scatter to
+        their shards at the last backward. Each rank holds the whole model in the compute dtype meanwhile, as TRL's
+        ds3_gather_for_generation and verl's hybrid engine do (memory.py counts it). Re-entrant: the rollout inside a
+        gathered step gathers nothing more. Each unit's own setting is restored after (`wrap`)."""
         if self._gathered:
             yield
             return

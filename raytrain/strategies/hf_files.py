@@ -22,15 +22,20 @@ from typing import Iterable
 
 import torch
 
-from raytrain.model import modeling
-
-from raytrain.model import hub
 from raytrain import private_apis
 from raytrain.job.spec import JobSpec
+from raytrain.model import hub, modeling
 
 INDEX_FILE = "model.safetensors.index.json"
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                      torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def export_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -63,13 +68,15 @@ class ShardedFiles:
     `entries` is every tensor's (name, shape, dtype) in one order all ranks share. Tensors are
     spread over the files in that order, about equal bytes each; rank r writes file r."""
 
-    def __init__(self, directory: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]], rank: int,
-                 files: int):
+    def __init__(self, directory: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]], rank: int, files: int):
         self.file_of = file_owners(entries, files)
         files = max(1, min(files, len(entries)))
         # One file is `model.safetensors` with no index, as `save_pretrained` names a small model's.
-        self.names = [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)] if files > 1 else \
-            ["model.safetensors"]
+        self.names = (
+            [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)]
+            if files > 1
+            else ["model.safetensors"]
+        )
         self.rank, self.directory = rank, Path(directory)
         self.offsets: dict[str, int] = {}
         self.handle = None
@@ -88,7 +95,11 @@ class ShardedFiles:
         offset = 0
         for name, shape, dtype in mine:
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             self.offsets[name] = offset
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -130,14 +141,21 @@ class ShardedFiles:
     def write_index(self) -> None:
         """The index `from_pretrained` reads (any one rank writes it)."""
         total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.entries.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: self.names[self.file_of[name]] for name in self.entries}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: self.names[self.file_of[name]] for name in self.entries},
+        }
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def write_model(directory: str, tensors: Iterable[tuple[str, torch.Tensor]],
-                entries: list[tuple[str, tuple[int, ...], torch.dtype]], rank: int, files: int) -> None:
+def write_model(
+    directory: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    rank: int,
+    files: int,
+) -> None:
     """Every rank: lay out `files` files, write the tensors this rank owns as `tensors` yields them
     (every rank iterates all of them: the gathers are collectives), and on rank 0 the index."""
     out = ShardedFiles(directory, entries, rank, files)
@@ -172,12 +190,22 @@ def export_entries(spec: JobSpec, tensors: dict[str, torch.Tensor]) -> list[tupl
     """(name, global shape, exported dtype) of each tensor: floating weights in `model.dtype` (the
     fp32 masters rounded as `from_pretrained` in that dtype would hold them), the rest as they are."""
     dtype = modeling.DTYPES[spec.model.dtype]
-    return [(k, tuple(getattr(t, "ds_shape", None) or t.shape), dtype if t.is_floating_point() else t.dtype)
-            for k, t in tensors.items()]
+    return [
+        (k, tuple(getattr(t, "ds_shape", None) or t.shape), dtype if t.is_floating_point() else t.dtype)
+        for k, t in tensors.items()
+    ]
 
 
-def write_full_export(spec: JobSpec, hf_model: torch.nn.Module, tensors, entries: list, directory: str, tokenizer,
-                      rank: int, world_size: int) -> None:
+def write_full_export(
+    spec: JobSpec,
+    hf_model: torch.nn.Module,
+    tensors,
+    entries: list,
+    directory: str,
+    tokenizer,
+    rank: int,
+    world_size: int,
+) -> None:
     """A full fine-tune as a plain HF model folder: every rank writes its own weights file from
     the whole tensors `tensors` yields one at a time (`write_model`); rank 0 the rest."""
     write_model(directory, tensors, entries, rank, world_size)

@@ -36,7 +36,9 @@ def block_plan(block: torch.nn.Module) -> dict:
     for names, style, adapter in ((COLUMNWISE, ColwiseParallel, "lora_B"), (ROWWISE, RowwiseParallel, "lora_A")):
         for name in names:
             if name not in modules:
-                raise ValueError(f"{type(block).__name__} has no {name}: the tensor-parallel plan is for Llama-style blocks")
+                raise ValueError(
+                    f"{type(block).__name__} has no {name}: the tensor-parallel plan is for Llama-style blocks"
+                )
             if hasattr(modules[name], "base_layer"):  # peft's LoRA layer around the base
                 plan[f"{name}.base_layer"] = style()
                 for key in getattr(modules[name], adapter):  # a ModuleDict by adapter name

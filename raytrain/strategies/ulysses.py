@@ -97,7 +97,7 @@ class SequenceSplit:
     def part(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's positions of [rows, s] (ids, positions, shifted labels)."""
         n = t.shape[1] // self.size
-        return t[:, self.rank * n:(self.rank + 1) * n]
+        return t[:, self.rank * n : (self.rank + 1) * n]
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """The group's sum of per-rank partial values (a sequence's log-prob), differentiably."""

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from raytrain.model import modeling
 from raytrain.data import IGNORE
+from raytrain.model import modeling
 
 
 def tables(model: nn.Module) -> list[nn.Embedding | nn.Linear]:
@@ -67,8 +67,10 @@ def split(model: nn.Module, mesh) -> set[nn.Parameter]:
         if id(w) not in new:
             _, n = rows(w.shape[0], mesh.size(), mesh.get_local_rank())
             local = torch.empty(n, w.shape[1], dtype=w.dtype, device="meta")
-            new[id(w)] = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape,
-                                                         stride=w.stride()), requires_grad=False)
+            new[id(w)] = nn.Parameter(
+                DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride()),
+                requires_grad=False,
+            )
         module.weight = new[id(w)]
         module.vocab_split = True
         if isinstance(module, nn.Embedding):
@@ -103,7 +105,9 @@ def most_rows(n: int, device: torch.device, group) -> int:
 
 def _gather(x: torch.Tensor, longest: int, group, pad_value=0) -> torch.Tensor:
     """Every rank's `x` (rows of dim 0) stacked rank by rank, each padded to `longest` rows."""
-    padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, longest - x.shape[0]), value=pad_value) if longest > x.shape[0] else x
+    padded = (
+        F.pad(x, (0, 0) * (x.dim() - 1) + (0, longest - x.shape[0]), value=pad_value) if longest > x.shape[0] else x
+    )
     out = x.new_empty((longest * dist.get_world_size(group), *x.shape[1:]))
     _all_gather(out, padded.contiguous(), group=group)
     return out
@@ -142,14 +146,14 @@ class _CrossEntropy(torch.autograd.Function):
         lse = torch.empty(len(every), dtype=torch.float32, device=states.device)
         target = torch.empty_like(lse)
         for i in range(0, len(every), chunk):
-            logits = _logits(every[i:i + chunk], table)
+            logits = _logits(every[i : i + chunk], table)
             top = logits.amax(-1) if table.shape[0] else logits.new_full((len(logits),), -math.inf)
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # every row is some rank's: finite
-            mine, index = _own_labels(every_labels[i:i + chunk], first, table.shape[0])
+            mine, index = _own_labels(every_labels[i : i + chunk], first, table.shape[0])
             picked = logits.gather(-1, index[:, None]).squeeze(-1) if table.shape[0] else top
             sums = torch.stack([(logits - top[:, None]).exp().sum(-1), torch.where(mine, picked, 0.0)])
             dist.all_reduce(sums, group=group)
-            lse[i:i + chunk], target[i:i + chunk] = sums[0].log() + top, sums[1]
+            lse[i : i + chunk], target[i : i + chunk] = sums[0].log() + top, sums[1]
         # One chunk (training.chunked_loss off): keep its softmax for the backward, as the whole
         # logits' cross-entropy keeps its own, instead of computing the logits again there.
         ctx.probs = logits.sub_(lse[:, None]).exp_() if chunk >= len(every) and ctx.needs_input_grad[0] else None
@@ -157,7 +161,7 @@ class _CrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(every, every_labels, lse)
         ctx.weight, ctx.chunk, ctx.longest, ctx.own = weight, chunk, most, own
         start = dist.get_rank(group) * most
-        return loss[start:start + own]
+        return loss[start : start + own]
 
     @staticmethod
     def backward(ctx, grad):
@@ -168,11 +172,16 @@ class _CrossEntropy(torch.autograd.Function):
         d_states = torch.zeros(every.shape, dtype=torch.float32, device=every.device)
         if table.shape[0]:
             for i in range(0, len(every), ctx.chunk):
-                probs = ctx.probs if ctx.probs is not None else \
-                    (_logits(every[i:i + ctx.chunk], table) - lse[i:i + ctx.chunk, None]).exp()
-                mine, index = _own_labels(every_labels[i:i + ctx.chunk], first, table.shape[0])
+                probs = (
+                    ctx.probs
+                    if ctx.probs is not None
+                    else (_logits(every[i : i + ctx.chunk], table) - lse[i : i + ctx.chunk, None]).exp()
+                )
+                mine, index = _own_labels(every_labels[i : i + ctx.chunk], first, table.shape[0])
                 probs[mine, index[mine]] -= 1.0
-                d_states[i:i + ctx.chunk] = (probs * grads[i:i + ctx.chunk, None]).to(table.dtype).matmul(table).float()
+                d_states[i : i + ctx.chunk] = (
+                    (probs * grads[i : i + ctx.chunk, None]).to(table.dtype).matmul(table).float()
+                )
         ctx.probs = None
         own = _scatter_sum(d_states, ctx.longest, ctx.own, group)
         return own.to(every.dtype), None, None, None

@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.futures import Future
 
-from raytrain.model import hub, modeling, qlora
-from raytrain.job.spec import JobSpec
 from raytrain.errors import JobError
+from raytrain.job.spec import JobSpec
+from raytrain.model import hub, modeling, qlora
 from raytrain.strategies.hf_files import SAFETENSORS_DTYPES
 
 # The floating dtypes a weight file's header may name, read as rows (the names are the writer's).
@@ -63,8 +63,12 @@ class WeightFiles:
         """Whether a slice is rows of dim 0 in full, so its bytes are one run in the file."""
         _, entry, _ = self.entries[key]
         shape = entry["shape"]
-        return entry["dtype"] in FILE_DTYPES and bool(shape) and list(offsets[1:]) == [0] * (len(shape) - 1) \
+        return (
+            entry["dtype"] in FILE_DTYPES
+            and bool(shape)
+            and list(offsets[1:]) == [0] * (len(shape) - 1)
             and list(lengths[1:]) == shape[1:]
+        )
 
     def read_rows(self, key: str, first: int, count: int, into: torch.Tensor) -> None:
         """Rows [first, first + count) of weight `key` into `into` (cast to its dtype)."""
@@ -80,7 +84,7 @@ class WeightFiles:
             buffer = self._host_buffer(step * row, pinned=into.device.type == "cuda")
             for done in range(0, count, step):
                 n = min(step, count - done)
-                chunk = buffer[:n * row]
+                chunk = buffer[: n * row]
                 self._read(f, chunk, key)
                 into.narrow(0, done, n).copy_(chunk.view(dtype).view(n, *shape[1:]))
 
@@ -101,22 +105,33 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     "rank0"."""
     new = modeling.new_weights(spec, model)  # in no file: a reward model's score head
     nf4 = {id(p) for p in qlora.quantized_weights(spec, model)}
-    by_key = {modeling.base_name(n): p for n, p in model.named_parameters()
-              if n not in adapters and n not in new and id(p) not in nf4}
+    by_key = {
+        modeling.base_name(n): p
+        for n, p in model.named_parameters()
+        if n not in adapters and n not in new and id(p) not in nf4
+    }
     quantized = {modeling.base_name(n): p for n, p in model.named_parameters() if id(p) in nf4}
-    persistent = {modeling.base_name(n): b for n, b in model.state_dict(keep_vars=True).items()
-                  if not isinstance(b, torch.nn.Parameter) and n not in adapters}
+    persistent = {
+        modeling.base_name(n): b
+        for n, b in model.state_dict(keep_vars=True).items()
+        if not isinstance(b, torch.nn.Parameter) and n not in adapters
+    }
     folder = safetensors_folder(spec)
     files = WeightFiles(folder) if folder else None
     key_in_file = file_keys(model, files.entries.keys() if files else ())  # the model's name -> the file's
     how = "sharded" if key_in_file and (by_key.keys() | quantized.keys()) <= key_in_file.keys() else "rank0"
     if quantized and how != "sharded":
-        raise JobError(f"training.finetune: qlora quantizes each rank's rows as it reads them from the model's "
-                       f"safetensors files, and {spec.model.path!r} has none whose weight names match the model's: "
-                       "save the model with save_pretrained (safetensors), or use training.finetune: lora")
+        raise JobError(
+            f"training.finetune: qlora quantizes each rank's rows as it reads them from the model's "
+            f"safetensors files, and {spec.model.path!r} has none whose weight names match the model's: "
+            "save the model with save_pretrained (safetensors), or use training.finetune: lora"
+        )
     if how == "sharded":
-        read_slices(folder, {key_in_file[k]: t for k, t in {**persistent, **by_key}.items() if k in key_in_file},
-                    modeling.DTYPES[spec.model.dtype])
+        read_slices(
+            folder,
+            {key_in_file[k]: t for k, t in {**persistent, **by_key}.items() if k in key_in_file},
+            modeling.DTYPES[spec.model.dtype],
+        )
         qlora.fill(quantized, lambda key, first, into: files.read_rows(key_in_file[key], first, into.shape[0], into))
     else:
         broadcast_from_rank0(spec, model)
@@ -136,8 +151,10 @@ def init_dora_magnitudes(model: torch.nn.Module) -> None:
     (the adapter's B is 0: the weight is the base's)."""
     for module, base, magnitudes in _dora_layers(model):
         if getattr(module, "fan_in_fan_out", False):
-            raise JobError("training.lora.use_dora on a model whose linear layers store (in, out) weights (GPT-2's "
-                           "Conv1D) is not supported under fsdp2: use training.strategy: ddp, or remove use_dora")
+            raise JobError(
+                "training.lora.use_dora on a model whose linear layers store (in, out) weights (GPT-2's "
+                "Conv1D) is not supported under fsdp2: use training.strategy: ddp, or remove use_dora"
+            )
         for layer in magnitudes:
             local(layer.weight).copy_(_row_norms(local(base)))
 
@@ -233,8 +250,12 @@ def file_keys(model: torch.nn.Module, keys) -> dict[str, str]:
     from transformers.core_model_loading import WeightRenaming
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    renames = [(re.compile(src), dst) for t in get_model_conversion_mapping(base) if type(t) is WeightRenaming
-               for src, dst in zip(t.source_patterns, t.target_patterns)]
+    renames = [
+        (re.compile(src), dst)
+        for t in get_model_conversion_mapping(base)
+        if type(t) is WeightRenaming
+        for src, dst in zip(t.source_patterns, t.target_patterns)
+    ]
     out = {}
     for key in keys:
         name = key
@@ -257,8 +278,9 @@ def read_slices(folder: Path, targets: dict[str, torch.Tensor], load_dtype: torc
 
 def broadcast_from_rank0(spec: JobSpec, model: torch.nn.Module) -> None:
     full = modeling.load_model(spec).state_dict() if dist.get_rank() == 0 else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                               strict=False))
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    )
 
 
 def copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
@@ -271,8 +293,9 @@ def copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
 
 def like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(t, DTensor):
-        return DTensor.from_local(torch.empty_like(t.to_local(), dtype=dtype), t.device_mesh, t.placements,
-                                  shape=t.shape, stride=t.stride())
+        return DTensor.from_local(
+            torch.empty_like(t.to_local(), dtype=dtype), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+        )
     return torch.empty_like(t, dtype=dtype)
 
 

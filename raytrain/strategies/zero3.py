@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raytrain.model import modeling
 from raytrain import private_apis
 from raytrain.errors import JobError
 from raytrain.job import deepspeed_config
-from raytrain.strategies import hf_files, weights
+from raytrain.model import modeling
 from raytrain.rundir.signing import SignedCheckpoint
+from raytrain.strategies import hf_files, weights
 from raytrain.strategies.base import Strategy, adamw, enable_activation_checkpointing
 from raytrain.strategies.dcp_files import fetch_on_every_rank
 from raytrain.strategies.hf_files import export_entries, write_full_export, write_hf_export
@@ -81,8 +81,9 @@ class Zero3Strategy(Strategy):
         if deepspeed_config.uses_client_optimizer(self.ds_config):
             optimizer = adamw(params, s)
         try:
-            self.engine, *_ = deepspeed.initialize(model=self.hf_model, model_parameters=params, optimizer=optimizer,
-                                                   config=self.ds_config)
+            self.engine, *_ = deepspeed.initialize(
+                model=self.hf_model, model_parameters=params, optimizer=optimizer, config=self.ds_config
+            )
         except Exception as exc:
             if type(exc).__name__ == "ValidationError" and s.training.deepspeed:  # pydantic: a bad override key/value
                 raise JobError(f"training.deepspeed: DeepSpeed rejected the merged config: {exc}") from None
@@ -122,11 +123,16 @@ class Zero3Strategy(Strategy):
         saved = saved_world_size(checkpoint)
         if saved == self.world_size:
             # DeepSpeed reads this rank's own partition files and the shared ones; nothing else is fetched.
-            mine = [n for n in checkpoint.names if n.startswith(TAG + "/")  # DeepSpeed's folder: not raytrain's files
-                    and ("zero_pp_rank_" not in n or f"zero_pp_rank_{self.rank}_" in n)]
+            mine = [
+                n
+                for n in checkpoint.names
+                if n.startswith(TAG + "/")  # DeepSpeed's folder: not raytrain's files
+                and ("zero_pp_rank_" not in n or f"zero_pp_rank_{self.rank}_" in n)
+            ]
             directory = fetch_on_every_rank(checkpoint, mine)
-            path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_module_strict=not self.lora,
-                                                  load_lr_scheduler_states=False)
+            path, _ = self.engine.load_checkpoint(
+                directory, tag=TAG, load_module_strict=not self.lora, load_lr_scheduler_states=False
+            )
             if path is None:
                 raise JobError(f"could not load the DeepSpeed checkpoint in {checkpoint.where}")
         else:
@@ -154,8 +160,12 @@ class Zero3Strategy(Strategy):
         if converter:
             os.makedirs(root, exist_ok=True)  # exists on rank 0's node only
             if self.rank == 0:
-                print(f"[raytrain] zero3 checkpoint written by {saved} workers, loading with {self.world_size}: "
-                      f"converting to a universal checkpoint", file=sys.stdout, flush=True)
+                print(
+                    f"[raytrain] zero3 checkpoint written by {saved} workers, loading with {self.world_size}: "
+                    f"converting to a universal checkpoint",
+                    file=sys.stdout,
+                    flush=True,
+                )
             to_universal(str(Path(directory, TAG)), str(Path(root, TAG)))
         dist.barrier()
         with private_apis.universal_checkpoint_load(self.engine):
@@ -175,14 +185,23 @@ class Zero3Strategy(Strategy):
 
     def export(self, directory: str, tokenizer) -> None:
         if self.lora:  # the adapter only, gathered on rank 0, in fp32 as it trained (as fsdp2 and ddp export it)
-            full = gathered_state_dict(self.hf_model, self.rank, fp32_master=self.bf16, dtype=torch.float32,
-                                       trainable_only=True)
+            full = gathered_state_dict(
+                self.hf_model, self.rank, fp32_master=self.bf16, dtype=torch.float32, trainable_only=True
+            )
             if self.rank == 0:
                 write_hf_export(self.spec, self.hf_model, full, directory, tokenizer)
         else:  # every rank writes its file, one gathered tensor at a time (hf_files.py)
             tensors = hf_files.export_tensors(self.hf_model)
-            write_full_export(self.spec, self.hf_model, self._whole(tensors), export_entries(self.spec, tensors),
-                              directory, tokenizer, self.rank, self.world_size)
+            write_full_export(
+                self.spec,
+                self.hf_model,
+                self._whole(tensors),
+                export_entries(self.spec, tensors),
+                directory,
+                tokenizer,
+                self.rank,
+                self.world_size,
+            )
         dist.barrier()
 
     def _whole(self, tensors: dict[str, torch.Tensor]):
@@ -201,8 +220,9 @@ class Zero3Strategy(Strategy):
                     yield key, t
 
 
-def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dtype: torch.dtype,
-                        trainable_only: bool = False) -> dict:
+def gathered_state_dict(
+    model: torch.nn.Module, rank: int, fp32_master: bool, dtype: torch.dtype, trainable_only: bool = False
+) -> dict:
     """The whole state dict on rank 0 (empty elsewhere), gathered one module at a time (collective);
     with `trainable_only`, the trained weights only (a LoRA adapter: the base is never gathered).
 
@@ -226,7 +246,9 @@ def gathered_state_dict(model: torch.nn.Module, rank: int, fp32_master: bool, dt
                     value = safe_get_full_fp32_param(tensor)  # collective too
                 if rank == 0:
                     for key in keys_of.get(id(tensor), []):
-                        full[key] = value.detach().to("cpu", dtype=dtype if value.is_floating_point() else None, copy=True)
+                        full[key] = value.detach().to(
+                            "cpu", dtype=dtype if value.is_floating_point() else None, copy=True
+                        )
     return full
 
 
@@ -256,8 +278,10 @@ def saved_world_size(checkpoint: SignedCheckpoint) -> int:
     """How many data-parallel ranks wrote the checkpoint: one optimizer-state file each."""
     files = [n for n in checkpoint.names if re.fullmatch(rf"{TAG}/\w*zero_pp_rank_\d+_\w*optim_states\.pt", n)]
     if not files:
-        raise JobError(f"{checkpoint.where} is not a zero3 checkpoint (no {TAG}/*optim_states.pt); was it written by "
-                       f"another training.strategy? A job resumes with the strategy that wrote its checkpoints")
+        raise JobError(
+            f"{checkpoint.where} is not a zero3 checkpoint (no {TAG}/*optim_states.pt); was it written by "
+            f"another training.strategy? A job resumes with the strategy that wrote its checkpoints"
+        )
     return len(files)
 
 
@@ -265,8 +289,17 @@ def to_universal(input_folder: str, output_folder: str) -> None:
     """DeepSpeed's ds_to_universal, in process, with one worker per stage (it is called per node)."""
     from deepspeed.checkpoint.ds_to_universal import main
 
-    main(argparse.Namespace(input_folder=input_folder, output_folder=output_folder, num_extract_workers=1,
-                            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+    main(
+        argparse.Namespace(
+            input_folder=input_folder,
+            output_folder=output_folder,
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+        )
+    )
 
 
 # --- DeepSpeed's native ops, compiled with the machine's C++ toolchain at first use ---
@@ -290,8 +323,9 @@ def op_build_error(exc: BaseException, default_op: str) -> JobError | None:
     if "Error building extension" not in text and "ninja" not in text.lower():
         return None
     match = re.search(r"Error building extension '([^']+)'", text)
-    return JobError(op_build_message(match.group(1) if match else default_op,
-                                     text.splitlines()[-1] if text else type(exc).__name__))
+    return JobError(
+        op_build_message(match.group(1) if match else default_op, text.splitlines()[-1] if text else type(exc).__name__)
+    )
 
 
 def toolchain_problems(env: dict | None = None) -> list[str]:
@@ -303,13 +337,17 @@ def toolchain_problems(env: dict | None = None) -> list[str]:
     compiler = env.get("CXX", "c++")
     missing = []
     if not shutil.which(compiler, path=path):
-        missing.append(f"a C++ compiler (`{compiler}` not found): apt-get install g++ (Debian/Ubuntu) "
-                       f"or dnf install gcc-c++ (RHEL/Fedora)")
+        missing.append(
+            f"a C++ compiler (`{compiler}` not found): apt-get install g++ (Debian/Ubuntu) "
+            f"or dnf install gcc-c++ (RHEL/Fedora)"
+        )
     if not is_ninja_available():
         missing.append("ninja: pip install ninja")
     if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
-        missing.append(f"the Python headers (Python.h): apt-get install python{sys.version_info.major}."
-                       f"{sys.version_info.minor}-dev")
+        missing.append(
+            f"the Python headers (Python.h): apt-get install python{sys.version_info.major}."
+            f"{sys.version_info.minor}-dev"
+        )
     return missing
 
 
@@ -317,7 +355,9 @@ def op_build_message(op: str, error: str) -> str:
     missing = toolchain_problems()
     cache = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
     what = ("; missing: " + "; ".join(missing)) if missing else f" (the compiler is there; the build said: {error})"
-    return (f"training.strategy zero3 needs DeepSpeed's {op} op, compiled on first use with the "
-            f"machine's C++ toolchain, and the build failed{what}. Install what is missing on every node "
-            f"(cluster/setup-local.sh checks), or use training.strategy: fsdp2. Built ops are cached in {cache}; "
-            f"set TORCH_EXTENSIONS_DIR to a persistent folder to compile once")
+    return (
+        f"training.strategy zero3 needs DeepSpeed's {op} op, compiled on first use with the "
+        f"machine's C++ toolchain, and the build failed{what}. Install what is missing on every node "
+        f"(cluster/setup-local.sh checks), or use training.strategy: fsdp2. Built ops are cached in {cache}; "
+        f"set TORCH_EXTENSIONS_DIR to a persistent folder to compile once"
+    )

@@ -18,17 +18,20 @@ from contextlib import closing
 from importlib import metadata
 from pathlib import Path
 
+from raytrain.job.spec import (
+    SECRET_KEY,  # pre-flight refuses secrets in a job file; they are never logged either
+    JobSpec,
+)
 from raytrain.rundir import metrics_backlog, storage
-from raytrain.job.spec import JobSpec
-from raytrain.job.spec import SECRET_KEY  # pre-flight refuses secrets in a job file; they are never logged either
-
 
 # The default store is a sqlite file beside the checkpoints; with checkpoints on an object
 # store there is no file every process of the job can open (the driver and rank 0 each made
 # one in their own working directory, and rank 0 could not find the run).
-REMOTE_WITHOUT_SERVER = ("checkpoint.storage_path is remote and tracking.uri is unset: the default MLflow store is a "
-                         "sqlite file, which the job's processes on other nodes cannot share; set tracking.uri to an "
-                         "MLflow server (http://mlflow:5000, as the k8s/ manifests run one)")
+REMOTE_WITHOUT_SERVER = (
+    "checkpoint.storage_path is remote and tracking.uri is unset: the default MLflow store is a "
+    "sqlite file, which the job's processes on other nodes cannot share; set tracking.uri to an "
+    "MLflow server (http://mlflow:5000, as the k8s/ manifests run one)"
+)
 
 
 def default_store(spec: JobSpec) -> Path:
@@ -61,8 +64,11 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
 # MLflow's own HTTP retries (7, doubling from 2 s: minutes in one call) would hold a call that
 # raytrain's callers retry themselves (step_metrics' writer) or give up on and keep for later
 # (the driver's close). What the user's environment sets wins.
-CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-              "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+CLIENT_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
 
 
 def client(spec: JobSpec):
@@ -105,8 +111,9 @@ def seed_store(spec: JobSpec) -> None:
     try:
         shutil.copyfile(template, copy)
         with closing(sqlite3.connect(copy)) as conn, conn:  # closed, and committed
-            conn.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
-                         (f"{artifact_root(spec)}/0",))
+            conn.execute(
+                "UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (f"{artifact_root(spec)}/0",)
+            )
         os.link(copy, db)  # never over a store another process created meanwhile
     except FileExistsError:
         pass
@@ -123,19 +130,26 @@ def start_run(spec: JobSpec) -> str:
         experiment_id = mlflow.create_experiment(spec.tracking.experiment, artifact_location=artifact_root(spec))
     else:
         experiment_id = experiment.experiment_id
-    previous = mlflow.search_runs([experiment_id], f"tags.`raytrain.run_dir` = '{spec.run_dir}'",
-                                  order_by=["attributes.start_time DESC"], max_results=1)
+    previous = mlflow.search_runs(
+        [experiment_id],
+        f"tags.`raytrain.run_dir` = '{spec.run_dir}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     if previous and previous[0].info.status != "FINISHED":
         run_id = previous[0].info.run_id
         mlflow.update_run(run_id, status="RUNNING")
         return run_id
-    run = mlflow.create_run(experiment_id, run_name=spec.name, tags={"raytrain.run_dir": spec.run_dir,
-                                                                      "raytrain.strategy": spec.training.strategy})
+    run = mlflow.create_run(
+        experiment_id,
+        run_name=spec.name,
+        tags={"raytrain.run_dir": spec.run_dir, "raytrain.strategy": spec.training.strategy},
+    )
     from mlflow.entities import Param
 
     params = [Param(k, v) for k, v in flatten(spec.model_dump(mode="json")).items()]
     for i in range(0, len(params), 100):
-        mlflow.log_batch(run.info.run_id, params=params[i:i + 100])
+        mlflow.log_batch(run.info.run_id, params=params[i : i + 100])
     return run.info.run_id
 
 
@@ -150,11 +164,15 @@ def log_goodput(mlflow, run_id: str, goodput: dict) -> None:
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    metrics = [Metric(f"goodput_{k}", float(goodput[k]), now, 0) for k in ("wall_s", "productive_s", "wasted_s")]  # host: Python numbers
+    metrics = [
+        Metric(f"goodput_{k}", float(goodput[k]), now, 0) for k in ("wall_s", "productive_s", "wasted_s")
+    ]  # host: Python numbers
     metrics.append(Metric("failures", float(len(goodput["failures"])), now, 0))  # host: Python numbers
     for i, failure in enumerate(goodput["failures"]):
-        metrics += [Metric("failure_steps_lost", float(failure["steps_lost"]), now, i + 1),  # host: Python numbers
-                    Metric("failure_recovery_s", float(failure["recovery_s"]), now, i + 1)]  # host: Python numbers
+        metrics += [
+            Metric("failure_steps_lost", float(failure["steps_lost"]), now, i + 1),  # host: Python numbers
+            Metric("failure_recovery_s", float(failure["recovery_s"]), now, i + 1),
+        ]  # host: Python numbers
     mlflow.log_batch(run_id, metrics=metrics)
     mlflow.set_tag(run_id, "raytrain.goodput", json.dumps(goodput)[:5000])
 
@@ -197,7 +215,9 @@ def log_steps(mlflow, run_id: str, steps: list[tuple[int, dict]]) -> None:
         batch += [Metric(k, float(v), now, step) for k, v in metrics.items()]  # host: Python numbers
         following = len(steps[i + 1][1]) if i + 1 < len(steps) else BATCH
         if len(batch) + following + 1 > BATCH:
-            mlflow.log_batch(run_id, metrics=batch + [Metric(LOGGED_THROUGH, float(step), now, step)])  # host: a Python int
+            mlflow.log_batch(
+                run_id, metrics=batch + [Metric(LOGGED_THROUGH, float(step), now, step)]
+            )  # host: a Python int
             batch = []
 
 
@@ -220,15 +240,25 @@ def close_run(spec: JobSpec, run_id: str, status: str, tags: dict, goodput: dict
     run of the job) and the job ends as it trained."""
     from raytrain.rundir import signing
 
-    record = {"run_dir": signing.place(spec.run_dir), "run_id": run_id, "status": status, "tags": tags, "goodput": goodput}
+    record = {
+        "run_dir": signing.place(spec.run_dir),
+        "run_id": run_id,
+        "status": status,
+        "tags": tags,
+        "goodput": goodput,
+    }
     try:
         _apply(client(spec), record, steps)
     except Exception as exc:
         storage.write_text(storage.join(spec.run_dir, PENDING_FILE), json.dumps(signing.sign_document(record)))
-        print(f"[raytrain] MLflow unreachable at the end ({type(exc).__name__}): the run's status ({status}), goodput "
-              f"and unwritten step metrics are kept in {spec.run_dir} ({PENDING_FILE}, {metrics_backlog.FOLDER} and the "
-              "latest checkpoint); "
-              f"`raytrain sync-metrics {spec.run_dir}` or running the job again writes them", file=sys.stderr, flush=True)
+        print(
+            f"[raytrain] MLflow unreachable at the end ({type(exc).__name__}): the run's status ({status}), goodput "
+            f"and unwritten step metrics are kept in {spec.run_dir} ({PENDING_FILE}, {metrics_backlog.FOLDER} and the "
+            "latest checkpoint); "
+            f"`raytrain sync-metrics {spec.run_dir}` or running the job again writes them",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     metrics_backlog.forget(spec.run_dir, max((step for step, _ in steps), default=0))  # MLflow has them all
     storage.delete(storage.join(spec.run_dir, PENDING_FILE))

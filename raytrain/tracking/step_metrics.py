@@ -22,8 +22,8 @@ import threading
 import time
 from collections import deque
 
-from raytrain.tracking import mlflow_run
 from raytrain.job.spec import JobSpec
+from raytrain.tracking import mlflow_run
 
 LIVE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "eval_loss", "mfu")
 LIVE_KEPT = 1000  # live steps waiting for the writer; older ones are dropped, never waited for
@@ -94,10 +94,12 @@ class StepLogger:
     def log_table(self, artifact_file: str, rows: list[dict]) -> None:
         """A table artifact (GRPO's prompt / completion / reward samples), written in the background
         and best effort: samples are worth a line in the log, not a step's wait or a failed job."""
+
         def write() -> None:
             try:
-                self.client.log_table(self.run_id, data={k: [r.get(k) for r in rows] for k in rows[0]},
-                                      artifact_file=artifact_file)
+                self.client.log_table(
+                    self.run_id, data={k: [r.get(k) for r in rows] for k in rows[0]}, artifact_file=artifact_file
+                )
             except Exception as exc:
                 print(f"[raytrain] {artifact_file} was not logged to MLflow ({_why(exc)})", file=sys.stdout, flush=True)
 
@@ -109,8 +111,11 @@ class StepLogger:
         try:
             self.client.log_artifacts(self.run_id, local_dir, artifact_path="final_model")
         except Exception as exc:  # the model is in the run directory whatever MLflow does
-            print(f"[raytrain] the final model was not logged to MLflow ({_why(exc)}); it is in the run directory",
-                  file=sys.stdout, flush=True)
+            print(
+                f"[raytrain] the final model was not logged to MLflow ({_why(exc)}); it is in the run directory",
+                file=sys.stdout,
+                flush=True,
+            )
 
     def _keep(self, entries: list[_Entry]) -> None:
         with self._cond:
@@ -118,8 +123,11 @@ class StepLogger:
             if len(self._kept) > COMMITTED_KEPT:
                 dropped = len(self._kept) - COMMITTED_KEPT
                 del self._kept[:dropped]
-                print(f"[raytrain] MLflow has been unreachable too long: {dropped} oldest step metrics dropped",
-                      file=sys.stdout, flush=True)
+                print(
+                    f"[raytrain] MLflow has been unreachable too long: {dropped} oldest step metrics dropped",
+                    file=sys.stdout,
+                    flush=True,
+                )
             self._cond.notify()
 
     # --- the writer thread ---
@@ -129,7 +137,7 @@ class StepLogger:
             with self._cond:
                 while not (self._kept or self._tags or self._live):
                     self._cond.wait()
-                kept, tags, live = list(self._kept[:mlflow_run.BATCH]), dict(self._tags), list(self._live)
+                kept, tags, live = list(self._kept[: mlflow_run.BATCH]), dict(self._tags), list(self._live)
                 self._tags.clear()
                 self._live.clear()
                 self._busy = True
@@ -143,8 +151,12 @@ class StepLogger:
                     self._busy = False
                     if self._down_since is None:
                         self._down_since = time.monotonic()
-                        print(f"[raytrain] MLflow unreachable ({_why(exc)}): training goes on; step metrics are kept "
-                              "(and in storage) and written when it is back", file=sys.stdout, flush=True)
+                        print(
+                            f"[raytrain] MLflow unreachable ({_why(exc)}): training goes on; step metrics are kept "
+                            "(and in storage) and written when it is back",
+                            file=sys.stdout,
+                            flush=True,
+                        )
                     self._cond.notify_all()
                 time.sleep(pause)
                 pause = min(pause * 2, RETRY_S[1])
@@ -158,8 +170,12 @@ class StepLogger:
         """A request went through: if MLflow was unreachable, it is back."""
         with self._cond:
             if self._down_since is not None:
-                print(f"[raytrain] MLflow reachable again after {time.monotonic() - self._down_since:.0f} s: "
-                      "the kept step metrics are being written", file=sys.stdout, flush=True)
+                print(
+                    f"[raytrain] MLflow reachable again after {time.monotonic() - self._down_since:.0f} s: "
+                    "the kept step metrics are being written",
+                    file=sys.stdout,
+                    flush=True,
+                )
                 self._down_since = None
 
     def _written(self, entries: list[_Entry]) -> None:
@@ -191,18 +207,22 @@ class StepLogger:
             self.written_through = max(self.written_through, committed[-1].step)
         now = int(time.time() * 1000)
         others = [e for e in kept if not e.committed]
-        batch = [Metric(k, float(v), now, e.step) for e in others for k, v in e.metrics.items()]  # host: metric values, read once a step
+        batch = [
+            Metric(k, float(v), now, e.step) for e in others for k, v in e.metrics.items()
+        ]  # host: metric values, read once a step
         for i in range(0, len(batch), mlflow_run.BATCH):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + mlflow_run.BATCH])
+            self.client.log_batch(self.run_id, metrics=batch[i : i + mlflow_run.BATCH])
             self._reached()
         self._written(others)
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
             self._reached()
         if live:  # after the committed ones; a live batch that fails is dropped, not retried
-            values = [Metric(k, float(v), now, step) for step, m in live for k, v in m.items()]  # host: metric values, read once a step
+            values = [
+                Metric(k, float(v), now, step) for step, m in live for k, v in m.items()
+            ]  # host: metric values, read once a step
             for i in range(0, len(values), mlflow_run.BATCH):
-                self.client.log_batch(self.run_id, metrics=values[i:i + mlflow_run.BATCH])
+                self.client.log_batch(self.run_id, metrics=values[i : i + mlflow_run.BATCH])
                 self._reached()
 
     def _drop_written(self, kept: list[_Entry], written) -> list[_Entry]:

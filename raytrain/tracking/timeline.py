@@ -20,7 +20,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-DRIVER_PHASES = ("ray", "mlflow")  # the MLflow run opens once this driver holds the run directory (its store seeded while Ray starts)
+DRIVER_PHASES = (
+    "ray",
+    "mlflow",
+)  # the MLflow run opens once this driver holds the run directory (its store seeded while Ray starts)
 # loaded: the trained model's weights in place (sharded, filled); model: with its optimizer (and DPO's reference);
 # data: the stores ready (prepared meanwhile) and open; steps: after the attempt's STEADY_AFTER-th step.
 WORKER_PHASES = ("workers", "loaded", "model", "restored", "data", "step_1", "steps")
@@ -50,22 +53,36 @@ class Timeline:
 
     def steps_line(self) -> str:
         resident, peak = self.memory["steps"]
-        return f"host memory of the busiest rank after {STEADY_AFTER} steps (resident/peak MiB): {resident:.0f}/{peak:.0f}"
+        return (
+            f"host memory of the busiest rank after {STEADY_AFTER} steps (resident/peak MiB): {resident:.0f}/{peak:.0f}"
+        )
 
     def line(self, attempt: int) -> str:
-        memory = ("; host memory of the busiest rank (resident/peak MiB): " + ", ".join(
-            f"{p} {r:.0f}/{k:.0f}" for p, (r, k) in self.memory.items())) if self.memory else ""
+        memory = (
+            (
+                "; host memory of the busiest rank (resident/peak MiB): "
+                + ", ".join(f"{p} {r:.0f}/{k:.0f}" for p, (r, k) in self.memory.items())
+            )
+            if self.memory
+            else ""
+        )
         if attempt == 1:
-            return "start-up: " + " -> ".join(f"{p} {self.marks[p]:.1f}s" for p in (*DRIVER_PHASES, *WORKER_PHASES)
-                                              if p in self.marks) + memory
+            return (
+                "start-up: "
+                + " -> ".join(f"{p} {self.marks[p]:.1f}s" for p in (*DRIVER_PHASES, *WORKER_PHASES) if p in self.marks)
+                + memory
+            )
         origin = self.marks.get("workers", 0.0)
-        return f"attempt {attempt} start-up (from its workers up): " + " -> ".join(
-            f"{p} +{self.marks[p] - origin:.1f}s" for p in WORKER_PHASES[1:] if p in self.marks) + memory
+        return (
+            f"attempt {attempt} start-up (from its workers up): "
+            + " -> ".join(f"{p} +{self.marks[p] - origin:.1f}s" for p in WORKER_PHASES[1:] if p in self.marks)
+            + memory
+        )
 
     def metrics(self, attempt: int, upto: str = "step_1") -> dict[str, float]:
         """The MLflow values of the phases marked since the last report (at step 1: all before it)."""
         phases = (*DRIVER_PHASES, *WORKER_PHASES) if attempt == 1 else WORKER_PHASES
-        phases = phases[:phases.index(upto) + 1] if upto == "step_1" else (upto,)
+        phases = phases[: phases.index(upto) + 1] if upto == "step_1" else (upto,)
         out = {f"startup/{p}_s": self.marks[p] for p in phases if p in self.marks}
         for p in phases:
             if p in self.memory:

@@ -47,8 +47,11 @@ def save_and_report(strategy, state: TrainState, metrics: dict, wait: bool = Tru
 
             strategy.upload_group = dist.new_group(backend="gloo")
         group = strategy.upload_group
-    common = dict(checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
-                  delete_local_checkpoint_after_upload=True)
+    common = dict(
+        checkpoint=ray.train.Checkpoint.from_directory(tmp),
+        checkpoint_dir_name=name,
+        delete_local_checkpoint_after_upload=True,
+    )
     if wait:
         ray.train.report(metrics, checkpoint_upload_mode=CheckpointUploadMode.SYNC, **common)
         return confirm(strategy)
@@ -125,6 +128,10 @@ def restore(strategy) -> TrainState | None:
         strategy.load(signed)
         state = TrainState.read(signed, with_metrics=strategy.rank == 0)
         if strategy.rank == 0:
-            print(f"[raytrain] restored step {state.step} from {signed.uri}: rank 0 read {signed.bytes_read / 2**20:,.1f} "
-                  f"MiB of its files", flush=True)
+            print(
+                f"[raytrain] restored step {state.step} from {signed.uri}: rank 0 read "
+                f"{signed.bytes_read / 2**20:,.1f} "
+                f"MiB of its files",
+                flush=True,
+            )
         return state

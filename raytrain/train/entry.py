@@ -17,7 +17,9 @@ from raytrain.train import preemption
 
 # Names and ids only, never a value: these are in the workers' runtime_env.
 WANTED_ENV = "RAYTRAIN_SECRETS_WANTED"  # the secret names set on the driver, comma-separated
-KEY_ID_ENV = "RAYTRAIN_KEY_ID"  # "salt:id", the driver's signing.key_id(salt) with a fresh salt: a node tells a different key
+KEY_ID_ENV = (
+    "RAYTRAIN_KEY_ID"  # "salt:id", the driver's signing.key_id(salt) with a fresh salt: a node tells a different key
+)
 RELAY_CONFIG = "secret_relay"  # the train_loop_config entry holding the relay's handle (its only way in)
 RELAY_TIMEOUT_S = 30.0
 GRACE_ENV = "RAYTRAIN_PREEMPTION_GRACE_S"  # failure.preemption_grace_s, for the SIGTERM handler
@@ -83,14 +85,20 @@ def receive_secrets(relay) -> None:
     try:
         values = ray.get(relay.give.remote(missing), timeout=RELAY_TIMEOUT_S)
     except ray.exceptions.RayError as exc:  # the driver (and its relay) is gone
-        print(f"[raytrain] this node lacks {', '.join(missing)} and the driver's secret relay did not answer "
-              f"({type(exc).__name__}); going on without them: set them on the node", flush=True)
+        print(
+            f"[raytrain] this node lacks {', '.join(missing)} and the driver's secret relay did not answer "
+            f"({type(exc).__name__}); going on without them: set them on the node",
+            flush=True,
+        )
         return
     os.environ.update(values)
     if values:
-        print(f"[raytrain] this node lacks {', '.join(values)}: received from the driver for this worker (values "
-              "never shown); setting them on the node is the better way (cluster/*.yaml, or the Secret "
-              "raytrain-secrets on Kubernetes)", flush=True)
+        print(
+            f"[raytrain] this node lacks {', '.join(values)}: received from the driver for this worker (values "
+            "never shown); setting them on the node is the better way (cluster/*.yaml, or the Secret "
+            "raytrain-secrets on Kubernetes)",
+            flush=True,
+        )
 
 
 # What the driver hands Ray Train: a partial, so cloudpickle ships it by reference (this module,

@@ -11,13 +11,11 @@ from pathlib import Path
 
 import torch
 
-from raytrain.model import modeling
-
-from raytrain.model import hub
+from raytrain.job.spec import JobSpec
+from raytrain.model import hub, modeling
 from raytrain.rundir import signing, storage
 from raytrain.rundir.checkpoints import latest_checkpoint
 from raytrain.rundir.job_file import read_job_file
-from raytrain.job.spec import JobSpec
 from raytrain.strategies import hf_files, zero3
 from raytrain.strategies.dcp_files import SignedReader, read_checkpoint
 from raytrain.strategies.hf_files import export_entries, write_full_export, write_hf_export
@@ -31,13 +29,15 @@ def load_checkpoint_model(spec: JobSpec, checkpoint: signing.SignedCheckpoint) -
     full = model.state_dict()
     wanted = {k: v for k, v in full.items() if spec.training.finetune == "full" or k in trainable}
     if zero3.is_zero3_checkpoint(checkpoint.names):  # DeepSpeed's own layout: its consolidation, not DCP
-        wanted = zero3.consolidated_state_dict(checkpoint.fetch(*checkpoint.names),
-                                               trainable_only=spec.training.adapters)
+        wanted = zero3.consolidated_state_dict(
+            checkpoint.fetch(*checkpoint.names), trainable_only=spec.training.adapters
+        )
     else:
         read_checkpoint({"model": wanted}, checkpoint)
     result = model.load_state_dict(wanted, strict=False)
-    modeling.require_complete(model, result.missing_keys, result.unexpected_keys, spec.training.finetune,
-                              checkpoint.where)
+    modeling.require_complete(
+        model, result.missing_keys, result.unexpected_keys, spec.training.finetune, checkpoint.where
+    )
     return model
 
 
@@ -70,8 +70,7 @@ def write_full_from_checkpoint(spec: JobSpec, checkpoint: signing.SignedCheckpoi
                 yield from batch.items()
                 batch, held = {}, 0
 
-    write_full_export(spec, model, batches(), entries, directory, hub.load_tokenizer(spec), rank=0,
-                      world_size=1)
+    write_full_export(spec, model, batches(), entries, directory, hub.load_tokenizer(spec), rank=0, world_size=1)
 
 
 def _nbytes(entry: tuple) -> int:
@@ -85,8 +84,10 @@ def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None)
     spec = read_job_file(run_dir)
     checkpoint_dir = checkpoint_dir or latest_checkpoint(run_dir)
     name = checkpoint_dir.rstrip("/").rsplit("/", 1)[-1]
-    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp, \
-            signing.SignedCheckpoint(checkpoint_dir, spec.run_dir, name) as checkpoint:
+    with (
+        tempfile.TemporaryDirectory(prefix="raytrain-export-") as tmp,
+        signing.SignedCheckpoint(checkpoint_dir, spec.run_dir, name) as checkpoint,
+    ):
         if spec.training.finetune == "full" and not zero3.is_zero3_checkpoint(checkpoint.names):
             write_full_from_checkpoint(spec, checkpoint, str(Path(tmp, "model")))
         else:  # an adapter (small), or ZeRO-3's own layout (consolidated whole by DeepSpeed)
@@ -94,5 +95,3 @@ def export_checkpoint(run_dir: str, out: str, checkpoint_dir: str | None = None)
             write_hf_export(spec, model, model.state_dict(), str(Path(tmp, "model")), hub.load_tokenizer(spec))
         storage.upload_dir(str(Path(tmp, "model")), out)
     return checkpoint_dir
-
-

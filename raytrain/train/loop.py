@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from raytrain.rundir import lease, metrics_backlog
 from raytrain import objectives
-from raytrain.train import checkpoint, telemetry
-from raytrain.rundir.checkpoints import TrainState
-from raytrain.job.spec import JobSpec
 from raytrain.data.batches import GlobalBatches
 from raytrain.errors import JobError
+from raytrain.job.spec import JobSpec
+from raytrain.rundir import lease, metrics_backlog
+from raytrain.rundir.checkpoints import TrainState
+from raytrain.train import checkpoint, telemetry
 from raytrain.train.preemption import DRIVER_STOP, FENCED, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 
 
@@ -76,10 +76,12 @@ class SkippedUpdates:
     def check(self) -> None:
         """JobError at the LIMIT-th skipped step in a row."""
         if len(self.run) >= self.LIMIT:
-            raise JobError(f"training diverged: the gradients were not finite at steps {self.run[0]}-{self.run[-1]}, "
-                           f"{self.LIMIT} in a row, and none of those updates was applied. The last checkpoint "
-                           "holds the weights from before them. Lower optimizer.lr, set training.grad_clip, "
-                           "or look at the rows of those steps (printed above)")
+            raise JobError(
+                f"training diverged: the gradients were not finite at steps {self.run[0]}-{self.run[-1]}, "
+                f"{self.LIMIT} in a row, and none of those updates was applied. The last checkpoint "
+                "holds the weights from before them. Lower optimizer.lr, set training.grad_clip, "
+                "or look at the rows of those steps (printed above)"
+            )
 
 
 def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops: StopSignals) -> StepResult:
@@ -100,7 +102,9 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
         # resharded before the update, which changes the shards
         with strategy.gathered() if getattr(objective, "gathers_model", False) else contextlib.nullcontext():
             if iteration == 0:
-                if hasattr(objective, "begin"):  # what the micro-batches need of the whole batch (KTO's KL, GRPO's rollouts)
+                if hasattr(
+                    objective, "begin"
+                ):  # what the micro-batches need of the whole batch (KTO's KL, GRPO's rollouts)
                     objective.begin(strategy, micro_batches)
                 units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
                 torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's ranks
@@ -120,10 +124,13 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     if len(results) == 1:
         return results[0]
     n = len(results)  # the updates' means; the last update's grad norm; a skipped update counts
-    return StepResult(loss=sum(r.loss for r in results) / n, grad_norm=results[-1].grad_norm,
-                      means=[sum(v) / n for v in zip(*(r.means for r in results))],
-                      flags=[max(v) for v in zip(*(r.flags for r in results))],
-                      applied=all(r.applied for r in results))
+    return StepResult(
+        loss=sum(r.loss for r in results) / n,
+        grad_norm=results[-1].grad_norm,
+        means=[sum(v) / n for v in zip(*(r.means for r in results))],
+        flags=[max(v) for v in zip(*(r.flags for r in results))],
+        applied=all(r.applied for r in results),
+    )
 
 
 def _update(strategy, sums: torch.Tensor, units: torch.Tensor, lr: float, stops: StopSignals) -> StepResult:
@@ -133,11 +140,13 @@ def _update(strategy, sums: torch.Tensor, units: torch.Tensor, lr: float, stops:
     reduced = torch.cat([sums, objectives.to_device(stops.local(), device)])
     torch.distributed.all_reduce(reduced)  # the stop flags ride along
     n = len(sums)
-    values = host_values(torch.cat([reduced[:n] / mesh.tp / units, grad_norm.detach().double().view(1).to(device), reduced[n:]]))
+    values = host_values(
+        torch.cat([reduced[:n] / mesh.tp / units, grad_norm.detach().double().view(1).to(device), reduced[n:]])
+    )
     # The update waits for the norm on the host (it is the same on every rank): its kernels queue
     # right behind the read, so the device idles only for the host's decision.
     applied = strategy.end_update(math.isfinite(values[n]))
-    return StepResult(loss=values[0], means=values[1:n], grad_norm=values[n], flags=values[n + 1:], applied=applied)
+    return StepResult(loss=values[0], means=values[1:n], grad_norm=values[n], flags=values[n + 1 :], applied=applied)
 
 
 def _require_lease(fence) -> None:
@@ -163,8 +172,16 @@ def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> N
         logger.log_committed(steps, path)
 
 
-def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logger=None, control=None,
-        on_step=None, eval_batches: Iterable[dict] | None = None) -> TrainState:
+def fit(
+    spec: JobSpec,
+    strategy,
+    batches: GlobalBatches,
+    state: TrainState,
+    logger=None,
+    control=None,
+    on_step=None,
+    eval_batches: Iterable[dict] | None = None,
+) -> TrainState:
     """Train until max_steps or a stop notice. Step metrics reach MLflow only once their
     step is in a committed checkpoint, so a rolled-back step is never left in the run."""
     device, rank, world = strategy.device, strategy.rank, strategy.world_size
@@ -194,20 +211,35 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
         state.step += 1
         state.data = batches.position
         if skipped.record(state.step, result.applied) and rank == 0:
-            print(f"[raytrain] step {state.step}: the gradients are not finite (grad norm {grad_norm}); its update "
-                  f"is skipped ({len(skipped.run)} in a row of {SkippedUpdates.LIMIT} that stop the job). This "
-                  f"rank's rows (source, epoch, row): {batch.sample_ids}", file=sys.stdout, flush=True)
+            print(
+                f"[raytrain] step {state.step}: the gradients are not finite (grad norm {grad_norm}); its update "
+                f"is skipped ({len(skipped.run)} in a row of {SkippedUpdates.LIMIT} that stop the job). This "
+                f"rank's rows (source, epoch, row): {batch.sample_ids}",
+                file=sys.stdout,
+                flush=True,
+            )
         skipped.check()
         step_tokens = t.global_batch_size * spec.sequences_per_row * spec.data.seq_len
         state.tokens_seen += step_tokens
         step_time = time.perf_counter() - step_start
         tokens_per_s = step_tokens / step_time
-        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
-                   "data_wait_s": data_wait, "compute_s": time.perf_counter() - compute_start,
-                   "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
-                   "peak_memory_gb": telemetry.peak_memory_gb(device), "tokens_seen": state.tokens_seen,
-                   "bad_rows": state.bad_rows, "world_size": world, **flops.metrics(tokens_per_s, world),
-                   **objectives.finish(objective, dict(zip(objective.metrics, means)))}
+        metrics = {
+            "step": state.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time_s": step_time,
+            "data_wait_s": data_wait,
+            "compute_s": time.perf_counter() - compute_start,
+            "checkpoint_s": checkpoint_s,
+            "tokens_per_s": tokens_per_s,
+            "peak_memory_gb": telemetry.peak_memory_gb(device),
+            "tokens_seen": state.tokens_seen,
+            "bad_rows": state.bad_rows,
+            "world_size": world,
+            **flops.metrics(tokens_per_s, world),
+            **objectives.finish(objective, dict(zip(objective.metrics, means))),
+        }
         if not result.applied:
             metrics["update_skipped"] = 1.0
         if eval_batches is not None and (state.step % spec.data.eval.every_n_steps == 0 or state.step == t.max_steps):
@@ -225,10 +257,14 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             mfu += f" | eval {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
             if means:  # the preference objectives' headline metrics: (label, TRL's name) in `objective.shown`
                 mfu += "".join(f" | {label} {metrics[name]:.3f}" for label, name in objective.shown if name in metrics)
-            print(f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
-                  f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem {metrics['peak_memory_gb']:.1f}G "
-                  f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
-                  file=sys.stdout, flush=True)
+            print(
+                f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
+                f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem "
+                f"{metrics['peak_memory_gb']:.1f}G "
+                f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
+                file=sys.stdout,
+                flush=True,
+            )
         stops.step_done(state.step, step_time, rank)
         if flags & FENCED:  # another driver holds the run directory: stop here, commit nothing
             _require_lease(fence)  # every rank raises rank 0's word, naming the new holder
@@ -266,5 +302,7 @@ def fit(spec: JobSpec, strategy, batches: GlobalBatches, state: TrainState, logg
             state.stopped = True
             break
         if flags & RAY_NOTICE and rank == 0:
-            print(f"[raytrain] preemption notice: checkpoint committed at step {state.step}", file=sys.stdout, flush=True)
+            print(
+                f"[raytrain] preemption notice: checkpoint committed at step {state.step}", file=sys.stdout, flush=True
+            )
     return state

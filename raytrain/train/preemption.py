@@ -36,6 +36,7 @@ def install_sigterm_handler(grace_s: float) -> None:
     `ray._private.utils.set_sigterm_handler`; we wrap that call so the handler Ray installs
     first lets the current step and its checkpoint finish, and exits only at the deadline.
     """
+
     def on_sigterm(signum, frame):
         if not _sigterm.is_set():
             _sigterm.set()

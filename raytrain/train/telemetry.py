@@ -17,8 +17,18 @@ import torch
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
 PEAK_BF16_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-    "L4": 121e12, "A10G": 125e12, "A10": 125e12, "V100": 125e12, "B200": 2250e12, "GB200": 2500e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 125e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "B200": 2250e12,
+    "GB200": 2500e12,
 }
 
 
@@ -29,8 +39,9 @@ def extra_forwards(spec) -> int:
     return {"dpo": 1, "kto": 1 if kl_free else 3}.get(spec.training.objective, 0)
 
 
-def flops_per_token(config, n_params: int, n_trainable: int, seq_len: int, lora: bool,
-                    extra_forwards: int = 0) -> dict[str, float]:
+def flops_per_token(
+    config, n_params: int, n_trainable: int, seq_len: int, lora: bool, extra_forwards: int = 0
+) -> dict[str, float]:
     """`extra_forwards`: forwards without backward a trained token also pays (DPO's reference;
     KTO's reference and the two of its KL sequence)."""
     layers = getattr(config, "num_hidden_layers", 0)
@@ -74,8 +85,9 @@ class StepFlops:
         trainable = sum(size for size, grad in sizes if grad)
         base = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", model)
         config = getattr(base, "config", None) or getattr(getattr(base, "module", base), "config", None)
-        self.per_token = flops_per_token(config, n, trainable, spec.data.seq_len, spec.training.adapters,
-                                         extra_forwards=extra_forwards(spec))
+        self.per_token = flops_per_token(
+            config, n, trainable, spec.data.seq_len, spec.training.adapters, extra_forwards=extra_forwards(spec)
+        )
         self.peak = peak_flops(device)
 
     def metrics(self, tokens_per_s: float, world: int) -> dict[str, float]:

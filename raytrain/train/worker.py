@@ -12,19 +12,19 @@ import torch
 import torch.distributed as dist
 
 from raytrain import allocator, private_apis
-from raytrain.rundir import metrics_backlog, storage
-from raytrain.train import checkpoint, loop
-from raytrain.model import hub
-from raytrain.tracking.step_metrics import StepLogger
-from raytrain.rundir.checkpoints import TrainState
-from raytrain.job.spec import JobSpec
-from raytrain.job.plan import RunPlan
-from raytrain.rundir.job_file import verify_plan
 from raytrain.data.batches import open_data
 from raytrain.errors import transient, user_message
-from raytrain.train.preemption import Preempted
+from raytrain.job.plan import RunPlan
+from raytrain.job.spec import JobSpec
+from raytrain.model import hub
+from raytrain.rundir import metrics_backlog, storage
+from raytrain.rundir.checkpoints import TrainState
+from raytrain.rundir.job_file import verify_plan
 from raytrain.strategies import build_strategy
+from raytrain.tracking.step_metrics import StepLogger
 from raytrain.tracking.timeline import STEADY_AFTER, Timeline, host_memory_mb
+from raytrain.train import checkpoint, loop
+from raytrain.train.preemption import Preempted
 
 
 def train_func(config: dict) -> None:
@@ -64,13 +64,15 @@ def train_func(config: dict) -> None:
         if job_control is not None:
             message = user_message(exc)
             last_line = (str(exc).strip().splitlines() or [""])[-1]
-            job_control.failed.remote(message or f"{type(exc).__name__}: {last_line}", retry=message is None,
-                                      transient=transient(exc))
+            job_control.failed.remote(
+                message or f"{type(exc).__name__}: {last_line}", retry=message is None, transient=transient(exc)
+            )
         raise
 
 
-def _train(spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, device, job_control,
-           timeline: Timeline) -> None:
+def _train(
+    spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, device, job_control, timeline: Timeline
+) -> None:
     import ray
 
     strategy = build_strategy(spec, device, plan, on_phase=timeline.mark)
@@ -82,14 +84,20 @@ def _train(spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, de
     logger = StepLogger(spec, config["run_id"]) if rank == 0 else None
     attempt = 0  # rank 0 learns it from the control actor
     if rank == 0:
-        if resumed_from:  # the restored checkpoint's steps (and the backlog's), if the last attempt died before logging them
+        if (
+            resumed_from
+        ):  # the restored checkpoint's steps (and the backlog's), if the last attempt died before logging them
             logger.log_missing(metrics_backlog.unwritten(spec.run_dir, state))
         attempt = ray.get(job_control.attempt_started.remote(world, resumed_from)) if job_control else 1
         logger.set_tags({f"raytrain.attempt.{attempt}": f"world_size={world} resumed_from_step={resumed_from}"})
         if resumed_from:
             logger.log(resumed_from, {"restarts": attempt - 1})
-            print(f"[raytrain] attempt {attempt}: resumed at step {resumed_from} ({state.data.consumed:,} rows "
-                  f"consumed) with {world} workers", file=sys.stdout, flush=True)
+            print(
+                f"[raytrain] attempt {attempt}: resumed at step {resumed_from} ({state.data.consumed:,} rows "
+                f"consumed) with {world} workers",
+                file=sys.stdout,
+                flush=True,
+            )
 
     if not _data_ready(job_control, device):
         return  # preparing the data failed (the driver says why) or the job was stopped first
@@ -98,8 +106,9 @@ def _train(spec: JobSpec, plan: RunPlan, config: dict, rank: int, world: int, de
     state.bad_rows = sum(s.bad_rows for s in batches.stores)
     timeline.mark("data")
     # A row's sp x tp ranks all read it: the first of them records it, so each row is logged once.
-    sample_log = _sample_logger(spec.data.sample_log, rank, world, batches.stores,
-                                records_rows=rank % plan.mesh(world).row_ranks == 0)
+    sample_log = _sample_logger(
+        spec.data.sample_log, rank, world, batches.stores, records_rows=rank % plan.mesh(world).row_ranks == 0
+    )
     on_step = _first_step_reporter(timeline, logger, attempt, sample_log, strategy.kernel_line())
     state = loop.fit(spec, strategy, batches, state, logger, job_control, on_step=on_step, eval_batches=eval_batches)
 
@@ -192,9 +201,20 @@ def _sample_logger(folder: str | None, rank: int, world: int, stores, records_ro
 
     def on_step(state, batch) -> None:
         with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": state.step,
-                                "time": time.time(), "samples": batch.sample_ids if records_rows else [],
-                                **dict(zip(("rss_mb", "peak_mb"), host_memory_mb())),
-                                "read_bytes": sum(s.read_counters.bytes for s in stores)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "attempt": attempt,
+                        "world": world,
+                        "rank": rank,
+                        "step": state.step,
+                        "time": time.time(),
+                        "samples": batch.sample_ids if records_rows else [],
+                        **dict(zip(("rss_mb", "peak_mb"), host_memory_mb())),
+                        "read_bytes": sum(s.read_counters.bytes for s in stores),
+                    }
+                )
+                + "\n"
+            )
 
     return on_step

@@ -25,13 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raytrain.job import masks, nf4_layout
+from raytrain.job import deepspeed_config, masks, nf4_layout
+from raytrain.job.grpo import ENGINE_RUNTIME_CPU_GIB, engine_kv_bytes, reward_model_base, reward_model_bytes
+from raytrain.job.plan import RunPlan, frozen_head_apart, splits_vocabulary
 from raytrain.job.spec import JobSpec
 from raytrain.model.facts import DTYPE_BYTES, ModelFacts, read_facts
 from raytrain.model.targets import lora_targets
-from raytrain.job.plan import RunPlan, frozen_head_apart, splits_vocabulary
-from raytrain.job.grpo import ENGINE_RUNTIME_CPU_GIB, engine_kv_bytes, reward_model_base, reward_model_bytes
-from raytrain.job import deepspeed_config
 
 GiB = 2**30
 
@@ -44,7 +43,9 @@ class Term:
     bytes: float
 
     def __str__(self) -> str:
-        return f"{self.label} {self.formula} = {size(self.bytes)}" if self.formula else f"{self.label} {size(self.bytes)}"
+        return (
+            f"{self.label} {self.formula} = {size(self.bytes)}" if self.formula else f"{self.label} {size(self.bytes)}"
+        )
 
 
 @dataclass
@@ -98,19 +99,29 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         p_b, opt_b, opt_label = 4, 8, "AdamW m, v"
     n_lora = trainable_params(spec, facts) if t.adapters else 0
     if t.finetune == "full":
-        terms = [(Term("weights", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params),
-                 (Term("gradients", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_opt and t.strategy == "fsdp2"),
-                 (Term(f"optimizer ({opt_label})", f"{opt_b} B × {_n(N)}{per}", opt_b * N / P), host_opt)]
+        terms = [
+            (Term("weights", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params),
+            (Term("gradients", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_opt and t.strategy == "fsdp2"),
+            (Term(f"optimizer ({opt_label})", f"{opt_b} B × {_n(N)}{per}", opt_b * N / P), host_opt),
+        ]
     else:
         base_b = 2 if t.strategy == "zero3" and c == 2 else w
         frozen = Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P)
         if t.finetune == "qlora":  # the adapted layers' weights in NF4, the rest (embeddings, norms) as loaded
             shapes = quantized_shapes(spec, facts)
-            qn, qb = sum(r * k for r, k in shapes.values()), sum(nf4_layout.quantized_bytes(r, k) for r, k in shapes.values())
-            frozen = Term("frozen weights (NF4 where adapted)", f"({qb / max(qn, 1):.3g} B × {_n(qn)} + {w} B × "
-                          f"{_n(N - qn)}){per}", (qb + w * (N - qn)) / P)
-        terms = [(frozen, host_params),
-                 (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt)]
+            qn, qb = (
+                sum(r * k for r, k in shapes.values()),
+                sum(nf4_layout.quantized_bytes(r, k) for r, k in shapes.values()),
+            )
+            frozen = Term(
+                "frozen weights (NF4 where adapted)",
+                f"({qb / max(qn, 1):.3g} B × {_n(qn)} + {w} B × {_n(N - qn)}){per}",
+                (qb + w * (N - qn)) / P,
+            )
+        terms = [
+            (frozen, host_params),
+            (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt),
+        ]
     if spec.reference_copy:  # DPO's frozen reference, sharded like the model
         ref_b = 2 if t.strategy == "zero3" and c == 2 else w  # frozen: kept as loaded (ZeRO-3: its 16-bit copy)
         terms.append((Term("DPO reference copy (frozen)", f"{ref_b} B × {_n(N)}{per}", ref_b * N / P), host_params))
@@ -130,8 +141,9 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         except ValueError:  # a bad training.deepspeed override: reported on its own; estimate without it
             zero = deepspeed_config.generate(spec, workers, hidden)["zero_optimization"]
         live = min(zero["stage3_max_live_parameters"], N) if zero["stage3_max_reuse_distance"] else facts.layer_params
-        out.device.append(Term("parameters kept gathered (stage3_max_live_parameters)",
-                               f"{_n(live)} × {c} B", live * c))
+        out.device.append(
+            Term("parameters kept gathered (stage3_max_live_parameters)", f"{_n(live)} × {c} B", live * c)
+        )
     elif sharded and P > 1:
         # QLoRA gathers a layer's 4-bit codes and dequantizes one weight at a time for its matmul
         g = 0.6 if t.finetune == "qlora" else c
@@ -150,11 +162,15 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     if frozen_head_apart(spec) and P > 1:
         head = "frozen output layer" + (" (tied to the embedding)" if tied else "")
         if splits_vocabulary(spec, workers):  # strategies/vocab_parallel.py: each rank its rows, none gathered
-            out.device.append(Term(f"{head} split by rows over the ranks", f"{vocab}·{d} × {w} B / {P}, in the "
-                                   "frozen weights above", 0))
+            out.device.append(
+                Term(
+                    f"{head} split by rows over the ranks", f"{vocab}·{d} × {w} B / {P}, in the frozen weights above", 0
+                )
+            )
         else:
-            out.device.append(Term(f"{head} whole on every rank", f"{vocab}·{d} × {w} B × (1 - 1/{P})",
-                                   vocab * d * w * (1 - 1 / P)))
+            out.device.append(
+                Term(f"{head} whole on every rank", f"{vocab}·{d} × {w} B × (1 - 1/{P})", vocab * d * w * (1 - 1 / P))
+            )
     elif t.strategy == "fsdp2" and P > 1 and not spec.rl:
         # The root unit (the output layer, a tied table with it, the last norm) is gathered at the
         # first forward and kept through the backward: the largest unit gathered at once, held at the
@@ -164,8 +180,7 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
         if t.finetune == "full":  # whole gradients at the backward's end: a tied table's two parts and their
             # sum (benchmarks/RESULTS.md, "A tied table's gradient"), or the output layer's and the embedding's
             tables = "tied table" if tied else "output layer and embedding"
-            out.device.append(Term(f"whole gradients of the {tables}", f"2 × {vocab}·{d} × {c} B",
-                                   2 * vocab * d * c))
+            out.device.append(Term(f"whole gradients of the {tables}", f"2 × {vocab}·{d} × {c} B", 2 * vocab * d * c))
     out.device.extend(activation_terms(spec, facts))
     out.device.extend(reward_model_terms(spec))
     out.device.extend(engine_terms(spec, facts, workers))
@@ -197,14 +212,27 @@ def engine_terms(spec: JobSpec, facts: ModelFacts, workers: int) -> list[Term]:
         return []
     if spec.scaling.use_gpu:
         device = spec.scaling.accelerator_memory_gb
-        return [Term("the rollout engine (vLLM, colocated): vllm_gpu_memory_utilization × the device",
-                     f"{g.vllm_gpu_memory_utilization} × {device:g} GiB", g.vllm_gpu_memory_utilization * device * GiB)] \
-            if device else []
+        return (
+            [
+                Term(
+                    "the rollout engine (vLLM, colocated): vllm_gpu_memory_utilization × the device",
+                    f"{g.vllm_gpu_memory_utilization} × {device:g} GiB",
+                    g.vllm_gpu_memory_utilization * device * GiB,
+                )
+            ]
+            if device
+            else []
+        )
     completions = -(-spec.training.global_batch_size // workers) * g.num_generations
     kv = engine_kv_bytes(facts.config, completions, spec.data.seq_len)
     n = facts.n_params
-    return [Term("the rollout engine (vLLM, its own process): weights + KV cache + process ≈",
-                 f"4 B × {_n(n)} + {size(kv)} + {ENGINE_RUNTIME_CPU_GIB} GiB", 4 * n + kv + ENGINE_RUNTIME_CPU_GIB * GiB)]
+    return [
+        Term(
+            "the rollout engine (vLLM, its own process): weights + KV cache + process ≈",
+            f"4 B × {_n(n)} + {size(kv)} + {ENGINE_RUNTIME_CPU_GIB} GiB",
+            4 * n + kv + ENGINE_RUNTIME_CPU_GIB * GiB,
+        )
+    ]
 
 
 # What a worker holds before any weight: CUDA's context and NCCL's buffers on a GPU; on a CPU
@@ -258,8 +286,11 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     layer = b * local * d * per * c / 2
     shape = f"10 + (24{f' + 5·{heads}·{s}/{d}' if quad else ''}) / {tp}" if tp > 1 or quad else "34"
     if spec.training.activation_checkpointing:
-        act = Term("activations (checkpointed)", f"{n_layers} × {tokens} × {c} B + one layer ({shape}) × {tokens} × {c}/2 B",
-                   n_layers * b * local * d * c + layer)
+        act = Term(
+            "activations (checkpointed)",
+            f"{n_layers} × {tokens} × {c} B + one layer ({shape}) × {tokens} × {c}/2 B",
+            n_layers * b * local * d * c + layer,
+        )
     else:
         act = Term("activations", f"{n_layers} × ({shape}) × {tokens} × {c}/2 B", n_layers * layer)
     terms = [act]
@@ -273,8 +304,13 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
         mask_b = masks.mask_element_bytes(impl, c)
         why = "packed rows" if spec.packed else "causal" if impl == "eager" else "sliding window"
         count = f"{len(built)} × " if len(built) > 1 else ""
-        terms.append(Term(f"attention mask{'s' * (len(built) > 1)} (s×s: {why})", f"{count}{b}·{s}² × {mask_b} B",
-                          len(built) * b * s * s * mask_b))
+        terms.append(
+            Term(
+                f"attention mask{'s' * (len(built) > 1)} (s×s: {why})",
+                f"{count}{b}·{s}² × {mask_b} B",
+                len(built) * b * s * s * mask_b,
+            )
+        )
     if spec.scores:  # a reward model's head scores one position a sequence: no vocabulary logits
         return terms
     chunk = spec.loss_chunk_tokens(facts.config)
@@ -294,8 +330,13 @@ def rollout_terms(spec: JobSpec, facts: ModelFacts, step: list[Term], b: int, s:
     n_layers = facts.dim("num_hidden_layers", "n_layer", "num_layers")
     kv = 2 * n_layers * b * s * kv_dim * c
     beyond = max(0, kv - sum(t.bytes for t in step))
-    return [Term("rollout, beyond the step's activations",
-                 f"max(0, 2 × {n_layers} × {b}·{s} × {kv_dim} × {c} B KV cache − the terms above)", beyond)]
+    return [
+        Term(
+            "rollout, beyond the step's activations",
+            f"max(0, 2 × {n_layers} × {b}·{s} × {kv_dim} × {c} B KV cache − the terms above)",
+            beyond,
+        )
+    ]
 
 
 def _lora_targets(spec: JobSpec, facts: ModelFacts) -> list[str]:
@@ -320,7 +361,9 @@ def _options(spec: JobSpec, n: int):
     """Lists of alternative single changes, in the usual order of their cost to throughput;
     within a list, from the mildest to the strongest."""
     t, hi = spec.training, spec.scaling.worker_range[1]
-    yield [Change(f"training.micro_batch_size: {m}", {"micro_batch_size": m}) for m in range(t.micro_batch_size - 1, 0, -1)]
+    yield [
+        Change(f"training.micro_batch_size: {m}", {"micro_batch_size": m}) for m in range(t.micro_batch_size - 1, 0, -1)
+    ]
     if not t.activation_checkpointing:
         yield [Change("training.activation_checkpointing: true", {"activation_checkpointing": True})]
     if compute_bytes(spec) == 4:
@@ -336,8 +379,10 @@ def _options(spec: JobSpec, n: int):
     if t.strategy != "ddp":  # more devices: the last resort, it costs money rather than speed
         key = "num_workers" if spec.scaling.num_workers else "min_workers"
         group = spec.scaling.model_parallel  # whole sequence- and tensor-parallel groups only
-        yield [Change(f"scaling.{key}: {k}" + (f" and scaling.max_workers: {k}" if k > hi else ""), workers=k)
-               for k in range(n + group, min(t.global_batch_size * group, max(64, 8 * n)) + 1, group)]
+        yield [
+            Change(f"scaling.{key}: {k}" + (f" and scaling.max_workers: {k}" if k > hi else ""), workers=k)
+            for k in range(n + group, min(t.global_batch_size * group, max(64, 8 * n)) + 1, group)
+        ]
 
 
 def smallest_fix(spec: JobSpec, facts: ModelFacts, budget: float) -> tuple[str, Estimate] | None:

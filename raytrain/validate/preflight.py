@@ -19,15 +19,25 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from raytrain import allocator
-from raytrain.validate import memory, probes
 from raytrain.job import nf4_layout
-from raytrain.rundir import storage
-from raytrain.job.spec import JobSpec, apply_overrides
-from raytrain.model.targets import lora_targets
-from raytrain.model.facts import ModelFacts, read_facts
-from raytrain.job.plan import RunPlan, model_parallel_problems
 from raytrain.job.grpo import engine_model_problems, vllm_python
-from raytrain.validate.problems import ERROR, NOTE, Problem, cross_field, did_you_mean, duplicate_keys, from_validation_error, is_hub_id, secret_problems
+from raytrain.job.plan import RunPlan, model_parallel_problems
+from raytrain.job.spec import JobSpec, apply_overrides
+from raytrain.model.facts import ModelFacts, read_facts
+from raytrain.model.targets import lora_targets
+from raytrain.rundir import storage
+from raytrain.validate import memory, probes
+from raytrain.validate.problems import (
+    ERROR,
+    NOTE,
+    Problem,
+    cross_field,
+    did_you_mean,
+    duplicate_keys,
+    from_validation_error,
+    is_hub_id,
+    secret_problems,
+)
 
 OVERRIDE_ALIASES = {"train.": "training.", "optim.": "optimizer.", "ckpt.": "checkpoint."}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -51,20 +61,28 @@ class Report:
 def load_raw(path: str, overrides: list[str]) -> tuple[dict | None, list[Problem]]:
     file = Path(path)
     if not file.is_file():
-        return None, [Problem("(job file)", repr(path), "no such file; pass the path of a job YAML, e.g. jobs/quickstart.yaml", "file")]
+        return None, [
+            Problem(
+                "(job file)", repr(path), "no such file; pass the path of a job YAML, e.g. jobs/quickstart.yaml", "file"
+            )
+        ]
     try:
         text = file.read_text()
         raw = yaml.safe_load(text)  # safe_load only: a job file never runs code
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        return None, [Problem("(job file)", repr(path), f"not valid YAML at {where}: {getattr(exc, 'problem', exc)}", "file")]
+        return None, [
+            Problem("(job file)", repr(path), f"not valid YAML at {where}: {getattr(exc, 'problem', exc)}", "file")
+        ]
     if not isinstance(raw, dict):
-        return None, [Problem("(job file)", repr(path), "a job is a YAML mapping with name:, model:, data:, ...", "file")]
+        return None, [
+            Problem("(job file)", repr(path), "a job is a YAML mapping with name:, model:, data:, ...", "file")
+        ]
     fixed = []
     for text_ in overrides:
         for short, full in OVERRIDE_ALIASES.items():
-            text_ = full + text_[len(short):] if text_.startswith(short) else text_
+            text_ = full + text_[len(short) :] if text_.startswith(short) else text_
         fixed.append(text_)
     try:
         return apply_overrides(raw, fixed), duplicate_keys(text)
@@ -80,11 +98,16 @@ def absolutize(raw: dict, base: str) -> dict:
     evaluation = data.get("eval") if isinstance(data, dict) and isinstance(data.get("eval"), dict) else {}
     grpo = (raw.get("training") or {}).get("grpo") if isinstance(raw.get("training"), dict) else None
     rewards = [r for r in (grpo.get("rewards") or []) if isinstance(r, dict)] if isinstance(grpo, dict) else []
-    for section, key, always in ((model, "path", False), (model, "tokenizer", False), (data, "path", True),
-                                 *((s, "path", True) for s in sources), (evaluation, "path", True),
-                                 *((r, "model", False) for r in rewards),
-                                 (data, "sample_log", True),
-                                 (ck, "storage_path", True)):
+    for section, key, always in (
+        (model, "path", False),
+        (model, "tokenizer", False),
+        (data, "path", True),
+        *((s, "path", True) for s in sources),
+        (evaluation, "path", True),
+        *((r, "model", False) for r in rewards),
+        (data, "sample_log", True),
+        (ck, "storage_path", True),
+    ):
         value = section.get(key) if isinstance(section, dict) else None
         if isinstance(value, str) and value and not storage.is_remote(value):
             if always or Path(base, value).exists():
@@ -121,10 +144,18 @@ def speed_notes(spec: JobSpec) -> list[Problem]:
     """What a valid job costs that another setting measurably saves (benchmarks/RESULTS.md)."""
     t = spec.training
     if t.strategy == "zero3" and t.adapters and spec.scaling.use_gpu:
-        return [Problem("training.strategy", "zero3", "LoRA under ZeRO-3 ran at 0.23x fsdp2's tokens/s on an H200 "
-                        "(6,001 against 25,609, a 1.1B Llama at 4k tokens, benchmarks/RESULTS.md \"The first GPU "
-                        "figures\"); its cause is not yet found. For a new run, training.strategy: fsdp2 trains the "
-                        "same job", "speed", NOTE)]
+        return [
+            Problem(
+                "training.strategy",
+                "zero3",
+                "LoRA under ZeRO-3 ran at 0.23x fsdp2's tokens/s on an H200 "
+                '(6,001 against 25,609, a 1.1B Llama at 4k tokens, benchmarks/RESULTS.md "The first GPU '
+                'figures"); its cause is not yet found. For a new run, training.strategy: fsdp2 trains the '
+                "same job",
+                "speed",
+                NOTE,
+            )
+        ]
     return []
 
 
@@ -182,8 +213,15 @@ def probe(spec: JobSpec, broken: set[str], network_required: bool) -> list[Probl
         try:
             out += run()
         except Exception as exc:  # a probe's own bug must not print a traceback or block a good job
-            out.append(Problem(field, "", f"not checked: the probe failed ({type(exc).__name__}: {exc}); "
-                               "please report this", "internal", NOTE))
+            out.append(
+                Problem(
+                    field,
+                    "",
+                    f"not checked: the probe failed ({type(exc).__name__}: {exc}); please report this",
+                    "internal",
+                    NOTE,
+                )
+            )
     return out
 
 
@@ -194,17 +232,39 @@ def model_folder(spec: JobSpec) -> tuple[Path | None, bool, list[Problem]]:
     if Path(path).is_dir():
         return Path(path), False, []
     if Path(path).exists() or not is_hub_id(path):
-        return None, False, [Problem("model.path", repr(path), "no such folder, and not a hub id (org/name); give a local "
-                              "Hugging Face model folder or a hub id like meta-llama/Llama-3.1-8B", "model")]
+        return (
+            None,
+            False,
+            [
+                Problem(
+                    "model.path",
+                    repr(path),
+                    "no such folder, and not a hub id (org/name); give a local "
+                    "Hugging Face model folder or a hub id like meta-llama/Llama-3.1-8B",
+                    "model",
+                )
+            ],
+        )
     from huggingface_hub import try_to_load_from_cache  # the cache on disk only: never the network
 
     cached = try_to_load_from_cache(path, "config.json", revision=spec.model.revision)
     if isinstance(cached, str):
         return Path(cached).parent, True, []
-    return None, False, [Problem("model.path", repr(path), "a hub id, not in the local Hugging Face cache, and nothing is "
-                          "downloaded here: its architecture, LoRA targets, context window and memory are checked on the "
-                          f"cluster when the workers load it (to check them here first: hf download {path} config.json)",
-                          "model", NOTE)]
+    return (
+        None,
+        False,
+        [
+            Problem(
+                "model.path",
+                repr(path),
+                "a hub id, not in the local Hugging Face cache, and nothing is "
+                "downloaded here: its architecture, LoRA targets, context window and memory are checked on the "
+                f"cluster when the workers load it (to check them here first: hf download {path} config.json)",
+                "model",
+                NOTE,
+            )
+        ],
+    )
 
 
 def model_facts(spec: JobSpec) -> ModelFacts | None:
@@ -229,31 +289,63 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
     try:
         facts = read_facts(folder)
     except (OSError, ValueError, KeyError, StructError) as exc:
-        return [Problem("model.path", path, f"cannot read the model's config or weight headers ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0]})", "model")]
+        return [
+            Problem(
+                "model.path",
+                path,
+                f"cannot read the model's config or weight headers ({type(exc).__name__}: {str(exc).splitlines()[0]})",
+                "model",
+            )
+        ]
     config = facts.config
     archs = config.get("architectures") or []
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        out.append(Problem("model.path", path, f"architecture {archs} is not a causal LM (…ForCausalLM); "
-                           "raytrain fine-tunes decoder-only language models", "model"))
+        out.append(
+            Problem(
+                "model.path",
+                path,
+                f"architecture {archs} is not a causal LM (…ForCausalLM); "
+                "raytrain fine-tunes decoder-only language models",
+                "model",
+            )
+        )
     out += remote_code_problems(spec, folder, config)
     if "training" not in broken:
         engine = engine_model_problems(spec, config)
-        out += [Problem("training.grpo.engine", "vllm", text, "model", ERROR if error else NOTE) for text, error in engine]
+        out += [
+            Problem("training.grpo.engine", "vllm", text, "model", ERROR if error else NOTE) for text, error in engine
+        ]
         if spec.rl and spec.training.grpo.engine == "vllm" and not engine and vllm_python().is_file():
-            out.append(Problem("training.grpo.engine", "vllm", f"rollouts on a vLLM engine beside each worker, run by "
-                               f"{vllm_python()} (RAYTRAIN_VLLM_PYTHON)", "environment", NOTE))
+            out.append(
+                Problem(
+                    "training.grpo.engine",
+                    "vllm",
+                    f"rollouts on a vLLM engine beside each worker, run by {vllm_python()} (RAYTRAIN_VLLM_PYTHON)",
+                    "environment",
+                    NOTE,
+                )
+            )
     window = config.get("max_position_embeddings") or config.get("n_positions")
     if window and spec.data.seq_len > window and "data" not in broken:
-        out.append(Problem("data.seq_len", str(spec.data.seq_len), f"longer than the model's context window ({window}); "
-                           f"use data.seq_len <= {window}", "model"))
+        out.append(
+            Problem(
+                "data.seq_len",
+                str(spec.data.seq_len),
+                f"longer than the model's context window ({window}); use data.seq_len <= {window}",
+                "model",
+            )
+        )
     if "training" not in broken and spec.training.adapters and facts.exact_names:
         out += lora_problems(spec, facts)
     if not broken & {"training", "scaling"} and spec.training.finetune == "qlora" and facts.exact_names:
         out += qlora_problems(spec, facts)
     if "scaling" not in broken:
-        out += [Problem(field, value, text, "model") for field, value, text in
-                model_parallel_problems(config, spec.scaling.sequence_parallel, spec.scaling.tensor_parallel)]
+        out += [
+            Problem(field, value, text, "model")
+            for field, value, text in model_parallel_problems(
+                config, spec.scaling.sequence_parallel, spec.scaling.tensor_parallel
+            )
+        ]
     if not cached:  # a cache snapshot may hold config.json alone: its tokenizer is the cluster's to load
         out += tokenizer_problems(spec, folder, broken)
     if not broken & {"training", "scaling", "data"} and not any(p.severity == ERROR for p in out):
@@ -264,15 +356,32 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
 def remote_code_problems(spec: JobSpec, folder: Path, config: dict) -> list[Problem]:
     """`trust_remote_code` must be explicit: a model that ships code needs a yes written in the job."""
     tok_config = folder / "tokenizer_config.json"
-    ships_code = bool(config.get("auto_map")) or (tok_config.is_file() and "auto_map" in json.loads(tok_config.read_text()))
+    ships_code = bool(config.get("auto_map")) or (
+        tok_config.is_file() and "auto_map" in json.loads(tok_config.read_text())
+    )
     said = "trust_remote_code" in spec.model.model_fields_set
     if ships_code and not spec.model.trust_remote_code:
         how = "is false" if said else "is not set"
-        return [Problem("model.trust_remote_code", str(spec.model.trust_remote_code).lower(), f"this model ships its own "
-                        f"Python code (auto_map) and model.trust_remote_code {how}; set model.trust_remote_code: true "
-                        "if you trust that code (it runs on every worker), or use a model without custom code", "security")]
+        return [
+            Problem(
+                "model.trust_remote_code",
+                str(spec.model.trust_remote_code).lower(),
+                f"this model ships its own "
+                f"Python code (auto_map) and model.trust_remote_code {how}; set model.trust_remote_code: true "
+                "if you trust that code (it runs on every worker), or use a model without custom code",
+                "security",
+            )
+        ]
     if spec.model.trust_remote_code and not ships_code:
-        return [Problem("model.trust_remote_code", "true", "this model ships no code of its own: set it to false", "security", NOTE)]
+        return [
+            Problem(
+                "model.trust_remote_code",
+                "true",
+                "this model ships no code of its own: set it to false",
+                "security",
+                NOTE,
+            )
+        ]
     return []
 
 
@@ -288,9 +397,16 @@ def qlora_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
     good = [n for n in range(lo, hi + 1) if n not in bad]
     first = next(iter(bad.values()))
     fix = f"run with {', '.join(map(str, good))} workers" if good else "choose a worker count that divides them"
-    return [Problem("training.finetune", "qlora", f"the adapted layers' NF4 weights cannot be sharded by whole rows "
-                    f"over {', '.join(map(str, bad))} workers ({'; '.join(first[:3])}): {fix}, or use "
-                    "training.finetune: lora", "model")]
+    return [
+        Problem(
+            "training.finetune",
+            "qlora",
+            f"the adapted layers' NF4 weights cannot be sharded by whole rows "
+            f"over {', '.join(map(str, bad))} workers ({'; '.join(first[:3])}): {fix}, or use "
+            "training.finetune: lora",
+            "model",
+        )
+    ]
 
 
 def lora_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
@@ -299,11 +415,26 @@ def lora_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
     if targets is None:
         if lora_targets(spec, facts.modules):
             return []
-        return [Problem("training.lora.target_modules", "", "none of raytrain's default LoRA targets are in this model; "
-                        f"list some of its layers: {', '.join(leaves)}", "model")]
-    return [Problem("training.lora.target_modules", repr(t), f"no module {t!r} in this model; {did_you_mean(t, leaves)}"
-                    f"its linear layers and embeddings: {', '.join(leaves)}", "model")
-            for t in targets if not facts.matching(t)]
+        return [
+            Problem(
+                "training.lora.target_modules",
+                "",
+                "none of raytrain's default LoRA targets are in this model; "
+                f"list some of its layers: {', '.join(leaves)}",
+                "model",
+            )
+        ]
+    return [
+        Problem(
+            "training.lora.target_modules",
+            repr(t),
+            f"no module {t!r} in this model; {did_you_mean(t, leaves)}"
+            f"its linear layers and embeddings: {', '.join(leaves)}",
+            "model",
+        )
+        for t in targets
+        if not facts.matching(t)
+    ]
 
 
 def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Problem]:
@@ -314,38 +445,75 @@ def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Pr
         return []  # a hub id: loaded on the cluster
     tok_dir = Path(tok) if tok else folder
     if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
-        return [Problem("model.tokenizer", repr(tok), f"{tok_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
-                        "set model.tokenizer to a tokenizer folder or hub id", "model")]
+        return [
+            Problem(
+                "model.tokenizer",
+                repr(tok),
+                f"{tok_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                "set model.tokenizer to a tokenizer folder or hub id",
+                "model",
+            )
+        ]
     if "data" in broken or all(d.format in ("text", "prompt") for _, d in spec.data.named_inputs()):  # prompt: its
         # plain prompts need no template; a conversational one without it is a bad row, named
         return []
     config = tok_dir / "tokenizer_config.json"
-    has_template = (tok_dir / "chat_template.jinja").is_file() or (tok_dir / "chat_template.json").is_file() or (
-        config.is_file() and json.loads(config.read_text()).get("chat_template"))
+    has_template = (
+        (tok_dir / "chat_template.jinja").is_file()
+        or (tok_dir / "chat_template.json").is_file()
+        or (config.is_file() and json.loads(config.read_text()).get("chat_template"))
+    )
     if has_template:
         return []
-    return [Problem("data.format", repr(spec.data.format), f"conversations (chat, alpaca, sharegpt) are rendered with the "
-                    f"tokenizer's chat template and the tokenizer in {tok_dir} has none; "
-                    "use an instruct/chat model's tokenizer (model.tokenizer) or add chat_template.jinja", "data")]
+    return [
+        Problem(
+            "data.format",
+            repr(spec.data.format),
+            f"conversations (chat, alpaca, sharegpt) are rendered with the "
+            f"tokenizer's chat template and the tokenizer in {tok_dir} has none; "
+            "use an instruct/chat model's tokenizer (model.tokenizer) or add chat_template.jinja",
+            "data",
+        )
+    ]
 
 
 def memory_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
     if not facts.shapes:
-        return [Problem("scaling.accelerator_memory_gb", "", "not estimated: no safetensors weights, and config.json lacks "
-                        "hidden_size/num_hidden_layers/vocab_size/num_attention_heads", "memory", NOTE)]
+        return [
+            Problem(
+                "scaling.accelerator_memory_gb",
+                "",
+                "not estimated: no safetensors weights, and config.json lacks "
+                "hidden_size/num_hidden_layers/vocab_size/num_attention_heads",
+                "memory",
+                NOTE,
+            )
+        ]
     workers = spec.scaling.worker_range[0]
     est = memory.estimate(spec, facts, workers)
     budget = spec.scaling.accelerator_memory_gb
-    head = (f"≈ {memory.size(est.total)} per device at {workers} worker(s) ({spec.training.strategy}, "
-            f"{spec.training.finetune}, {memory.compute_bytes(spec) * 8}-bit compute; parameters from {facts.source})")
+    head = (
+        f"≈ {memory.size(est.total)} per device at {workers} worker(s) ({spec.training.strategy}, "
+        f"{spec.training.finetune}, {memory.compute_bytes(spec) * 8}-bit compute; parameters from {facts.source})"
+    )
     if budget is None:
         unchecked = "; set scaling.accelerator_memory_gb to check it" if spec.scaling.use_gpu else ""
         return [Problem("scaling.accelerator_memory_gb", "", f"{head}: {est.arithmetic()}{unchecked}", "memory", NOTE)]
     if est.total <= budget * memory.GiB:
-        return [Problem("scaling.accelerator_memory_gb", f"{budget:g}", f"fits: {head}: {est.arithmetic()}", "memory", NOTE)]
+        return [
+            Problem("scaling.accelerator_memory_gb", f"{budget:g}", f"fits: {head}: {est.arithmetic()}", "memory", NOTE)
+        ]
     fix = memory.smallest_fix(spec, facts, budget * memory.GiB)
-    advice = (f"smallest change that fits: {fix[0]} (≈ {memory.size(fix[1].total)})" if fix else
-              "nothing raytrain can change makes it fit: use accelerators with more memory")
-    return [Problem("scaling.accelerator_memory_gb", f"{budget:g}", f"does not fit: {head}, more than {budget:g} GiB: "
-                    f"{est.arithmetic()}; {advice}", "memory")]
-
+    advice = (
+        f"smallest change that fits: {fix[0]} (≈ {memory.size(fix[1].total)})"
+        if fix
+        else "nothing raytrain can change makes it fit: use accelerators with more memory"
+    )
+    return [
+        Problem(
+            "scaling.accelerator_memory_gb",
+            f"{budget:g}",
+            f"does not fit: {head}, more than {budget:g} GiB: {est.arithmetic()}; {advice}",
+            "memory",
+        )
+    ]

@@ -20,23 +20,26 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from raytrain.rundir import storage
-from raytrain.job.spec import JobSpec
 from raytrain.data import FILE_EXTENSIONS, to_value
 from raytrain.data.pairs import record_of, to_margin, to_pair
 from raytrain.data.prompts import to_prompt
-from raytrain.job.data import DEFAULT_COLUMNS, DEFAULT_TAGS
-from raytrain.data.unpaired import to_unpaired
-from raytrain.job.grpo import reward_model_base
 from raytrain.data.sources import list_sources, sample_rows
-from raytrain.validate.problems import NOTE, Problem, did_you_mean, is_hub_id
+from raytrain.data.unpaired import to_unpaired
+from raytrain.job.data import DEFAULT_COLUMNS, DEFAULT_TAGS
+from raytrain.job.grpo import reward_model_base
+from raytrain.job.spec import JobSpec
+from raytrain.rundir import storage
 from raytrain.tracking.mlflow_run import REMOTE_WITHOUT_SERVER, tracking_uri
+from raytrain.validate.problems import NOTE, Problem, did_you_mean, is_hub_id
 
 TIMEOUT_S = 3.0
 SAMPLE_FILES, SAMPLE_ROWS = 8, 20
 # Failures that mean "could not get there", as opposed to "got there and was refused".
-_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|resolve host|curlCode: (6|7|28)|timed out|Name or service not known|"
-                          r"name resolution|Network is unreachable", re.I)
+_UNREACHABLE = re.compile(
+    r"NETWORK_CONNECTION|resolve host|curlCode: (6|7|28)|timed out|Name or service not known|"
+    r"name resolution|Network is unreachable",
+    re.I,
+)
 
 
 def _resolve_error(host: str) -> str | None:
@@ -68,17 +71,30 @@ def _object_store_host(uri: str) -> str | None:
 
 def unreachable(field: str, value: str, why: str, network_required: bool, kind: str) -> Problem:
     if network_required:
-        return Problem(field, repr(value), f"cannot be reached from this machine ({why}); the driver of a run must "
-                       "reach it: fix the address or the network, or run from inside the cluster", kind)
-    return Problem(field, repr(value), f"not checked: cannot be reached from this machine ({why}); "
-                   "`raytrain run` checks it again from the driver and refuses the job if it is unreachable there",
-                   kind, NOTE)
+        return Problem(
+            field,
+            repr(value),
+            f"cannot be reached from this machine ({why}); the driver of a run must "
+            "reach it: fix the address or the network, or run from inside the cluster",
+            kind,
+        )
+    return Problem(
+        field,
+        repr(value),
+        f"not checked: cannot be reached from this machine ({why}); "
+        "`raytrain run` checks it again from the driver and refuses the job if it is unreachable there",
+        kind,
+        NOTE,
+    )
 
 
 # ---------------------------------------------------------------- dataset
 def data_problems(spec: JobSpec, network_required: bool = False) -> list[Problem]:
-    return [p for field, data in spec.data.named_inputs()
-            for p in dataset_problems(data, field, network_required, spec.row_kind)]
+    return [
+        p
+        for field, data in spec.data.named_inputs()
+        for p in dataset_problems(data, field, network_required, spec.row_kind)
+    ]
 
 
 def dataset_problems(d, field: str, network_required: bool, pairs: bool | str = False) -> list[Problem]:
@@ -94,11 +110,25 @@ def dataset_problems(d, field: str, network_required: bool, pairs: bool | str = 
         try:
             files = [s.path for s in list_sources(fs, root)]  # the files the prepare step reads, by the same rule
         except FileNotFoundError:
-            return [Problem(field, repr(path), "no such file or folder, and no match for a glob; give a "
-                            ".jsonl/.json/.parquet file, a folder or a glob of them", "data")]
+            return [
+                Problem(
+                    field,
+                    repr(path),
+                    "no such file or folder, and no match for a glob; give a "
+                    ".jsonl/.json/.parquet file, a folder or a glob of them",
+                    "data",
+                )
+            ]
         if not files:
-            return [Problem(field, repr(path), f"no .{', .'.join(FILE_EXTENSIONS)} files there "
-                            "(the only formats raytrain reads); convert the data or point at the right folder", "data")]
+            return [
+                Problem(
+                    field,
+                    repr(path),
+                    f"no .{', .'.join(FILE_EXTENSIONS)} files there "
+                    "(the only formats raytrain reads); convert the data or point at the right folder",
+                    "data",
+                )
+            ]
         rows = [(f, n, raw) for f in files[:SAMPLE_FILES] for n, raw in sample_rows(fs, f, SAMPLE_ROWS)]
     except (OSError, ValueError) as exc:  # unreadable, not a JSON array, not parquet, ...: a message, not a traceback
         text = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -118,11 +148,24 @@ def _decoded(row):
     return row
 
 
-REQUIRED_COLUMNS = {"text": ("text",), "chat": ("messages",), "sharegpt": ("messages",), "alpaca": ("prompt", "response")}
-PAIR_COLUMNS = {"text": ("prompt", "chosen", "rejected"), "chat": ("chosen", "rejected"),  # chat: prompt may be implicit
-                "sharegpt": ("messages", "chosen", "rejected"), "alpaca": ("prompt", "chosen", "rejected")}
-UNPAIRED_COLUMNS = {"text": ("prompt", "completion", "label"), "chat": ("label",),  # chat: prompt + completion, or messages
-                    "sharegpt": ("messages", "label"), "alpaca": ("prompt", "response", "label")}
+REQUIRED_COLUMNS = {
+    "text": ("text",),
+    "chat": ("messages",),
+    "sharegpt": ("messages",),
+    "alpaca": ("prompt", "response"),
+}
+PAIR_COLUMNS = {
+    "text": ("prompt", "chosen", "rejected"),
+    "chat": ("chosen", "rejected"),  # chat: prompt may be implicit
+    "sharegpt": ("messages", "chosen", "rejected"),
+    "alpaca": ("prompt", "chosen", "rejected"),
+}
+UNPAIRED_COLUMNS = {
+    "text": ("prompt", "completion", "label"),
+    "chat": ("label",),  # chat: prompt + completion, or messages
+    "sharegpt": ("messages", "label"),
+    "alpaca": ("prompt", "response", "label"),
+}
 
 
 def _format_of(columns: set[str]) -> str | None:
@@ -133,13 +176,21 @@ def _format_of(columns: set[str]) -> str | None:
     return None
 
 
+def _row_kind(pairs: bool | str) -> str:
+    """What a row is, in a message: `pairs` as the job's row kind gives it (JobSpec.row_kind)."""
+    return {"kto": "unpaired feedback ", "prompt": "prompt "}.get(pairs, "preference " if pairs else "")
+
+
 def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool | str = False) -> list[Problem]:
     """A required column, or a turn key, that none of the first rows has: named, with the fix."""
     seen = set().union(*(set(r) for r in records)) if records else set()
     if not seen:
         return []
-    wanted = (("prompt",) if d.format == "prompt" else REQUIRED_COLUMNS[d.format]) if pairs == "prompt" else (UNPAIRED_COLUMNS if pairs == "kto" else PAIR_COLUMNS
-                                                                if pairs else REQUIRED_COLUMNS)[d.format]
+    wanted = (
+        (("prompt",) if d.format == "prompt" else REQUIRED_COLUMNS[d.format])
+        if pairs == "prompt"
+        else (UNPAIRED_COLUMNS if pairs == "kto" else PAIR_COLUMNS if pairs else REQUIRED_COLUMNS)[d.format]
+    )
     for name in wanted:
         column = d.column(name)
         if not any(column in r for r in records):
@@ -149,9 +200,16 @@ def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool | str = Fa
                 hint = "; these rows are preference pairs: set training.objective: dpo (or simpo, or reward)"
             if not pairs and "label" in seen:
                 hint = "; these rows are labelled feedback: set training.objective: kto"
-            return [Problem(f"data.columns.{name}", repr(column), f"no such column in the first {n_rows} rows (columns "
-                            f"there: {', '.join(sorted(seen))}); {did_you_mean(column, seen)}set data.columns.{name} to "
-                            f"one of them{hint}", "data")]
+            return [
+                Problem(
+                    f"data.columns.{name}",
+                    repr(column),
+                    f"no such column in the first {n_rows} rows (columns "
+                    f"there: {', '.join(sorted(seen))}); {did_you_mean(column, seen)}set data.columns.{name} to "
+                    f"one of them{hint}",
+                    "data",
+                )
+            ]
     if d.format in ("chat", "sharegpt"):
         turns = [t for r in records for t in (r.get(d.column("messages")) or []) if isinstance(t, dict)]
         keys = set().union(*(set(t) for t in turns)) if turns else set()
@@ -159,13 +217,21 @@ def mapping_problems(d, records: list[dict], n_rows: int, pairs: bool | str = Fa
             if keys and d.tag(tag) not in keys:
                 other = next((f for f, tags in DEFAULT_TAGS.items() if f != d.format and tags[tag] in keys), None)
                 hint = f" (these are {other} keys: set data.format: {other})" if other else ""
-                return [Problem(f"data.tags.{tag}", repr(d.tag(tag)), f"no such key in the turns of the first {n_rows} "
-                                f"rows (keys there: {', '.join(sorted(keys))}); set data.tags.{tag}{hint}", "data")]
+                return [
+                    Problem(
+                        f"data.tags.{tag}",
+                        repr(d.tag(tag)),
+                        f"no such key in the turns of the first {n_rows} "
+                        f"rows (keys there: {', '.join(sorted(keys))}); set data.tags.{tag}{hint}",
+                        "data",
+                    )
+                ]
     return []
 
 
-def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str = "data.path",
-                 pairs: bool | str = False) -> list[Problem]:
+def row_problems(
+    d, rows: list[tuple[str, int, object]], path: str, field: str = "data.path", pairs: bool | str = False
+) -> list[Problem]:
     """The first rows against the format and mapping, with the checks the prepare step applies per row."""
     if not rows:
         return [Problem(field, repr(path), "the files hold no rows", "data")]
@@ -175,8 +241,9 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
         if isinstance(record, dict):
             records.append(record)
         try:
-            to_prompt(d, raw) if pairs == "prompt" else to_unpaired(d, raw) if pairs == "kto" else \
-                to_pair(d, raw) if pairs else to_value(d, raw)
+            to_prompt(d, raw) if pairs == "prompt" else to_unpaired(d, raw) if pairs == "kto" else to_pair(
+                d, raw
+            ) if pairs else to_value(d, raw)
             if pairs == "reward":
                 to_margin(d, record_of(raw))
         except ValueError as why:
@@ -185,14 +252,34 @@ def row_problems(d, rows: list[tuple[str, int, object]], path: str, field: str =
     if mapping:
         return mapping
     if len(bad) == len(rows):
-        return [Problem(field, repr(path), f"none of the first {len(rows)} rows is usable as {d.format} "
-                        f"{'unpaired feedback ' if pairs == 'kto' else 'prompt ' if pairs == 'prompt' else 'preference ' if pairs else ''}data, "
-                        f"e.g. {bad[0]}", "data")]
+        return [
+            Problem(
+                field,
+                repr(path),
+                f"none of the first {len(rows)} rows is usable as {d.format} {_row_kind(pairs)}data, e.g. {bad[0]}",
+                "data",
+            )
+        ]
     if bad and d.bad_rows == "fail":
-        return [Problem("data.bad_rows", "'fail'", f"{bad[0]}: the run would stop there; fix the row or set data.bad_rows: skip", "data")]
+        return [
+            Problem(
+                "data.bad_rows",
+                "'fail'",
+                f"{bad[0]}: the run would stop there; fix the row or set data.bad_rows: skip",
+                "data",
+            )
+        ]
     if bad:
-        return [Problem("data.bad_rows", "'skip'", f"{len(bad)} of the first {len(rows)} rows will be skipped "
-                        f"(and counted in MLflow's bad_rows), e.g. {bad[0]}", "data", NOTE)]
+        return [
+            Problem(
+                "data.bad_rows",
+                "'skip'",
+                f"{len(bad)} of the first {len(rows)} rows will be skipped "
+                f"(and counted in MLflow's bad_rows), e.g. {bad[0]}",
+                "data",
+                NOTE,
+            )
+        ]
     return []
 
 
@@ -219,9 +306,16 @@ def reward_problems(spec: JobSpec) -> list[Problem]:
         finally:
             sys.path.remove("")
         if not found:
-            out.append(Problem(f"training.grpo.rewards[{i}].function", repr(reward.function), f"no module {module!r} "
-                               "here: run from the folder that holds it (it ships with `ray job submit --working-dir "
-                               ".`), or install it in the image", "data"))
+            out.append(
+                Problem(
+                    f"training.grpo.rewards[{i}].function",
+                    repr(reward.function),
+                    f"no module {module!r} "
+                    "here: run from the folder that holds it (it ships with `ray job submit --working-dir "
+                    ".`), or install it in the image",
+                    "data",
+                )
+            )
     return out
 
 
@@ -231,23 +325,53 @@ def reward_model_problems(field: str, path: str) -> list[Problem]:
     folder = Path(path)
     if not folder.is_dir():
         if is_hub_id(path):  # its head could not be checked, and the hub's main moves under a running job
-            return [Problem(field, repr(path), "is a hub id: a reward model is read from a folder, whose scoring "
-                            f"head validate checks; download it at a fixed commit (`hf download {path} --revision "
-                            "COMMIT --local-dir DIR`) and give DIR", "model")]
-        return [Problem(field, repr(path), "no such folder, and not a hub id: give the final_model folder of a "
-                        "`raytrain run` with objective: reward, or a ...ForSequenceClassification model", "model")]
+            return [
+                Problem(
+                    field,
+                    repr(path),
+                    "is a hub id: a reward model is read from a folder, whose scoring "
+                    f"head validate checks; download it at a fixed commit (`hf download {path} --revision "
+                    "COMMIT --local-dir DIR`) and give DIR",
+                    "model",
+                )
+            ]
+        return [
+            Problem(
+                field,
+                repr(path),
+                "no such folder, and not a hub id: give the final_model folder of a "
+                "`raytrain run` with objective: reward, or a ...ForSequenceClassification model",
+                "model",
+            )
+        ]
     adapter = folder / "adapter_config.json"
     kind = "adapter_model.safetensors" if adapter.is_file() else "*.safetensors"
     if not adapter.is_file() and not (folder / "config.json").is_file():
-        return [Problem(field, repr(path), "has no config.json (a model) or adapter_config.json (a LoRA adapter)", "model")]
+        return [
+            Problem(field, repr(path), "has no config.json (a model) or adapter_config.json (a LoRA adapter)", "model")
+        ]
     if not list(folder.glob(kind)):
-        return [Problem(field, repr(path), f"has no {kind}: only safetensors weights are read (a pickled file can "
-                        "run code); save the reward model with safetensors", "model")]
+        return [
+            Problem(
+                field,
+                repr(path),
+                f"has no {kind}: only safetensors weights are read (a pickled file can "
+                "run code); save the reward model with safetensors",
+                "model",
+            )
+        ]
     if adapter.is_file():
         base = reward_model_base(path)
         if not Path(base).is_dir() and not is_hub_id(base):
-            return [Problem(field, repr(path), f"is a LoRA adapter over {base!r}, which is neither a folder here nor "
-                            "a hub id: export the reward model whole (finetune: full) or keep its base where it names", "model")]
+            return [
+                Problem(
+                    field,
+                    repr(path),
+                    f"is a LoRA adapter over {base!r}, which is neither a folder here nor "
+                    "a hub id: export the reward model whole (finetune: full) or keep its base where it names",
+                    "model",
+                )
+            ]
     return reward_head_problems(field, path, folder.glob(kind))
 
 
@@ -261,13 +385,27 @@ def reward_head_problems(field: str, path: str, files) -> list[Problem]:
         shapes.update(read_safetensors_header(f))
     heads = {k: v for k, v in shapes.items() if k.endswith(".weight") and set(k.split(".")) & set(SCORE_HEADS)}
     if not heads:
-        return [Problem(field, repr(path), "holds no scoring head (no score.weight in its safetensors): it is a causal "
-                        "LM, not a reward model, and transformers would give it a random head. Train one with "
-                        "training.objective: reward and give its final_model folder", "model")]
+        return [
+            Problem(
+                field,
+                repr(path),
+                "holds no scoring head (no score.weight in its safetensors): it is a causal "
+                "LM, not a reward model, and transformers would give it a random head. Train one with "
+                "training.objective: reward and give its final_model folder",
+                "model",
+            )
+        ]
     labels = {v[0] for v in heads.values()}
     if labels != {1}:
-        return [Problem(field, repr(path), f"its scoring head has {max(labels)} labels ({', '.join(sorted(heads))}): "
-                        "a GRPO reward is one number a completion; give a reward model with num_labels 1", "model")]
+        return [
+            Problem(
+                field,
+                repr(path),
+                f"its scoring head has {max(labels)} labels ({', '.join(sorted(heads))}): "
+                "a GRPO reward is one number a completion; give a reward model with num_labels 1",
+                "model",
+            )
+        ]
     return []
 
 
@@ -282,8 +420,14 @@ def storage_problems(spec: JobSpec, network_required: bool = False) -> list[Prob
     if why and host and _UNREACHABLE.search(why):
         return [unreachable("checkpoint.storage_path", uri, why, network_required, "storage")]
     if why:
-        return [Problem("checkpoint.storage_path", repr(uri), f"not writable ({why}); choose a folder or bucket this "
-                        "job may write to", "storage")]
+        return [
+            Problem(
+                "checkpoint.storage_path",
+                repr(uri),
+                f"not writable ({why}); choose a folder or bucket this job may write to",
+                "storage",
+            )
+        ]
     return []
 
 
@@ -298,15 +442,30 @@ def tracking_problems(spec: JobSpec, network_required: bool = False) -> list[Pro
     if scheme in ("http", "https"):
         return _http(uri, network_required)
     if scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
-        return [Problem("tracking.uri", repr(given), "MLflow 3 refuses file stores by default; use "
-                        "sqlite:///<folder>/mlflow.db (or an http:// tracking server)", "tracking")]
+        return [
+            Problem(
+                "tracking.uri",
+                repr(given),
+                "MLflow 3 refuses file stores by default; use "
+                "sqlite:///<folder>/mlflow.db (or an http:// tracking server)",
+                "tracking",
+            )
+        ]
     if scheme not in ("file", "databricks"):
-        return [Problem("tracking.uri", repr(given), f"not checked: raytrain does not probe {scheme}:// stores", "tracking", NOTE)]
+        return [
+            Problem(
+                "tracking.uri",
+                repr(given),
+                f"not checked: raytrain does not probe {scheme}:// stores",
+                "tracking",
+                NOTE,
+            )
+        ]
     return []
 
 
 def _sqlite(uri: str) -> list[Problem]:
-    db = Path(uri[len("sqlite:///"):]).expanduser()
+    db = Path(uri[len("sqlite:///") :]).expanduser()
     folder = next((p for p in [db.parent, *db.parent.parents] if p.exists()), Path("/"))
     if db.exists() and not db.is_file():
         why = f"{db} exists and is not a file"
@@ -331,7 +490,13 @@ def _http(uri: str, network_required: bool) -> list[Problem]:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             if not _UNREACHABLE.search(str(reason)):
-                return [Problem("tracking.uri", repr(uri), f"no MLflow server answers there ({reason}); start it or "
-                                "fix the host and port", "tracking")]
+                return [
+                    Problem(
+                        "tracking.uri",
+                        repr(uri),
+                        f"no MLflow server answers there ({reason}); start it or fix the host and port",
+                        "tracking",
+                    )
+                ]
             why = str(reason)
     return [unreachable("tracking.uri", uri, why, network_required, "tracking")]

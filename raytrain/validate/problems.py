@@ -24,14 +24,19 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # org/name: what the Hu
 def is_hub_id(path: str) -> bool:
     return bool(HUB_ID.match(path)) and not path.startswith(("/", ".", "~")) and not path.count("/") > 1
 
+
 ERROR, NOTE = "error", "note"
 # Keys whose values are secrets: whole words of the key, so `tokenizer` or `max_tokens` is not a token.
-SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{30,}|A[KS]IA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}|"
-                          r"sk-[A-Za-z0-9_-]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY)")
+SECRET_VALUE = re.compile(
+    r"\b(hf_[A-Za-z0-9]{30,}|A[KS]IA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}|"
+    r"sk-[A-Za-z0-9_-]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY)"
+)
 URI_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s:]+:[^/@\s]+@", re.I)
 # Cross-field rules name their field first: "training.global_batch_size=64 is not ...",
 # or, inside a section, "min_workers=3 > ..." / "give either `num_workers` ...".
-_LEADING_FIELD = re.compile(r"^`?(?P<field>[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)`?(?:=(?P<value>\S+?))?[:,]?\s+(?P<rest>.+)$", re.S)
+_LEADING_FIELD = re.compile(
+    r"^`?(?P<field>[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)`?(?:=(?P<value>\S+?))?[:,]?\s+(?P<rest>.+)$", re.S
+)
 _BACKTICKED = re.compile(r"`([a-z_][a-z0-9_.]*)`")
 
 
@@ -52,7 +57,7 @@ class Problem:
 
 
 def did_you_mean(word: str, known: list[str] | set[str]) -> str:
-    """"did you mean 'x'? " or "" (difflib, the same cutoff everywhere)."""
+    """ "did you mean 'x'? " or "" (difflib, the same cutoff everywhere)."""
     close = difflib.get_close_matches(str(word), sorted(known), n=1, cutoff=0.6)
     return f"did you mean {close[0]!r}? " if close else ""
 
@@ -78,6 +83,7 @@ def _fix(err: dict) -> str:
     if kind == "missing":
         model = section_at(loc)
         doc = model.model_fields[loc[-1]].description if model and loc[-1] in model.model_fields else ""
+        doc = " ".join((doc or "").split())  # a docstring wrapped in the source is one line here
         return f"required and missing; add it ({doc})" if doc else "required and missing; add it"
     if kind in ("literal_error", "enum"):
         return f"not allowed; use one of {ctx.get('expected', '')}"
@@ -137,8 +143,15 @@ def duplicate_keys(text: str) -> list[Problem]:
             for key, value in node.value:
                 name = f"{prefix}{key.value}"
                 if name in lines:
-                    out.append(Problem(name, "", f"appears twice (lines {lines[name]} and {key.start_mark.line + 1}); "
-                                       "YAML keeps only the last: merge them into one", "file"))
+                    out.append(
+                        Problem(
+                            name,
+                            "",
+                            f"appears twice (lines {lines[name]} and {key.start_mark.line + 1}); "
+                            "YAML keeps only the last: merge them into one",
+                            "file",
+                        )
+                    )
                 lines[name] = key.start_mark.line + 1
                 walk(value, name + ".")
         elif isinstance(node, yaml.SequenceNode):
@@ -157,12 +170,26 @@ def secret_problems(tree, prefix: str = "") -> list[Problem]:
         scalar = isinstance(value, (str, int)) and not isinstance(value, bool) and value != ""
         secret_key = isinstance(key, str) and SECRET_KEY.search(key) and scalar
         if secret_key or (isinstance(value, str) and SECRET_VALUE.search(value)):
-            out.append(Problem(name, "<redacted>", "looks like a secret; secrets do not belong in a job file (it is "
-                               "logged to MLflow and stored with the run): remove it and export it as an environment "
-                               "variable (e.g. HF_TOKEN, AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD)", "security"))
+            out.append(
+                Problem(
+                    name,
+                    "<redacted>",
+                    "looks like a secret; secrets do not belong in a job file (it is "
+                    "logged to MLflow and stored with the run): remove it and export it as an environment "
+                    "variable (e.g. HF_TOKEN, AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD)",
+                    "security",
+                )
+            )
         elif isinstance(value, str) and URI_PASSWORD.search(value):
-            out.append(Problem(name, "<redacted>", "a password in a URI; remove it from the URI and export it "
-                               "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for MLflow)", "security"))
+            out.append(
+                Problem(
+                    name,
+                    "<redacted>",
+                    "a password in a URI; remove it from the URI and export it "
+                    "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for MLflow)",
+                    "security",
+                )
+            )
         else:
             out.extend(secret_problems(value, name + "."))
     return out

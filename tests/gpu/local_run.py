@@ -1,24 +1,23 @@
 """raytrain's worker path in plain processes, without Ray: what the GPU suite and benchmarks/gpu.py run.
 
-A Ray Train worker (raytrain/train/worker.py) builds its strategy, restores, opens its rows of the token
-store, runs `loop.fit` and exports. Here the same product code runs in this process (or in one
-process per device, spawned), on a process group made with torch.distributed itself (NCCL on GPUs,
-gloo on CPU, a FileStore rendezvous). Ray appears in exactly three places of that path, and each is
-replaced here by the same work done locally, nothing else:
+A Ray Train worker (raytrain/train/worker.py) builds its strategy, restores, opens its rows of the token store, runs
+`loop.fit` and exports. Here the same product code runs in this process (or in one process per device, spawned), on a
+process group made with torch.distributed itself (NCCL on GPUs, gloo on CPU, a FileStore rendezvous). Ray appears in
+exactly three places of that path, and each is replaced here by the same work done locally, nothing else:
 
 - preparing the token store (`data/prepare.py`): Ray Data maps `prepare_unit` over the read units;
   here `_run_units` maps the same `prepare_unit` over them in this process, and the rest of
   `prepare.ensure_inputs` (key, shards, signed manifest) runs as it is;
 - committing a checkpoint (`checkpoint.save_and_report`): each rank saves and signs its part in a
   folder of its own, as under Ray Train; here the parts are merged into `<run_dir>/step_N/` (what
-  Ray's upload does), registered as Ray's controller registers it, and rank 0 records it. Restoring reads that folder through
+  Ray's upload does), registered as Ray's controller registers it, and rank 0 records it. Restoring reads that folder
+  through
   `signing.SignedCheckpoint` and `strategy.load`, as `checkpoint.restore` does;
 - the stop notices (`preemption.StopSignals.local`, which reads Ray's drain notice every step): here a SIGTERM
   flag only (there is no driver and no Ray drain notice to hear).
 
-A machine with Ray installed never imports it through this module. `blocked_imports` makes that
-checkable on a machine that has Ray: the suite runs inside it, with Ray and MLflow unimportable.
-"""
+A machine with Ray installed never imports it through this module. `blocked_imports` makes that checkable on a machine
+that has Ray: the suite runs inside it, with Ray and MLflow unimportable."""
 
 from __future__ import annotations
 
@@ -91,8 +90,13 @@ def init_group(device: torch.device, rank: int, world: int, rendezvous: str) -> 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
-                            rank=rank, world_size=world, **kwargs)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        **kwargs,
+    )
     return device
 
 
@@ -125,8 +129,13 @@ def spawn(fn, world: int, device: torch.device, *args):
 
     with tempfile.TemporaryDirectory(prefix="raytrain-spawn-") as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_spawned, args=(fn, world, device.type, os.path.join(tmp, "store"), out, args),
-                           nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(
+            _spawned,
+            args=(fn, world, device.type, os.path.join(tmp, "store"), out, args),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
         return json.loads(Path(out).read_text())
 
 
@@ -159,10 +168,17 @@ def _run_units_here(spec, data, fs, units, out_fs, out_path, concurrency) -> lis
     """`prepare._run_units` without Ray Data: the same `prepare_unit` on every unit, in order."""
     from raytrain.data import prepare
 
-    kwargs = {"fs": fs, "out_fs": out_fs, "out_path": out_path, "spec": spec.model_dump(mode="json"),
-              "data": data.model_dump(mode="json")}
-    return [json.loads(prepare.prepare_unit({"index": i, "unit": u.to_json()}, **kwargs)["result"])
-            for i, u in enumerate(units)]
+    kwargs = {
+        "fs": fs,
+        "out_fs": out_fs,
+        "out_path": out_path,
+        "spec": spec.model_dump(mode="json"),
+        "data": data.model_dump(mode="json"),
+    }
+    return [
+        json.loads(prepare.prepare_unit({"index": i, "unit": u.to_json()}, **kwargs)["result"])
+        for i, u in enumerate(units)
+    ]
 
 
 def register(run_dir: str, name: str) -> None:
@@ -233,10 +249,12 @@ def without_ray(checkpoints: bool = True):
     from raytrain.data import prepare
     from raytrain.train import checkpoint, loop
 
-    patches = [(prepare, "_run_units", _run_units_here),
-               (checkpoint, "save_and_report", commit_here if checkpoints else _no_checkpoint),
-               (checkpoint, "confirm", _confirm_here),
-               (loop, "StopSignals", _local_stop_signals())]
+    patches = [
+        (prepare, "_run_units", _run_units_here),
+        (checkpoint, "save_and_report", commit_here if checkpoints else _no_checkpoint),
+        (checkpoint, "confirm", _confirm_here),
+        (loop, "StopSignals", _local_stop_signals()),
+    ]
     missing = [f"{m.__name__}.{name}" for m, name, _ in patches if not hasattr(m, name)]
     if missing:
         raise RuntimeError(f"the product no longer has {missing}: update tests/gpu/local_run.py's seams")
@@ -295,10 +313,10 @@ class Trained:
 def train(spec, strategy, prepared: dict, state=None, checkpoints: bool = True, on_step=None) -> Trained:
     """`loop.fit` from `state` (default: a fresh start) to training.max_steps, on this rank's rows
     of each global batch, read as worker.py reads them (`open_data` from the prepared stores)."""
-    from raytrain.train import loop
-    from raytrain.rundir.checkpoints import TrainState
     from raytrain.data.batches import open_data
     from raytrain.job.plan import RunPlan
+    from raytrain.rundir.checkpoints import TrainState
+    from raytrain.train import loop
 
     state = state or TrainState(model_commit=spec.model.revision)
     plan = RunPlan.of(spec, prepared)
@@ -339,7 +357,9 @@ def export(spec, strategy, out: str) -> None:
 
 # ------------------------------------------------------------------ models
 def model_files(folder: Path) -> list[Path]:
-    return [f for f in folder.iterdir() if f.is_file() and (f.suffix == ".safetensors" or f.name.endswith(".index.json"))]
+    return [
+        f for f in folder.iterdir() if f.is_file() and (f.suffix == ".safetensors" or f.name.endswith(".index.json"))
+    ]
 
 
 def save_bf16_copy(source: Path, out: Path, max_shard_size: str = "40KB") -> Path:
@@ -352,7 +372,8 @@ def save_bf16_copy(source: Path, out: Path, max_shard_size: str = "40KB") -> Pat
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16).save_pretrained(
-        str(tmp), max_shard_size=max_shard_size)
+        str(tmp), max_shard_size=max_shard_size
+    )
     for f in source.iterdir():  # the tokenizer's files (and its chat template)
         if f.is_file() and not (tmp / f.name).exists() and f.suffix != ".safetensors" and "index" not in f.name:
             shutil.copy2(f, tmp / f.name)
@@ -388,8 +409,9 @@ def mesh_case(rank: int, world: int, device: torch.device, spec_jsons: list[str]
     for spec_json in spec_jsons:
         spec = JobSpec.model_validate_json(spec_json)
         strategy = build_strategy(spec, device)
-        out[f"sp{spec.scaling.sequence_parallel}-tp{spec.scaling.tensor_parallel}"] = \
-            train(spec, strategy, prepared, checkpoints=False).losses
+        out[f"sp{spec.scaling.sequence_parallel}-tp{spec.scaling.tensor_parallel}"] = train(
+            spec, strategy, prepared, checkpoints=False
+        ).losses
         release(strategy)
         del strategy
     return out

@@ -39,8 +39,10 @@ from conftest import file_hashes, make_job  # noqa: E402
 
 DEVICE = lr.suite_device()
 CUDA = DEVICE is not None and DEVICE.type == "cuda"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(DEVICE is None, reason=f"no CUDA device ({lr.DEVICE_ENV}=cpu runs it on CPU)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE is None, reason=f"no CUDA device ({lr.DEVICE_ENV}=cpu runs it on CPU)"),
+]
 STRATEGIES, FINETUNES = ("fsdp2", "zero3", "ddp"), ("lora", "full")
 PROBE = torch.tensor([[5, 17, 42, 9, 33, 120, 7, 64, 1, 200, 88, 13]])
 # bf16 compute on GPU: two computations of the same loss that differ only in kernels (compiled,
@@ -69,8 +71,16 @@ def require_deepspeed(strategy_name: str) -> None:
 def cases(strategies=STRATEGIES, finetunes=FINETUNES):
     """(strategy, finetune) params; zero3 ones skip with the reason when DeepSpeed is missing."""
     reason = deepspeed_missing()
-    return [pytest.param(s, f, id=f"{s}-{f}", marks=[pytest.mark.skipif(reason is not None, reason=str(reason))]
-                         if s == "zero3" else []) for s in strategies for f in finetunes]
+    return [
+        pytest.param(
+            s,
+            f,
+            id=f"{s}-{f}",
+            marks=[pytest.mark.skipif(reason is not None, reason=str(reason))] if s == "zero3" else [],
+        )
+        for s in strategies
+        for f in finetunes
+    ]
 
 
 # ------------------------------------------------------------------ fixtures
@@ -97,12 +107,26 @@ def job(assets, storage, model, name, strategy, finetune, steps=4, **over):
     # A constant LR after warmup: a run continued from its step-2 checkpoint is the same optimization.
     # Blocks compile where a test asks (training.compile auto compiles on GPUs: the train-resume-export
     # test runs the product's default); elsewhere eager, so the suite fits its few minutes.
-    training = {"strategy": strategy, "finetune": finetune, "max_steps": steps, "compile": False,
-                "precision": "bf16" if CUDA else "fp32", **over.pop("training", {})}
+    training = {
+        "strategy": strategy,
+        "finetune": finetune,
+        "max_steps": steps,
+        "compile": False,
+        "precision": "bf16" if CUDA else "fp32",
+        **over.pop("training", {}),
+    }
     scaling = {"num_workers": 1, "use_gpu": CUDA, **over.pop("scaling", {})}
-    return make_job(assets, storage, name=name, model={"path": str(model), "dtype": "bfloat16"}, training=training,
-                    optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"}, scaling=scaling,
-                    checkpoint={"every_n_steps": 2, "keep_last": 5}, **over)
+    return make_job(
+        assets,
+        storage,
+        name=name,
+        model={"path": str(model), "dtype": "bfloat16"},
+        training=training,
+        optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
+        scaling=scaling,
+        checkpoint={"every_n_steps": 2, "keep_last": 5},
+        **over,
+    )
 
 
 def build(spec, device):
@@ -136,8 +160,9 @@ def test_the_suite_runs_without_ray_or_mlflow(device):
 
 # ------------------------------------------------------------------ sharded loading
 @pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "zero3")))
-def test_sharded_loading_from_bf16_safetensors_equals_from_pretrained(assets, storage, bf16_model, device,
-                                                                      strategy_name, finetune):
+def test_sharded_loading_from_bf16_safetensors_equals_from_pretrained(
+    assets, storage, bf16_model, device, strategy_name, finetune
+):
     """Each rank reads its slices of the bf16 files straight into its (device) shards: the weights
     equal a plain from_pretrained in bf16 bit for bit (fsdp2's trained weights: their fp32 masters,
     bf16 -> fp32 exact), adapters initialized as on a loaded model, rotary buffers computed."""
@@ -214,8 +239,15 @@ def test_train_checkpoint_resume_and_export(assets, storage, bf16_model, device,
     from raytrain.rundir.job_file import write_job_file
     from raytrain.train.export import export_checkpoint
 
-    spec = job(assets, storage, bf16_model, f"run-{strategy_name}-{finetune}", strategy_name, finetune,
-               training={"compile": "auto"})  # the product's default: compiled blocks on a GPU (not zero3)
+    spec = job(
+        assets,
+        storage,
+        bf16_model,
+        f"run-{strategy_name}-{finetune}",
+        strategy_name,
+        finetune,
+        training={"compile": "auto"},
+    )  # the product's default: compiled blocks on a GPU (not zero3)
     prepared = lr.prepare_data(spec)
     write_job_file(spec)  # the signed job.json the offline export rebuilds the model from
     strategy = build(spec, device)
@@ -249,7 +281,9 @@ def test_train_checkpoint_resume_and_export(assets, storage, bf16_model, device,
     got = logits_of(exported, device)
     from transformers import AutoModelForCausalLM
 
-    base = logits_of(AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=torch.bfloat16).to(device).eval(), device)
+    base = logits_of(
+        AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=torch.bfloat16).to(device).eval(), device
+    )
     del exported
     lr.release()
     moved, off = float((live - base).norm()), float((got - live).norm())
@@ -278,8 +312,16 @@ def test_compiled_blocks_train_with_the_eager_losses(assets, storage, bf16_model
 
     losses = {}
     for compiled in (False, True):
-        spec = job(assets, storage, bf16_model, f"compile{int(compiled)}-{strategy_name}-{finetune}", strategy_name,
-                   finetune, steps=3, training={"compile": compiled})
+        spec = job(
+            assets,
+            storage,
+            bf16_model,
+            f"compile{int(compiled)}-{strategy_name}-{finetune}",
+            strategy_name,
+            finetune,
+            steps=3,
+            training={"compile": compiled},
+        )
         prepared = lr.prepare_data(spec)
         strategy = build(spec, device)
         blocks = modeling.decoder_blocks(strategy.hf_model)
@@ -299,8 +341,16 @@ def test_chunked_loss_trains_with_the_whole_logits_losses(assets, storage, bf16_
     logits recomputed in backward; the same per-token losses summed in another order."""
     losses = {}
     for chunk in (False, 5):
-        spec = job(assets, storage, bf16_model, f"chunk{int(chunk)}-{strategy_name}-{finetune}", strategy_name,
-                   finetune, steps=3, training={"chunked_loss": chunk})
+        spec = job(
+            assets,
+            storage,
+            bf16_model,
+            f"chunk{int(chunk)}-{strategy_name}-{finetune}",
+            strategy_name,
+            finetune,
+            steps=3,
+            training={"chunked_loss": chunk},
+        )
         prepared = lr.prepare_data(spec)
         strategy = build(spec, device)
         assert strategy.loss_chunk == (chunk or 0)
@@ -324,12 +374,21 @@ def test_liger_fused_loss_trains_with_the_unfused_losses(assets, storage, bf16_m
         pytest.skip("Liger's kernels are Triton's: CUDA only")
     losses = {}
     for chunked in ("auto", False):
-        spec = job(assets, storage, bf16_model, f"liger-{chunked}-{strategy_name}-{finetune}", strategy_name,
-                   finetune, steps=3, training={"chunked_loss": chunked})
+        spec = job(
+            assets,
+            storage,
+            bf16_model,
+            f"liger-{chunked}-{strategy_name}-{finetune}",
+            strategy_name,
+            finetune,
+            steps=3,
+            training={"chunked_loss": chunked},
+        )
         prepared = lr.prepare_data(spec)
         strategy = build(spec, device)
-        assert ("Liger's fused linear cross-entropy" in strategy.kernel_line()) == (chunked == "auto"), \
+        assert ("Liger's fused linear cross-entropy" in strategy.kernel_line()) == (chunked == "auto"), (
             strategy.kernel_line()
+        )
         losses[chunked] = lr.train(spec, strategy, prepared, checkpoints=False).losses
         lr.release(strategy)
         del strategy
@@ -339,8 +398,9 @@ def test_liger_fused_loss_trains_with_the_unfused_losses(assets, storage, bf16_m
 
 
 @pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "zero3"), ("lora",)))
-def test_liger_block_kernels_train_with_the_models_own(assets, storage, bf16_model, device, strategy_name, finetune,
-                                                       monkeypatch):
+def test_liger_block_kernels_train_with_the_models_own(
+    assets, storage, bf16_model, device, strategy_name, finetune, monkeypatch
+):
     """Blocks left eager on CUDA (`compile: false` here; zero3, sp, GRPO, QLoRA by the plan) take
     Liger's RMSNorm, SwiGLU and RoPE where liger-kernel is installed (kernels.block_kernels), named
     in the kernel line: the model's own ops' losses to bf16 precision, step for step."""
@@ -358,8 +418,16 @@ def test_liger_block_kernels_train_with_the_models_own(assets, storage, bf16_mod
         with monkeypatch.context() as m:
             if not liger:
                 m.setattr(kernels, "liger_blocks_apply", lambda *a: False)
-            spec = job(assets, storage, bf16_model, f"liger-blocks-{liger}-{strategy_name}-{finetune}", strategy_name,
-                       finetune, steps=3, training={"compile": False})
+            spec = job(
+                assets,
+                storage,
+                bf16_model,
+                f"liger-blocks-{liger}-{strategy_name}-{finetune}",
+                strategy_name,
+                finetune,
+                steps=3,
+                training={"compile": False},
+            )
             prepared = lr.prepare_data(spec)
             strategy = build(spec, device)
             assert (kernels.LIGER_BLOCKS in strategy.kernel_line()) == liger, strategy.kernel_line()
@@ -376,9 +444,17 @@ def test_dpo_steps(assets, storage, bf16_model, device, strategy_name, finetune)
     """Two DPO steps on preference pairs. At step 1 the policy is its reference (LoRA: the adapter's
     B is zero, and the reference is the same model with the adapter off; full: a frozen copy loaded
     from the same files), so the loss is ln 2 and the margins 0; then it trains."""
-    spec = job(assets, storage, bf16_model, f"dpo-{strategy_name}-{finetune}", strategy_name, finetune, steps=2,
-               data={"path": str(assets / "pairs.jsonl"), "seq_len": 32},
-               training={"objective": "dpo", "preference": {"beta": 0.1}})
+    spec = job(
+        assets,
+        storage,
+        bf16_model,
+        f"dpo-{strategy_name}-{finetune}",
+        strategy_name,
+        finetune,
+        steps=2,
+        data={"path": str(assets / "pairs.jsonl"), "seq_len": 32},
+        training={"objective": "dpo", "preference": {"beta": 0.1}},
+    )
     prepared = lr.prepare_data(spec)
     strategy = build(spec, device)
     if finetune == "full":
@@ -386,9 +462,13 @@ def test_dpo_steps(assets, storage, bf16_model, device, strategy_name, finetune)
     trained = lr.train(spec, strategy, prepared, checkpoints=False)
     lr.release(strategy)
     steps = trained.steps
-    print(f"\n[dpo {strategy_name}/{finetune}] " + ", ".join(
-        f"step {k}: loss {m['loss']:.6f} margin {m['rewards/margins']:.2e} acc {m['rewards/accuracies']:.2f}"
-        for k, m in sorted(steps.items())))
+    print(
+        f"\n[dpo {strategy_name}/{finetune}] "
+        + ", ".join(
+            f"step {k}: loss {m['loss']:.6f} margin {m['rewards/margins']:.2e} acc {m['rewards/accuracies']:.2f}"
+            for k, m in sorted(steps.items())
+        )
+    )
     assert sorted(steps) == [1, 2] and finite(trained.losses)
     # Exactly ln 2 where policy and reference compute alike: LoRA in fp32 (CPU). A full fine-tune's
     # reference is a frozen copy in model.dtype (bf16), the policy fp32 masters: on CPU (fp32 compute)
@@ -409,17 +489,30 @@ def test_reward_model_and_kto_steps(assets, storage, bf16_model, device, strateg
     is 1 - sigmoid(0) = 0.5. (Both against TRL's losses and across strategies in fp32:
     tests/test_preference.py, tests/test_combinations.py.)"""
     rows = {"reward": "pairs.jsonl", "kto": "kto.jsonl"}[objective]
-    spec = job(assets, storage, bf16_model, f"{objective}-{strategy_name}-{finetune}", strategy_name, finetune, steps=3,
-               data={"path": str(assets / rows), "seq_len": 32}, training={"objective": objective})
+    spec = job(
+        assets,
+        storage,
+        bf16_model,
+        f"{objective}-{strategy_name}-{finetune}",
+        strategy_name,
+        finetune,
+        steps=3,
+        data={"path": str(assets / rows), "seq_len": 32},
+        training={"objective": objective},
+    )
     prepared = lr.prepare_data(spec)
     strategy = build(spec, device)
     trained = lr.train(spec, strategy, prepared, checkpoints=False)
     lr.release(strategy)
     steps = trained.steps
     shown = ("margin", "accuracy") if objective == "reward" else ("kl", "rewards/margins")
-    print(f"\n[{objective} {strategy_name}/{finetune}] " + ", ".join(
-        f"step {k}: loss {m['loss']:.6f} " + " ".join(f"{n} {m.get(n, float('nan')):.3e}" for n in shown)
-        for k, m in sorted(steps.items())))
+    print(
+        f"\n[{objective} {strategy_name}/{finetune}] "
+        + ", ".join(
+            f"step {k}: loss {m['loss']:.6f} " + " ".join(f"{n} {m.get(n, float('nan')):.3e}" for n in shown)
+            for k, m in sorted(steps.items())
+        )
+    )
     assert sorted(steps) == [1, 2, 3] and finite(trained.losses)
     if objective == "kto":
         exact = not CUDA and finetune == "lora"  # as in test_dpo_steps
@@ -428,7 +521,9 @@ def test_reward_model_and_kto_steps(assets, storage, bf16_model, device, strateg
 
 
 # ------------------------------------------------------------------ more than one rank
-@pytest.mark.skipif(DEVICE is None or lr.device_count(DEVICE) < 2, reason="needs 2 GPUs (or the CPU mode's 2 gloo ranks)")
+@pytest.mark.skipif(
+    DEVICE is None or lr.device_count(DEVICE) < 2, reason="needs 2 GPUs (or the CPU mode's 2 gloo ranks)"
+)
 def test_two_ranks_fsdp2_resume(assets, storage, bf16_model, device):
     """fsdp2 full fine-tuning sharded over 2 ranks (one process per GPU, NCCL): each rank loads its
     slices; a fresh pair of ranks restored from step 2 gives step 3's loss bit for bit."""
@@ -442,17 +537,31 @@ def test_two_ranks_fsdp2_resume(assets, storage, bf16_model, device):
     assert resumed[3] == first[3]
 
 
-@pytest.mark.skipif(DEVICE is None or lr.device_count(DEVICE) < 2, reason="needs 2 GPUs (or the CPU mode's 2 gloo ranks)")
+@pytest.mark.skipif(
+    DEVICE is None or lr.device_count(DEVICE) < 2, reason="needs 2 GPUs (or the CPU mode's 2 gloo ranks)"
+)
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_two_ranks_sequence_and_tensor_parallel_train_as_data_parallel(assets, storage, bf16_model, device, finetune):
     """sp=2 (Ulysses' all-to-all over NCCL) and tp=2 (DTensor layers) on 2 ranks give dp=2's
     losses, within the rounding of another reduction order: fp32's on CPU, bf16's on a GPU."""
-    specs = [job(assets, storage, bf16_model, f"mesh-{finetune}", "fsdp2", finetune, steps=3,
-                 scaling={"num_workers": 2, **mesh})
-             for mesh in ({}, {"sequence_parallel": 2}, {"tensor_parallel": 2})]
+    specs = [
+        job(
+            assets,
+            storage,
+            bf16_model,
+            f"mesh-{finetune}",
+            "fsdp2",
+            finetune,
+            steps=3,
+            scaling={"num_workers": 2, **mesh},
+        )
+        for mesh in ({}, {"sequence_parallel": 2}, {"tensor_parallel": 2})
+    ]
     prepared = lr.prepare_data(specs[0])
-    result = {k: {int(s): v for s, v in losses.items()} for k, losses in
-              lr.spawn(lr.mesh_case, 2, DEVICE, [s.model_dump_json() for s in specs], prepared).items()}
+    result = {
+        k: {int(s): v for s, v in losses.items()}
+        for k, losses in lr.spawn(lr.mesh_case, 2, DEVICE, [s.model_dump_json() for s in specs], prepared).items()
+    }
     print(f"\n[mesh {finetune}] {result}")
     base = result["sp1-tp1"]
     assert sorted(base) == [1, 2, 3] and finite(base)
@@ -510,11 +619,11 @@ def test_packed_rows_run_torchs_varlen_kernel_with_the_masked_kernels_values(dev
     with no mask (kernels.py): outputs and gradients equal the fp32 MATH kernel's under raytrain's
     masks to bf16 precision, with grouped key/value heads. In the suite's CPU mode the kernel is
     tests/varlen.py's reference of torch's calling convention."""
+    import varlen
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    import varlen
     from raytrain.model import attention, kernels
 
     if not CUDA:
@@ -527,8 +636,12 @@ def test_packed_rows_run_torchs_varlen_kernel_with_the_masked_kernels_values(dev
     windows = (window,)
     kernel = kernels.attention_kernel("sdpa", device, dtype, config.to_dict(), windows)
     assert kernel == kernels.VARLEN_NAME, kernel
-    positions = torch.stack([torch.cat([torch.arange(60, 260), torch.arange(length - 200)]),  # mid-document start
-                             torch.cat([torch.arange(300), torch.arange(length - 300)])])
+    positions = torch.stack(
+        [
+            torch.cat([torch.arange(60, 260), torch.arange(length - 200)]),  # mid-document start
+            torch.cat([torch.arange(300), torch.arange(length - 300)]),
+        ]
+    )
     boundaries = attention.Boundaries.of(positions)
     fast = attention.model_kwargs(boundaries, kernel, windows, device, dtype)
     masked = attention.model_kwargs(boundaries, "sdpa", windows, device, torch.float32)
@@ -541,8 +654,9 @@ def test_packed_rows_run_torchs_varlen_kernel_with_the_masked_kernels_values(dev
     def run(kwargs, dtype, reference=False):
         leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
         with sdpa_kernel([SDPBackend.MATH]) if reference else contextlib.nullcontext():
-            out, _ = attention.attend(module, *leaves, inner="sdpa", split=None, sliding_window=window,
-                                      scaling=module.scaling, **kwargs)
+            out, _ = attention.attend(
+                module, *leaves, inner="sdpa", split=None, sliding_window=window, scaling=module.scaling, **kwargs
+            )
         out.float().backward(upstream)
         return [out.float()] + [t.grad.float() for t in leaves]
 

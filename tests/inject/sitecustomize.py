@@ -64,8 +64,10 @@ def fire(at: str, step: int, rank: int) -> None:
         if fault["action"] == "pause":  # a hang at a known point (a test may freeze the process meanwhile)
             time.sleep(fault["seconds"])
         if fault["action"] == "slow_down":
-            raise OSError("When uploading part for key 'step': AWS Error SLOW_DOWN during UploadPart operation: "
-                          "Please reduce your request rate. (HTTP 503, injected by the test)")
+            raise OSError(
+                "When uploading part for key 'step': AWS Error SLOW_DOWN during UploadPart operation: "
+                "Please reduce your request rate. (HTTP 503, injected by the test)"
+            )
 
 
 def _wait_for_commit(run_dir: str, step: int, timeout_s: float = 120) -> None:
@@ -115,6 +117,7 @@ def _after_write(cls_name: str):
                 return out
 
             setattr(cls, name, wrapped)
+
     return patch
 
 
@@ -139,16 +142,20 @@ def _on_upload(module) -> None:  # Ray Train's storage: a rank's copy of its par
     def persist_current_checkpoint(self, checkpoint, checkpoint_dir_name):
         import torch.distributed as dist
 
-        fire("upload", int(checkpoint_dir_name[len("step_"):][:8]), dist.get_rank() if dist.is_initialized() else 0)
+        fire("upload", int(checkpoint_dir_name[len("step_") :][:8]), dist.get_rank() if dist.is_initialized() else 0)
         return original(self, checkpoint, checkpoint_dir_name)
 
     module.StorageContext.persist_current_checkpoint = persist_current_checkpoint
 
 
-PATCHES = {"ray.train.v2._internal.execution.storage": _on_upload, "raytrain.objectives.grpo": _in_rollout, "raytrain.train.preemption": _after_step,
-           "raytrain.train.checkpoint": _around_save,
-           "raytrain.strategies.base": _after_write("TorchStrategy"),
-           "raytrain.strategies.zero3": _after_write("Zero3Strategy")}
+PATCHES = {
+    "ray.train.v2._internal.execution.storage": _on_upload,
+    "raytrain.objectives.grpo": _in_rollout,
+    "raytrain.train.preemption": _after_step,
+    "raytrain.train.checkpoint": _around_save,
+    "raytrain.strategies.base": _after_write("TorchStrategy"),
+    "raytrain.strategies.zero3": _after_write("Zero3Strategy"),
+}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
