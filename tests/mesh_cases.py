@@ -105,8 +105,7 @@ def run_case(
 
     def take(strategy, objective, step: int):
         loop.seed_step(0, step, rank // mesh.tp)
-        if hasattr(objective, "at"):  # GRPO: its completions are keyed by the step and the rows
-            objective.at(step, [(0, 0, r) for r in range(start, stop)])
+        objective.at(step, [(0, 0, r) for r in range(start, stop)])  # GRPO keys its completions by them
         # A fresh dict a step, as the store gives one: GRPO turns its prompts into completions in place
         return loop.train_step(
             strategy, objective, [dict(mb) for mb in batch], 1e-2, StopSignals(None, check_ray_notice=False)

@@ -137,3 +137,31 @@ def test_raytrain_modules_import_in_one_direction():
 
     cycles = [c for m in sorted(graph) if (c := cycle_from(m, [m], {m}))]
     assert not cycles, " -> ".join(cycles[0])
+
+
+def test_each_objective_and_strategy_is_one_row_of_its_table(tmp_path):
+    # The job's fields take exactly the tables' names, and the job's properties read their rows.
+    from typing import get_args
+
+    from raytrain.job import objectives, strategies
+    from raytrain.job.spec import TrainingSpec
+
+    fields = TrainingSpec.model_fields
+    assert set(get_args(fields["objective"].annotation)) == set(objectives.OBJECTIVES)
+    assert set(get_args(fields["strategy"].annotation)) == set(strategies.STRATEGIES)
+    want = {  # (row kind, sequences a row trains, stored, reference under full, score head)
+        "sft": (False, 1, 1, False, False),
+        "dpo": (True, 2, 2, True, False),
+        "simpo": (True, 2, 2, False, False),
+        "reward": ("reward", 2, 3, False, True),
+        "kto": ("kto", 1, 3, True, False),
+        "grpo": ("prompt", 4, 2, True, False),
+    }
+    for name, row in want.items():
+        settings = {"num_generations": 4, "beta": 0.1, "max_completion_length": 8, "rewards": [{"builtin": "length"}]}
+        grpo = {"grpo": settings} if name == "grpo" else {}
+        data = {"format": "prompt"} if name == "grpo" else {}
+        spec = make_job(
+            Path("/nonexistent"), tmp_path, training={"objective": name, "finetune": "full", **grpo}, data=data
+        )
+        assert (spec.row_kind, spec.sequences_per_row, spec.stored_sequences, spec.reference_copy, spec.scores) == row

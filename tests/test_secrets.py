@@ -42,6 +42,17 @@ def _start_worker(train_func, config: dict) -> tuple[dict, str]:
     return seen, out.getvalue()
 
 
+def start_relay(**named) -> worker_env.Relay:
+    """A job's control actor holding this process's secrets, as the driver's (`named`: its name and
+    namespace, as `control.start_actor` gives them; without the lease, which is not the point here)."""
+    import ray
+
+    from raytrain.driver.control import JobControl
+
+    actor = ray.remote(num_cpus=0, max_concurrency=16)(JobControl).options(**named).remote()
+    return worker_env.relay_secrets(actor)
+
+
 def _run_on_a_worker(runtime_env: dict, relay=None) -> tuple[dict, str]:
     import sys
 
@@ -62,20 +73,17 @@ def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_e
         monkeypatch.delenv(key, raising=False)
     # Set after the cluster started: its nodes lack it. The signing key they have (the same one).
     monkeypatch.setenv("HF_TOKEN", "hf_only_in_this_shell")
-    relay = worker_env.start_relay()
+    relay = start_relay()
     spec = make_job(assets, tmp_path)
     env = worker_env.runtime_env(spec, relay.env)
     text = json.dumps(env)
     assert "hf_only_in_this_shell" not in text and os.environ[signing.KEY_ENV] not in text
     assert env["env_vars"][entry.WANTED_ENV] == f"HF_TOKEN,{signing.KEY_ENV}"
     salt, key_id = env["env_vars"][entry.KEY_ID_ENV].split(":")  # a fresh salt each job, an HMAC under the key
-    assert (
-        key_id == signing.key_id(salt) != signing.key_id()
-        and salt not in worker_env.start_relay().env[entry.KEY_ID_ENV]
-    )
+    assert key_id == signing.key_id(salt) != signing.key_id() and salt not in start_relay().env[entry.KEY_ID_ENV]
     assert import_hashlib_sha256_prefix() not in text  # not the unsalted hash of the key it was before
 
-    seen, printed = _run_on_a_worker(env, relay.actor)
+    seen, printed = _run_on_a_worker(env, relay.config)
     assert seen == {"HF_TOKEN": "hf_only_in_this_shell", "key_id": signing.key_id(), "config": {"step": 1}}
     lines = printed.splitlines()
     assert len(lines) == 1 and "lacks HF_TOKEN:" in lines[0] and "setting them on the node" in lines[0]
@@ -83,14 +91,14 @@ def test_a_worker_gets_only_what_its_node_lacks_and_no_value_is_in_the_runtime_e
 
     # A node with another signing key gets the driver's (compared by id, never by value).
     other = {"env_vars": {**env["env_vars"], signing.KEY_ENV: "this node's own, other key"}}
-    seen, printed = _run_on_a_worker(other, relay.actor)
+    seen, printed = _run_on_a_worker(other, relay.config)
     assert seen["key_id"] == signing.key_id() and f"lacks HF_TOKEN, {signing.KEY_ENV}:" in printed
 
     # The driver gone (its relay with it): one clear line, and the worker goes on without them.
     import ray
 
     ray.kill(relay.actor)
-    seen, printed = _run_on_a_worker({"env_vars": {**env["env_vars"], "RAYTRAIN_TEST": "relay gone"}}, relay.actor)
+    seen, printed = _run_on_a_worker({"env_vars": {**env["env_vars"], "RAYTRAIN_TEST": "relay gone"}}, relay.config)
     assert seen["HF_TOKEN"] is None and "relay did not answer" in printed and "going on without them" in printed
 
 
@@ -99,9 +107,9 @@ def test_a_worker_whose_node_has_everything_asks_nothing(ray_address, assets, tm
 
     for key in (*OTHER_SECRETS, "HF_TOKEN"):
         monkeypatch.delenv(key, raising=False)
-    relay = worker_env.start_relay()
+    relay = start_relay()
     env = worker_env.runtime_env(make_job(assets, tmp_path), relay.env)
-    seen, printed = _run_on_a_worker(env, relay.actor)
+    seen, printed = _run_on_a_worker(env, relay.config)
     assert seen["key_id"] == signing.key_id() and printed == ""
 
 
@@ -143,19 +151,22 @@ def test_cpu_workers_run_mimalloc_unless_the_submitter_chose(assets, tmp_path, m
 
 
 def test_another_job_on_the_cluster_cannot_reach_the_relay(ray_address, tmp_path, monkeypatch):
-    # The relay was a named actor (`ray list actors` showed the name and namespace) that gave any
-    # value, the checkpoint signing key among them, to any caller. Now it has no name: another
-    # job (here, a second driver connected to the same cluster) asks every actor it can look up
-    # and gets nothing.
+    # The secrets live in the job's control actor, which is named (`ray list actors` shows it: it is the
+    # job's lock). It gives a value, the checkpoint signing key among them, only against the job's
+    # capability, which only the driver's train workers hold: another job (here, a second driver
+    # connected to the same cluster) asks every actor it can look up and gets nothing.
     import subprocess
     import sys
 
     import ray
 
     monkeypatch.setenv("HF_TOKEN", "hf_relayed")
-    relay = worker_env.start_relay()
-    assert ray.get(relay.actor.give.remote(["HF_TOKEN"]), timeout=60) == {"HF_TOKEN": "hf_relayed"}  # its holder can
-    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "secret" in json.dumps(a).lower()]
+    from raytrain.driver import control
+
+    relay = start_relay(name=control.actor_name(str(tmp_path)), namespace=control.NAMESPACE)
+    # its holder, with the job's capability, can; a wrong capability gets nothing
+    assert ray.get(relay.actor.give.remote(["HF_TOKEN"], relay.capability), timeout=60) == {"HF_TOKEN": "hf_relayed"}
+    assert ray.get(relay.actor.give.remote(["HF_TOKEN"], "guessed"), timeout=60) == {}
     other = subprocess.run(
         [
             sys.executable,
@@ -167,7 +178,7 @@ got = []
 for actor in ray.util.list_named_actors(all_namespaces=True):  # every actor another job can look up
     try:
         named = ray.get_actor(actor["name"], namespace=actor["namespace"])
-        got.append(ray.get(named.give.remote(["HF_TOKEN"]), timeout=30))
+        got.append(ray.get(named.give.remote(["HF_TOKEN"], ""), timeout=30))
     except Exception as exc:  # no `give`: not a relay
         got.append(type(exc).__name__)
 print(json.dumps({{"named": ray.util.list_named_actors(all_namespaces=True), "got": got}}))
@@ -180,4 +191,5 @@ print(json.dumps({{"named": ray.util.list_named_actors(all_namespaces=True), "go
     )
     assert other.returncode == 0 and other.stdout.strip(), other.stderr[-3000:]
     seen = json.loads(other.stdout.strip().splitlines()[-1])
-    assert "hf_relayed" not in other.stdout and not any(isinstance(g, dict) for g in seen["got"]), seen
+    assert any(a["name"] == control.actor_name(str(tmp_path)) for a in seen["named"]), seen  # it did find it
+    assert "hf_relayed" not in other.stdout and not any(g for g in seen["got"] if isinstance(g, dict)), seen

@@ -64,6 +64,27 @@ def test_a_group_that_dies_while_loading_counts_against_the_failure_budget():
     )
 
 
+def test_the_failure_policy_decides_from_the_attempts_alone():
+    # The decision as a value, from a list of attempts: preemptions and a resize are not failures,
+    # a job error stops at once, a transient error repeated is retried within the budget.
+    from raytrain.driver.failures import GO_ON, Attempt, FailurePolicy
+
+    policy = FailurePolicy(max_failures=1)
+    preempted = Attempt(4, 0, 0.0, last_step=8, preempted_at=8)
+    shrunk = Attempt(2, 8, 1.0, last_step=10, error="node lost")
+    assert policy.may_start([preempted], 4) == GO_ON  # a preemption's checkpoint committed
+    assert policy.may_start([preempted, shrunk], 4) == GO_ON  # followed by a larger group: a resize
+    assert policy.may_start([preempted, shrunk], 2) == GO_ON  # one failure: within max_failures=1
+    twice = policy.may_start([preempted, shrunk, Attempt(2, 8, 2.0, error="node lost")], 2)
+    assert twice.stop and twice.reason.startswith("2 worker failures") and "the last: node lost" in twice.reason
+    assert policy.after_error([shrunk], "bad row", retry=False) == FailurePolicy(5).after_error([], "bad row", False)
+    assert policy.after_error([shrunk], "bad row", retry=False).reason == "bad row"
+    again = [Attempt(2, 8, 1.0, last_step=10, error="E"), Attempt(2, 8, 2.0, last_step=10, error="E")]
+    assert policy.after_error(again, "E", retry=True).stop
+    assert policy.after_error(again, "E", retry=True, transient=True) == GO_ON
+    assert FailurePolicy(-1).may_start([shrunk] * 50, 2) == GO_ON  # no limit
+
+
 def test_the_same_error_twice_at_the_same_step_ends_the_job_before_its_budget():
     # The shipped long-context job (sp + activation checkpointing) raised the same RuntimeError at
     # step 1 four times, spending failure.max_failures on an error no restart could mend.

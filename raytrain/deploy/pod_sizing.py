@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from raytrain.job import strategies
 from raytrain.job.spec import JobSpec
 from raytrain.model.facts import DTYPE_BYTES, ModelFacts
 from raytrain.validate import memory
@@ -66,7 +67,7 @@ def size_pods(spec: JobSpec, facts: ModelFacts | None) -> PodSize:
     ckpt_rank = whole_ckpt / lo  # sharded; under ddp DCP writes each replicated tensor once, spread over ranks
     host_offload = sum(t.bytes for t in est.host)
     staging = ckpt_rank if spec.checkpoint.async_save else 0
-    copies = per if spec.training.strategy == "ddp" else 0
+    copies = per if strategies.of(spec).replicated else 0
     mem = {
         "processes": per * PROCESS_GIB[s.use_gpu] * GiB,
         "offloaded state": per * host_offload,

@@ -8,57 +8,37 @@ Workers that start while the driver prepares the token stores wait on it for the
 (`data_ready`): one pending call per rank that returns when the stores are prepared, preparing
 failed or a stop was requested, not a poll of the stores and the actor four times a second.
 
-It owns the failure budget (`failure.max_failures`): Ray restarts the worker group
-whenever it breaks, and each new group asks `may_start` first. An attempt that ended after a
-preemption notice committed its checkpoint (SIGTERM, a Ray drain) was a preemption, one
-followed by a larger group was a resize: neither counts. A job error (bad input) is never
-worth a retry: the next group stops at once with its message; nor is an error that came twice in
-a row at the same step from the same checkpoint (`failed`).
-
-Goodput: a step counts as productive once it is in the final lineage of the run (it was
-never rolled back). Per failure: the steps lost (reached but not checkpointed) and the
-recovery time (last progress before the failure -> first step finished after it).
+It holds the failure budget's state (`may_start`, `failed`: the decisions are failures.py's) and
+the goodput's, and the driver's secrets for the train workers of nodes that lack them (`give`,
+which only a holder of the job's capability can use: train/entry.py). It is raytrain's one actor
+of a job; beside it run Ray Train's own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
+from raytrain.driver.failures import Attempt, Decision, FailurePolicy, Goodput
 from raytrain.errors import JobError
 from raytrain.rundir import lease
-
-
-@dataclass
-class Attempt:
-    world_size: int
-    resumed_from: int
-    started_at: float
-    first_step_at: float | None = None
-    last_step: int = 0
-    last_step_at: float | None = None
-    preempted_at: int | None = None  # step whose checkpoint a preemption notice committed
-    error: str | None = None  # what ended it, as the worker said it
-
-
-@dataclass
-class Goodput:
-    wall_s: float
-    productive_s: float  # time spent on steps that survive in the final model
-    wasted_s: float
-    failures: list[dict] = field(default_factory=list)  # per restart: steps_lost, recovery_s, world sizes
+from raytrain.train.entry import RELAY_TIMEOUT_S
 
 
 class JobControl:
-    """Plain class; `actor_for(run_name)` runs it as a named Ray actor."""
+    """Plain class; `start_actor` runs it as the job's named Ray actor. Its state is what must outlive
+    a worker group: the attempts (the failure budget's input: failures.py decides), a stop request,
+    the data-ready word, the step times goodput is made of, and the driver's secrets for nodes that
+    lack them. The decisions themselves are failures.py's pure functions."""
 
     def __init__(self, max_failures: int = -1, holder: dict | None = None, window: int = 10_000):
-        self.max_failures = max_failures
+        self.policy = FailurePolicy(max_failures)
         self.holder = holder or {}  # the driver that owns the run directory: who a second submit is told of
         self.spent: str | None = None  # why the job must stop instead of restarting
         self.started = time.time()
@@ -71,32 +51,28 @@ class JobControl:
         self.settled, self.window, self.top = 0.0, window, 0
         self.prepared = False  # the driver has prepared the token stores (it stays so for every later group)
         self._settled = asyncio.Event()  # set once workers need not wait for the data: prepared, a verdict or a stop
+        self._secrets: dict[str, str] = {}
+        self._capability = ""  # what a worker must show to get them (driver/worker_env.py: relay_secrets)
+        self._held = asyncio.Event()
 
     def _wake(self) -> None:
         if self.prepared or self.spent or self.stop_reason:
             self._settled.set()
+
+    def _decide(self, decision: Decision) -> None:
+        if decision.stop and self.spent is None:
+            self.spent = decision.reason
+        self._wake()
 
     # --- workers (rank 0) ---
     def may_start(self, world_size: int) -> str | None:
         """A new worker group asks before building anything: None (and its attempt is on
         record from here, so a group that dies while loading counts too), or why the job
         must end."""
-        worlds = [a.world_size for a in self.attempts[1:]] + [world_size]
-        failures = [
-            a for a, next_world in zip(self.attempts, worlds) if a.preempted_at is None and next_world <= a.world_size
-        ]
-        last = next((a.error for a in reversed(self.attempts) if a.error), None)
-        if self.spent is None and 0 <= self.max_failures < len(failures):
-            self.spent = (
-                f"{len(failures)} worker failures (preemptions and resizes not counted) exceed "
-                f"failure.max_failures={self.max_failures}"
-                + (f"; the last: {last}" if last else "")
-                + "; the latest committed checkpoint is kept: raise failure.max_failures and run again to resume"
-            )
+        self._decide(self.policy.may_start(self.attempts, world_size))
         if self.spent is None:
             resumed = self.attempts[-1].resumed_from if self.attempts else 0  # until the group says
             self.attempts.append(Attempt(world_size, resumed, time.time()))
-        self._wake()
         return self.spent
 
     def preempted(self, step: int) -> None:
@@ -104,35 +80,11 @@ class JobControl:
         self.attempts[-1].preempted_at = step
 
     def failed(self, error: str, retry: bool, transient: bool = False) -> None:
-        """A worker's error; a job error (retry=False) ends the job at the next group's start, and so
-        does the same error twice in a row at the same step from the same checkpoint: a restart
-        repeats what failed (a bug, a combination that cannot run), it does not mend it. Not an
-        error of storage, the network or a collective (`transient`, errors.transient): a restart
-        may well mend those, within failure.max_failures."""
+        """A worker's error (retry=False: a job error); the policy says whether the job ends at the
+        next group's start."""
         if self.attempts:
             self.attempts[-1].error = error
-        if retry and not transient and len(self.attempts) >= 2:
-            before, now = self.attempts[-2], self.attempts[-1]
-            if (before.error, before.resumed_from, before.last_step) == (
-                error,
-                now.resumed_from,
-                now.last_step,
-            ) and before.preempted_at is None:
-                where = (
-                    f"in step {now.last_step + 1}" if now.first_step_at or now.last_step else "before the first step"
-                )
-                retry, error = (
-                    False,
-                    (
-                        f"the same error twice {where}, each time from "
-                        f"{f'step {now.resumed_from}' if now.resumed_from else 'the start'}: {error}. "
-                        "A restart repeats it: fix its cause, then run the job again (it resumes from "
-                        "the latest committed checkpoint, which is kept)"
-                    ),
-                )
-        if not retry:
-            self.spent = error
-            self._wake()
+        self._decide(self.policy.after_error(self.attempts, error, retry, transient))
 
     async def data_ready(self, timeout_s: float = 60.0) -> bool | None:
         """Every rank, before it opens the token stores: True once the driver said they are prepared,
@@ -143,6 +95,16 @@ class JobControl:
         if self.prepared:
             return True
         return False if self.spent or self.stop_reason else None
+
+    async def give(self, names: list[str], capability: str) -> dict[str, str]:
+        """The driver's secrets of `names`, to a worker that shows the job's capability (only the
+        driver's own train workers have it, in their train_loop_config): anyone else who finds this
+        named actor gets nothing. A worker that asks before the driver's `hold` waits for it."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._held.wait(), RELAY_TIMEOUT_S)
+        if not self._capability or not hmac.compare_digest(capability, self._capability):
+            return {}
+        return {n: self._secrets[n] for n in names if n in self._secrets}
 
     def attempt_started(self, world_size: int, resumed_from: int) -> int:
         """The group restored its checkpoint (or starts fresh) and is about to train."""
@@ -171,6 +133,12 @@ class JobControl:
     def owner(self) -> dict:
         return self.holder
 
+    def hold(self, values: dict[str, str], capability: str) -> None:
+        """The driver's secrets, by a method call: never with the actor's creation, whose options
+        Ray's dashboard shows."""
+        self._secrets, self._capability = dict(values), capability
+        self._held.set()
+
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
         self._wake()
@@ -188,32 +156,7 @@ class JobControl:
         return self.spent
 
     def goodput(self) -> dict:
-        wall = time.time() - self.started
-        productive = self.settled + sum(self.step_times.values())
-        failures = []
-        for i, (before, after) in enumerate(zip(self.attempts, self.attempts[1:])):
-            failed_at = before.last_step_at or before.started_at
-            # Recovered at the next attempt's first step; if that attempt died before one, this
-            # recovery ends where the next one's begins (its start), so no second counts twice.
-            recovered_at = after.first_step_at or (after.started_at if i + 2 < len(self.attempts) else time.time())
-            kind = (
-                "preemption"
-                if before.preempted_at is not None
-                else "resize"
-                if after.world_size > before.world_size
-                else "failure"
-            )
-            failures.append(
-                {
-                    "kind": kind,
-                    "steps_lost": max(0, before.last_step - after.resumed_from),
-                    "recovery_s": round(recovered_at - failed_at, 3),
-                    "world_size_before": before.world_size,
-                    "world_size_after": after.world_size,
-                    "resumed_from": after.resumed_from,
-                }
-            )
-        return asdict(Goodput(round(wall, 3), round(productive, 3), round(max(0.0, wall - productive), 3), failures))
+        return Goodput.of(self.started, self.settled + sum(self.step_times.values()), self.attempts)
 
     def attempts_summary(self) -> list[dict]:
         return [asdict(a) for a in self.attempts]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from raytrain.data import prepare
 from raytrain.driver import control
 from raytrain.driver.trainer import build_trainer
-from raytrain.driver.worker_env import controller_env, start_relay
+from raytrain.driver.worker_env import controller_env, relay_secrets
 from raytrain.errors import JobError, forward_worker_stdout_only, user_message
 from raytrain.job.spec import JobSpec
 from raytrain.model import hub
@@ -185,7 +185,7 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
             latest.require_same_data(planned["key"], where)
         # Secrets never ride in the workers' runtime_env (Ray's dashboard shows it): a worker whose
         # node lacks some, a spot node added mid-run included, asks this relay for them and says so.
-        relay = start_relay()
+        relay = relay_secrets(job_control)
         result = _prepare_and_fit(
             spec, job_control, lambda: build_trainer(spec, run_id, planned, job_control, relay, timeline, held.token)
         )

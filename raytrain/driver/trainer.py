@@ -77,7 +77,7 @@ def build_trainer(
     config = {
         "run_id": run_id,  # the job rides inside the signed plan
         "control": control,  # the job's control actor (driver/control.py), by handle
-        **({entry.RELAY_CONFIG: relay.actor} if relay else {}),
+        **({entry.RELAY_CONFIG: relay.config} if relay else {}),
         "plan": sign_plan(RunPlan.of(spec, prepared, lease=lease_token), spec),
         "timeline": (timeline or Timeline()).to_config(),
     }

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
 from dataclasses import dataclass
 
 from raytrain import allocator, private_apis
 from raytrain.job.spec import JobSpec
 from raytrain.rundir import signing
-from raytrain.train.entry import GRACE_ENV, KEY_ID_ENV, RELAY_TIMEOUT_S, SETUP_HOOK, WANTED_ENV
+from raytrain.train.entry import GRACE_ENV, KEY_ID_ENV, SETUP_HOOK, WANTED_ENV
 
 # Read by Ray Train's controller, which inherits them from the driver's environment.
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
@@ -39,7 +38,7 @@ def controller_env(spec: JobSpec) -> dict[str, str]:
 # dashboard and state API. A node has its secrets from its own environment (on Kubernetes the
 # manifests set them on every pod from the Secret raytrain-secrets; cluster/*.yaml from the
 # cloud's secret store); a worker process on a node that lacks some asks the driver's secret
-# relay for them as its train function starts (`with_secrets`), so a spot node an autoscaler
+# relay (the control actor) for them as its train function starts (train/entry.py), so a spot node an autoscaler
 # adds mid-run is covered as well as the nodes alive at submit.
 # The host allocator's variables are allocator.worker_env's (mimalloc on CPU workers, unless the
 # submitter chose).
@@ -55,54 +54,35 @@ SECRETS_ENV = (
 )
 
 
-class SecretRelay:
-    """The driver's secrets, in the memory of one actor on the driver's node, for the worker
-    processes of nodes that lack them. The values arrive by a method call (`hold`), never with
-    the actor's creation, whose options and runtime_env Ray's dashboard shows. The actor has no
-    name: `ray list actors` shows that it exists, but only a holder of its handle can call it, and
-    the driver hands that to its own train workers alone (in their train_loop_config)."""
-
-    def __init__(self):
-        self._values: dict[str, str] = {}
-        self._held = threading.Event()
-
-    def hold(self, values: dict[str, str]) -> None:
-        self._values = dict(values)
-        self._held.set()
-
-    def give(self, names: list[str]) -> dict[str, str]:
-        # The driver does not wait for `hold` (it would add the actor's start to every job's
-        # start-up); a worker that asks first waits here for it (threaded actor: both can run).
-        self._held.wait(RELAY_TIMEOUT_S)
-        return {n: self._values[n] for n in names if n in self._values}
-
-
 @dataclass
 class Relay:
-    # the handle: for the workers' train_loop_config; referenced while the job runs (Ray ends an unreferenced actor)
-    actor: object
+    """What a worker needs to ask the control actor for the secrets its node lacks: the actor's handle
+    and the job's capability (in the workers' train_loop_config only), and the names-only variables of
+    its runtime_env."""
+
+    actor: object  # the job's control actor (driver/control.py), which holds the values
+    capability: str
     env: dict[str, str]  # names and a salted key id only: for the workers' runtime_env
 
+    @property
+    def config(self) -> tuple:
+        return self.actor, self.capability
 
-def start_relay() -> Relay:
-    """Driver: the job's secret relay, holding the values of the SECRETS_ENV names set here, and
-    the names-only variables that tell the workers what to ask for. Not detached and not named:
-    it ends with the driver at the latest, and only its handle reaches it."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+def relay_secrets(actor) -> Relay:
+    """Driver: the values of the SECRETS_ENV names set here go to the control actor, by a method call
+    (never with its creation, whose options Ray's dashboard shows), behind a fresh capability."""
     values = {k: os.environ[k] for k in SECRETS_ENV if k in os.environ}
-    # Pinned to the driver's node (as the control actor): it must not die with a spot node.
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(num_cpus=0, max_concurrency=4)(SecretRelay).options(scheduling_strategy=here).remote()
-    actor.hold.remote(values)
+    capability = secrets.token_hex(16)
+    actor.hold.remote(values, capability)  # not waited for: a worker that asks first waits on the actor
     salt = secrets.token_hex(8)
     key_id = signing.key_id(salt)
-    return Relay(actor, {WANTED_ENV: ",".join(values), **({KEY_ID_ENV: f"{salt}:{key_id}"} if key_id else {})})
+    env = {WANTED_ENV: ",".join(values), **({KEY_ID_ENV: f"{salt}:{key_id}"} if key_id else {})}
+    return Relay(actor, capability, env)
 
 
 def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
-    """The train workers' runtime_env: settings, and the relay's names-only variables (`start_relay`)."""
+    """The train workers' runtime_env: settings, and the relay's names-only variables (`relay_secrets`)."""
     env = {"TOKENIZERS_PARALLELISM": "false", GRACE_ENV: str(spec.failure.preemption_grace_s)}
     if not spec.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"

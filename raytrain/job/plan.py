@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raytrain.job import strategies
 from raytrain.job.spec import JobSpec
 
 
@@ -82,13 +83,13 @@ class RunPlan:
     def of(cls, spec: JobSpec, stores: dict | None = None, lease: str = "") -> "RunPlan":
         t, s = spec.training, spec.scaling
         sync = t.gradient_sync == "every_micro_batch" or (
-            t.gradient_sync == "auto" and t.finetune == "full" and t.strategy != "ddp"
+            t.gradient_sync == "auto" and t.finetune == "full" and strategies.of(spec).shards
         )
         return cls(
             strategy=t.strategy,
             bf16=t.precision == "bf16" or (t.precision == "auto" and s.use_gpu),
             compile=t.compile is True or (t.compile == "auto" and s.use_gpu and compiles(spec)),
-            hsdp=bool(s.use_gpu if s.hsdp == "auto" else s.hsdp) and t.strategy == "fsdp2",
+            hsdp=bool(s.use_gpu if s.hsdp == "auto" else s.hsdp) and strategies.of(spec).hsdp,
             workers_per_node=s.workers_per_node,
             global_batch=t.global_batch_size,
             micro_batch=t.micro_batch_size,
@@ -145,7 +146,7 @@ def compiles(spec: JobSpec) -> bool:
     """Where `training.compile: auto` compiles on GPU workers: everywhere validate takes compile=true
     (not zero3, sequence or tensor parallelism, GRPO) less QLoRA, whose NF4 weights no test compiles."""
     t = spec.training
-    return t.strategy != "zero3" and spec.scaling.model_parallel == 1 and not spec.rl and t.finetune != "qlora"
+    return strategies.of(spec).compiles and spec.scaling.model_parallel == 1 and not spec.rl and t.finetune != "qlora"
 
 
 def frozen_head_apart(spec: JobSpec) -> bool:

@@ -5,6 +5,7 @@ module, not the other way round."""
 
 from __future__ import annotations
 
+from raytrain.job import strategies
 from raytrain.job.deepspeed_overrides import override_problems
 from raytrain.job.grpo import grpo_problems
 
@@ -23,7 +24,7 @@ def every_rank_gets_rows(job) -> None:
 
 
 def deepspeed_block_needs_zero3(job) -> None:
-    if job.training.deepspeed is not None and job.training.strategy != "zero3":
+    if job.training.deepspeed is not None and not strategies.of(job).deepspeed_block:
         raise ValueError(
             f"training.deepspeed is only used by strategy zero3, not {job.training.strategy!r}: remove it or set "
             f"training.strategy: zero3"
@@ -35,12 +36,12 @@ def deepspeed_block_needs_zero3(job) -> None:
 
 def offload_needs_a_sharded_strategy(job) -> None:
     off = job.training.offload
-    if (off.optimizer or off.params) and job.training.strategy == "ddp":
+    if (off.optimizer or off.params) and strategies.of(job).offload is None:
         raise ValueError(
             "training.offload is used by fsdp2 and zero3 only: ddp keeps everything on the device; "
             "set training.strategy: fsdp2 (or zero3), or remove training.offload"
         )
-    if off.optimizer != off.params and job.training.strategy == "fsdp2":
+    if off.optimizer != off.params and strategies.of(job).offload == "together":
         one, other = ("optimizer", "params") if off.optimizer else ("params", "optimizer")
         raise ValueError(
             f"training.offload.{one}: fsdp2 offloads parameters, gradients and optimizer state together "
@@ -100,12 +101,12 @@ def preference_settings_fit_the_objective(job) -> None:
 
 
 def compile_and_chunked_loss_fit(job) -> None:
-    if job.training.compile is True and job.training.strategy == "zero3":
+    if job.training.compile is True and not strategies.of(job).compiles:
         raise ValueError(
             "training.compile=true compiles decoder blocks under fsdp2 and ddp; ZeRO-3's parameter "
             "hooks break compiled graphs: remove training.compile or set training.strategy: fsdp2"
         )
-    if job.training.chunked_loss not in ("auto", False) and job.training.strategy == "zero3":
+    if job.training.chunked_loss not in ("auto", False) and not strategies.of(job).head_after_forward:
         raise ValueError(
             f"training.chunked_loss={str(job.training.chunked_loss).lower()} applies the output "
             "layer chunk by chunk after the forward, and ZeRO-3 has partitioned it again by then: remove "
@@ -119,7 +120,7 @@ def compile_and_chunked_loss_fit(job) -> None:
 
 
 def hsdp_fits(job) -> None:
-    if job.scaling.hsdp is True and job.training.strategy != "fsdp2":
+    if job.scaling.hsdp is True and not strategies.of(job).hsdp:
         raise ValueError(
             f"scaling.hsdp=true applies to training.strategy fsdp2, not {job.training.strategy}: "
             "ZeRO-3's equivalent is training.deepspeed: {zero_optimization: {zero_hpz_partition_size: "
@@ -134,12 +135,12 @@ def hsdp_fits(job) -> None:
 
 def model_parallel_fits(job) -> None:
     s, t = job.scaling, job.training
-    if s.tensor_parallel > 1 and t.strategy != "fsdp2":
+    if s.tensor_parallel > 1 and not strategies.of(job).tensor_parallel:
         raise ValueError(
             f"scaling.tensor_parallel={s.tensor_parallel} composes with fsdp2 (a 2-D mesh of DTensors), "
             f"not {t.strategy}: set training.strategy: fsdp2, or remove scaling.tensor_parallel"
         )
-    if s.sequence_parallel > 1 and t.strategy == "zero3":
+    if s.sequence_parallel > 1 and not strategies.of(job).sequence_parallel:
         raise ValueError(
             f"scaling.sequence_parallel={s.sequence_parallel} runs under fsdp2 and ddp; DeepSpeed "
             "sizes its batch by world size, which sequence-parallel ranks would multiply: set "
@@ -171,7 +172,7 @@ def model_parallel_fits(job) -> None:
 
 
 def gradient_sync_fits_the_strategy(job) -> None:
-    if job.training.strategy == "zero3" and job.training.gradient_sync == "last_micro_batch":
+    if not strategies.of(job).sync_last_micro_batch and job.training.gradient_sync == "last_micro_batch":
         raise ValueError(
             "training.gradient_sync='last_micro_batch': ZeRO-3 reduce-scatters every micro-batch "
             "(its gradients are partitioned); remove gradient_sync or set training.strategy: fsdp2"
@@ -196,10 +197,10 @@ def qlora_fits(job) -> None:
     t, s = job.training, job.scaling
     if t.finetune != "qlora":
         return
-    if t.strategy != "fsdp2":
+    if not strategies.of(job).quantized_base:
         why = (
             ("ZeRO-3 flattens parameters into its own partitions, which a 4-bit NF4 weight (codes and scales) is not")
-            if t.strategy == "zero3"
+            if strategies.of(job).shards
             else (
                 "DDP holds the whole model on every rank, so a "
                 "quantized base saves a quarter of what fsdp2 saves by sharding it"

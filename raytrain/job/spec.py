@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from raytrain.job import rules
+from raytrain.job import objectives, rules, strategies
 from raytrain.job.data import DataSpec
 from raytrain.job.grpo import GRPOSpec
 from raytrain.job.section import Section
@@ -96,12 +96,12 @@ class PreferenceSpec(Section):
 
 
 class TrainingSpec(Section):
-    strategy: Literal["fsdp2", "zero3", "ddp"] = "fsdp2"
+    strategy: Literal[tuple(strategies.STRATEGIES)] = "fsdp2"  # job/strategies.py: fsdp2, zero3, ddp
     """Parallelism: `fsdp2` (torch fully_shard), `zero3` (DeepSpeed ZeRO-3), `ddp` (replicated, small models)."""
     finetune: Literal["lora", "qlora", "full"] = "lora"
     """`lora` trains adapters only (base weights frozen); `qlora` the same over a base stored in NF4 (4-bit NormalFloat,
     as QLoRA; about a quarter of bf16's bytes; fsdp2 only); `full` trains every weight."""
-    objective: Literal["sft", "dpo", "simpo", "reward", "kto", "grpo"] = "sft"
+    objective: Literal[tuple(objectives.OBJECTIVES)] = "sft"  # job/objectives.py: sft, dpo, simpo, reward, kto, grpo
     """`sft`: next-token loss on the labelled tokens. `dpo`: preference pairs (prompt, chosen, rejected) against a
     frozen reference (under LoRA the base with the adapter off; under full fine-tuning a frozen copy sharded like the
     model). `simpo`: length-normalized preference loss, no reference. `reward`: a reward model on the same pairs: the
@@ -362,7 +362,7 @@ class JobSpec(Section):
         if (
             chunked is False
             or not vocab
-            or self.training.strategy == "zero3"
+            or not strategies.of(self).head_after_forward
             or self.scores
             or (chunked == "auto" and tokens * vocab * 4 <= LOSS_CHUNK_BYTES)
         ):
@@ -371,57 +371,53 @@ class JobSpec(Section):
             return max(1, LOSS_CHUNK_BYTES // (vocab * 4))  # 523 tokens at 128k
         return chunked
 
+    # What the objective is: its row in job/objectives.py, the one table of objectives.
     @property
     def preference(self) -> bool:
         """Rows are (prompt, chosen, rejected) pairs, or KTO's labelled rows: not single sequences."""
-        return self.training.objective not in ("sft", "grpo")
+        return objectives.of(self).rows not in (False, "prompt")
 
     @property
     def packed(self) -> bool:
         """Rows hold several documents (SFT with data.pack); pairs, KTO rows and prompts never do."""
-        return self.data.pack and self.training.objective == "sft"
+        return self.data.pack and objectives.of(self).packs
 
     @property
     def rl(self) -> bool:
         """GRPO: rows are prompts, and the workers sample what is trained (rl/)."""
-        return self.training.objective == "grpo"
+        return objectives.of(self).rows == "prompt"
 
     @property
     def scores(self) -> bool:
         """A reward model: a score head (`AutoModelForSequenceClassification`) instead of the LM head."""
-        return self.training.objective == "reward"
+        return objectives.of(self).score_head
 
     @property
     def unpaired(self) -> bool:
         """KTO: rows are a prompt, a completion and a label (data/unpaired.py)."""
-        return self.training.objective == "kto"
+        return objectives.of(self).rows == "kto"
 
     @property
     def row_kind(self) -> bool | str:
-        """What a source row is, as the prepare step and `validate` read it (and the store's key
-        records it): False one sequence, True a preference pair, "reward" a pair and its margin,
-        "kto" an unpaired labelled row, "prompt" a GRPO prompt."""
-        return "prompt" if self.rl else "kto" if self.unpaired else "reward" if self.scores else self.preference
+        """What a source row is, as the prepare step and `validate` read it (and the store's key records it)."""
+        return objectives.of(self).rows
 
     @property
     def sequences_per_row(self) -> int:
         """Sequences a row trains in one forward: a preference pair's two (chosen and rejected), a
         GRPO prompt's num_generations completions."""
-        return self.training.grpo.num_generations if self.rl else 1 if self.unpaired else 2 if self.preference else 1
+        return objectives.sequences_per_row(self)
 
     @property
     def stored_sequences(self) -> int:
-        """Sequences a row is in the token store: a pair's two (a reward model's with its margin
-        tag, data/pairs.py); a KTO row's example, its KL sequence and its label tag (data/unpaired.py);
-        a GRPO prompt and its columns (data/prompts.py)."""
-        return 2 if self.rl else 3 if self.unpaired or self.scores else self.sequences_per_row
+        """Sequences a row is in the token store."""
+        return objectives.of(self).stored
 
     @property
     def reference_copy(self) -> bool:
-        """DPO and KTO under full fine-tuning compare against a frozen copy of the starting model
-        (under LoRA the reference is the same model with its adapter off)."""
-        t = self.training
-        return t.finetune == "full" and (t.objective in ("dpo", "kto") or (t.objective == "grpo" and t.grpo.beta > 0))
+        """A frozen copy of the starting model to compare against (under LoRA the reference is the
+        same model with its adapter off)."""
+        return objectives.needs_reference(self)
 
     @property
     def run_dir(self) -> str:

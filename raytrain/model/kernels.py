@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from raytrain.job import masks
+from raytrain.job import masks, strategies
 
 VARLEN_NAME = "sdpa varlen"  # the kernel's name in the start-up line and `attention_kernel`'s answer
 LIGER_BLOCKS = "Liger's RMSNorm, SwiGLU and RoPE"  # their name in the start-up line
@@ -120,7 +120,7 @@ def fused_loss(spec, device: torch.device) -> Callable | None:
     if (
         device.type != "cuda"
         or t.chunked_loss != "auto"
-        or t.strategy == "zero3"
+        or not strategies.of(spec).head_after_forward
         or spec.scaling.tensor_parallel > 1
         or spec.scores
         or spec.rl

@@ -8,19 +8,21 @@ and every metric is an exact mean over the global batch (its sums ride on the lo
 all-reduce). The preference losses and metric names are TRL's (DPOTrainer, CPOTrainer's
 SimPO, RewardTrainer, KTOTrainer); tests/test_preference.py checks them against TRL itself.
 
-An objective may also have `begin(strategy, micro_batches)`, run before the step's first forward
-(KTO's KL estimate over the global batch), and `finish(means)`, which turns the global batch's
-means into the metrics users see (KTO's per-label means).
+The protocol is base.py's `Objective`; which class computes an objective is its row in
+job/objectives.py.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Iterable
 
 import torch
 
+from raytrain.job import objectives as table
 from raytrain.job.spec import JobSpec
 from raytrain.model import attention
+from raytrain.objectives.base import Objective
 from raytrain.objectives.grpo import GRPO
 from raytrain.objectives.kto import KTO
 from raytrain.objectives.pairs import Preference, Reward, pair_losses, score
@@ -41,12 +43,12 @@ __all__ = [
     "KTO",
     "SFT",
     "Hidden",
+    "Objective",
     "Preference",
     "Reward",
     "build",
     "chunked_cross_entropy",
     "evaluate",
-    "finish",
     "forward",
     "pair_losses",
     "score",
@@ -59,12 +61,10 @@ __all__ = [
 ]
 
 
-def build(spec: JobSpec) -> SFT | Preference | Reward | KTO | GRPO:
-    if spec.rl:
-        return GRPO(spec)
-    if spec.unpaired:
-        return KTO(spec)
-    return Reward(spec) if spec.scores else Preference(spec) if spec.preference else SFT()
+def build(spec: JobSpec) -> Objective:
+    """The job's objective, the class its row in job/objectives.py names."""
+    module, name = table.of(spec).implementation.split(":")
+    return getattr(importlib.import_module(f"raytrain.objectives.{module}"), name)(spec)
 
 
 def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, float]:
@@ -73,7 +73,7 @@ def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, fl
     device = strategy.device
     sums = torch.zeros(2 + len(objective.metrics), dtype=torch.float64, device=device)
     strategy.model.eval()
-    if hasattr(objective, "begin"):  # KTO's KL estimate: over the evaluation rows, before their losses
+    if objective.begins:  # KTO's KL estimate: over the evaluation rows, before their losses
         micro_batches = list(micro_batches)
         objective.begin(strategy, micro_batches)
     with torch.no_grad():
@@ -85,13 +85,8 @@ def evaluate(strategy, objective, micro_batches: Iterable[dict]) -> dict[str, fl
     torch.distributed.all_reduce(sums)
     mesh = strategy.layout  # a row's ranks each count its units; its tp ranks each add its loss (as in the loop)
     totals = (sums[:-1] / mesh.tp / (sums[-1] / mesh.row_ranks).clamp(min=1)).tolist()  # host: once per evaluation
-    named = finish(objective, dict(zip(objective.metrics, totals[1:])))
+    named = objective.finish(dict(zip(objective.metrics, totals[1:])))
     return {f"eval_{name}": value for name, value in {"loss": totals[0], **named}.items()}
-
-
-def finish(objective, means: dict[str, float]) -> dict[str, float]:
-    """The metrics users see from the global batch's means (KTO's per-label means)."""
-    return objective.finish(means) if hasattr(objective, "finish") else means
 
 
 def to_device(values: list[float], device: torch.device) -> torch.Tensor:

@@ -30,6 +30,7 @@ from raytrain.data.prompts import columns_of
 from raytrain.job.grpo import reward_model_bytes
 from raytrain.job.spec import JobSpec
 from raytrain.model import attention
+from raytrain.objectives.base import Objective
 from raytrain.objectives.tokens import Hidden, chunked_cross_entropy, forward
 from raytrain.rl import rewards as rewards_module
 from raytrain.rl.losses import advantages, importance_ratio, nanstd, summed_loss, token_terms, units_of
@@ -45,7 +46,8 @@ def token_logps(out, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     ).view(targets.shape)
 
 
-class GRPO:
+class GRPO(Objective):
+    begins = True  # its `begin` sees the whole batch
     gathers_model = True  # the step's rollout and training forwards share one gathered model (loop.train_step)
     # Sums the loop reduces with the loss (means over the units; `finish` makes TRL's metrics of them)
     metrics = ("_sequences", "_tokens", "_kl", "_low", "_high", "_region", "_logp_diff", "_is_ratio")

@@ -7,10 +7,11 @@ import torch
 
 from raytrain.data import IGNORE
 from raytrain.job.spec import JobSpec
+from raytrain.objectives.base import Objective
 from raytrain.objectives.tokens import forward, sequence_logps, staged, unstage
 
 
-class KTO:
+class KTO(Objective):
     """KTO on unpaired rows, as TRL's KTOTrainer computes it: a desirable row's loss is
     desirable_weight x (1 - sigmoid(beta (log-ratio - KL))), an undesirable one's
     undesirable_weight x (1 - sigmoid(beta (KL - log-ratio))), the mean over the global batch's rows;
@@ -20,6 +21,7 @@ class KTO:
     global batch (`begin`, one all-reduce before the step's first forward), so it is the same at any
     worker count and micro-batch split."""
 
+    begins = True  # its `begin` sees the whole batch
     metrics = (
         "kl",
         "rewards/chosen",
@@ -90,8 +92,7 @@ class KTO:
         ]
         return (loss * real).sum(), [(s * real).sum() for s in stats]
 
-    @staticmethod
-    def finish(means: dict[str, float]) -> dict[str, float]:
+    def finish(self, means: dict[str, float]) -> dict[str, float]:
         """TRL's per-label means from the global batch's sums (each was divided by all its rows):
         a side with no rows in the batch is left out, as TRL leaves it out."""
         out = {"kl": means["kl"]}

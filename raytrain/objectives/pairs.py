@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from raytrain.data.pairs import MARGIN_TAG_BITS
 from raytrain.job.spec import JobSpec, PreferenceSpec
 from raytrain.model.facts import SCORE_HEAD
+from raytrain.objectives.base import Objective
 from raytrain.objectives.tokens import forward, real_pairs, replaced_forward, sequence_logps, staged, unwrapped
 
 
@@ -43,7 +44,7 @@ def pair_losses(
     return loss, p.beta * chosen_ratio.detach(), p.beta * rejected_ratio.detach()
 
 
-class Preference:
+class Preference(Objective):
     """DPO or SimPO over the pairs of a micro-batch (its first half chosen, its second half
     rejected, in one forward); the mean over the global batch's pairs."""
 
@@ -98,7 +99,7 @@ class Preference:
         return (loss * real).sum(), [(s * real).sum() for s in stats]
 
 
-class Reward:
+class Reward(Objective):
     """A reward model on preference pairs, as TRL's RewardTrainer trains it: a sequence's score is the
     head's output at its last token that is not padding (where `AutoModelForSequenceClassification`
     reads it, so an exported model scores as the workers did), and the loss is

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from raytrain.data import IGNORE
 from raytrain.model import attention
+from raytrain.objectives.base import Objective
 
 
 @dataclass
@@ -94,10 +95,8 @@ def _chunk_cross_entropy(states, weight, bias, labels, temperature: float = 1.0)
     )
 
 
-class SFT:
+class SFT(Objective):
     """Next-token cross-entropy, the token mean over the global batch."""
-
-    metrics: tuple[str, ...] = ()
 
     def units(self, mb: dict) -> int:
         return int((mb["labels"][:, 1:] != IGNORE).sum())

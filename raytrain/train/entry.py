@@ -20,7 +20,7 @@ WANTED_ENV = "RAYTRAIN_SECRETS_WANTED"  # the secret names set on the driver, co
 KEY_ID_ENV = (
     "RAYTRAIN_KEY_ID"  # "salt:id", the driver's signing.key_id(salt) with a fresh salt: a node tells a different key
 )
-RELAY_CONFIG = "secret_relay"  # the train_loop_config entry holding the relay's handle (its only way in)
+RELAY_CONFIG = "secret_relay"  # train_loop_config: (the control actor, the job's capability), its only way in
 RELAY_TIMEOUT_S = 30.0
 GRACE_ENV = "RAYTRAIN_PREEMPTION_GRACE_S"  # failure.preemption_grace_s, for the SIGTERM handler
 SETUP_HOOK = "raytrain.train.entry.setup_worker"  # the workers' process hook, by name (Ray imports it there)
@@ -71,9 +71,10 @@ def _train_with_secrets(train_func, config: dict):
     return train_func(config)
 
 
-def receive_secrets(relay) -> None:
-    """Set in os.environ the secrets the driver has and this process lacks, from the relay whose
-    handle the driver gave this worker (the runtime_env says which names, never a value). Never
+def receive_secrets(relay: tuple | None) -> None:
+    """Set in os.environ the secrets the driver has and this process lacks, from the relay the driver
+    gave this worker (the job's control actor and the capability it asks for; the runtime_env says
+    which names, never a value). Never
     raises: without them, the job fails at their first use with that use's own message (e.g.
     signing's "no signing key")."""
     wanted = [n for n in os.environ.get(WANTED_ENV, "").split(",") if n]
@@ -83,7 +84,8 @@ def receive_secrets(relay) -> None:
     import ray
 
     try:
-        values = ray.get(relay.give.remote(missing), timeout=RELAY_TIMEOUT_S)
+        actor, capability = relay
+        values = ray.get(actor.give.remote(missing, capability), timeout=RELAY_TIMEOUT_S)
     except ray.exceptions.RayError as exc:  # the driver (and its relay) is gone
         print(
             f"[raytrain] this node lacks {', '.join(missing)} and the driver's secret relay did not answer "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,9 +22,8 @@ from raytrain import objectives
 from raytrain.data.batches import GlobalBatches
 from raytrain.errors import JobError
 from raytrain.job.spec import JobSpec
-from raytrain.rundir import lease, metrics_backlog
 from raytrain.rundir.checkpoints import TrainState
-from raytrain.train import checkpoint, telemetry
+from raytrain.train.after_step import Commits, Lease, Report, Timer
 from raytrain.train.preemption import DRIVER_STOP, FENCED, RAY_NOTICE, SIGTERM, Preempted, StopSignals
 
 
@@ -73,6 +71,18 @@ class SkippedUpdates:
         self.run = [] if applied else self.run + [step]
         return not applied
 
+    def after(self, step: int, result: StepResult, rows: list, rank: int) -> None:
+        """Record `step`'s update; rank 0 names a skipped one and its rows; the LIMIT-th in a row stops."""
+        if self.record(step, result.applied) and rank == 0:
+            print(
+                f"[raytrain] step {step}: the gradients are not finite (grad norm {result.grad_norm}); its update "
+                f"is skipped ({len(self.run)} in a row of {self.LIMIT} that stop the job). This "
+                f"rank's rows (source, epoch, row): {rows}",
+                file=sys.stdout,
+                flush=True,
+            )
+        self.check()
+
     def check(self) -> None:
         """JobError at the LIMIT-th skipped step in a row."""
         if len(self.run) >= self.LIMIT:
@@ -96,16 +106,13 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     results, units, scale = [], None, None
     # GRPO's num_iterations: one rollout, then that many updates on its completions (TRL's mu). Each
     # update is one pass over the micro-batches; the last ends the step, the unit a checkpoint holds.
-    for iteration in range(getattr(objective, "iterations", 1)):
+    for iteration in range(objective.iterations):
         # GRPO's pass runs many forwards of one model (a rollout's decode steps, then its micro-batches):
         # a sharded model is gathered once for all of them (FSDP2Strategy.gathered), not per forward;
         # resharded before the update, which changes the shards
-        with strategy.gathered() if getattr(objective, "gathers_model", False) else contextlib.nullcontext():
+        with strategy.gathered() if objective.gathers_model else contextlib.nullcontext():
             if iteration == 0:
-                if hasattr(
-                    objective, "begin"
-                ):  # what the micro-batches need of the whole batch (KTO's KL, GRPO's rollouts)
-                    objective.begin(strategy, micro_batches)
+                objective.begin(strategy, micro_batches)  # of the whole batch: KTO's KL, GRPO's rollouts
                 units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
                 torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's ranks
                 units = (units / mesh.row_ranks).clamp(min=1)
@@ -149,27 +156,9 @@ def _update(strategy, sums: torch.Tensor, units: torch.Tensor, lr: float, stops:
     return StepResult(loss=values[0], means=values[1:n], grad_norm=values[n], flags=values[n + 1 :], applied=applied)
 
 
-def _require_lease(fence) -> None:
-    """Collective, before a checkpoint: rank 0 reads the lease now; every rank raises if it is lost."""
-    said = [None]
-    if fence is not None:
-        try:
-            fence.require()
-        except JobError as exc:
-            said = [str(exc)]
-    torch.distributed.broadcast_object_list(said, src=0)
-    if said[0]:
-        raise JobError(said[0])
-
-
 def host_values(t: torch.Tensor) -> list[float]:
     """The step's one host sync: a device vector's values on the host."""
     return t.tolist()  # host: the step's one sync
-
-
-def _log_committed(logger, steps: list[tuple[int, dict]], path: str | None) -> None:
-    if logger:  # handed to its writer: the step goes on at once, whatever MLflow does
-        logger.log_committed(steps, path)
 
 
 def fit(
@@ -182,127 +171,57 @@ def fit(
     on_step=None,
     eval_batches: Iterable[dict] | None = None,
 ) -> TrainState:
-    """Train until max_steps or a stop notice. Step metrics reach MLflow only once their
-    step is in a committed checkpoint, so a rolled-back step is never left in the run."""
-    device, rank, world = strategy.device, strategy.rank, strategy.world_size
-    t, ck = spec.training, spec.checkpoint
-    start, started = state.step, time.perf_counter()
-    token = strategy.plan.lease  # the lease this group's driver holds: rank 0 watches it (lease.py)
-    fence = lease.Fence(spec.run_dir, token) if token and rank == 0 else None
-    stops = StopSignals(control, check_ray_notice=spec.failure.checkpoint_on_preemption, fence=fence)
-    pending: list[tuple[int, dict]] = []  # step metrics not yet in a committed checkpoint
-    uploading: list[tuple[int, dict]] = []  # ...of the checkpoint being uploaded asynchronously
-    flops = telemetry.StepFlops(strategy.model, spec, device)
+    """Train until max_steps or a stop notice, a checkpoint at every `every_n_steps`, the last step
+    and every notice. Step metrics reach MLflow only once their step is committed (`Commits`)."""
+    t, rank = spec.training, strategy.rank
     objective = objectives.build(spec)
-    checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
-    skipped = SkippedUpdates()
-    journal = metrics_backlog.Journal(spec.run_dir) if logger else None  # rank 0
+    held = Lease(spec, strategy)
+    stops = StopSignals(control, check_ray_notice=spec.failure.checkpoint_on_preemption, fence=held.fence)
+    commits, report, skipped = (
+        Commits(spec, strategy, logger, held),
+        Report(spec, strategy, state.step),
+        SkippedUpdates(),
+    )
     while state.step < t.max_steps:
-        step_start = time.perf_counter()
+        timer = Timer()
         seed_step(t.seed, state.step, rank // strategy.layout.tp)  # a layer's tp ranks drop out alike
         lr = lr_at(state.step, spec)
         batch = next(batches)
-        if hasattr(objective, "at"):  # GRPO: the step and rows its completions are keyed by
-            objective.at(state.step, batch.sample_ids)
-        data_wait = time.perf_counter() - step_start
-        compute_start = time.perf_counter()
+        objective.at(state.step, batch.sample_ids)  # GRPO keys its completions by the step and rows
+        timer.rows_ready()
         result = train_step(strategy, objective, batch.micro_batches, lr, stops)
-        loss, grad_norm, means, flags = result.loss, result.grad_norm, result.means, stops.agree(result.flags)
-        state.step += 1
-        state.data = batches.position
-        if skipped.record(state.step, result.applied) and rank == 0:
-            print(
-                f"[raytrain] step {state.step}: the gradients are not finite (grad norm {grad_norm}); its update "
-                f"is skipped ({len(skipped.run)} in a row of {SkippedUpdates.LIMIT} that stop the job). This "
-                f"rank's rows (source, epoch, row): {batch.sample_ids}",
-                file=sys.stdout,
-                flush=True,
-            )
-        skipped.check()
-        step_tokens = t.global_batch_size * spec.sequences_per_row * spec.data.seq_len
-        state.tokens_seen += step_tokens
-        step_time = time.perf_counter() - step_start
-        tokens_per_s = step_tokens / step_time
-        metrics = {
-            "step": state.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "step_time_s": step_time,
-            "data_wait_s": data_wait,
-            "compute_s": time.perf_counter() - compute_start,
-            "checkpoint_s": checkpoint_s,
-            "tokens_per_s": tokens_per_s,
-            "peak_memory_gb": telemetry.peak_memory_gb(device),
-            "tokens_seen": state.tokens_seen,
-            "bad_rows": state.bad_rows,
-            "world_size": world,
-            **flops.metrics(tokens_per_s, world),
-            **objectives.finish(objective, dict(zip(objective.metrics, means))),
-        }
-        if not result.applied:
-            metrics["update_skipped"] = 1.0
+        flags = stops.agree(result.flags)
+        state.step, state.data = state.step + 1, batches.position
+        state.tokens_seen += report.step_tokens
+        skipped.after(state.step, result, batch.sample_ids, rank)
+        metrics = report.metrics(state, result, lr, timer, objective, commits.checkpoint_s)
         if eval_batches is not None and (state.step % spec.data.eval.every_n_steps == 0 or state.step == t.max_steps):
             metrics.update(objectives.evaluate(strategy, objective, eval_batches))
         if on_step:
             on_step(state, batch)
         if rank == 0:
-            if state.step % spec.tracking.log_every_n_steps == 0 or state.step == t.max_steps:
-                pending.append((state.step, metrics))
-                if logger:
-                    logger.log_live(state.step, metrics)
-            elapsed = time.perf_counter() - started
-            eta = elapsed / (state.step - start) * (t.max_steps - state.step)
-            mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
-            mfu += f" | eval {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
-            if means:  # the preference objectives' headline metrics: (label, TRL's name) in `objective.shown`
-                mfu += "".join(f" | {label} {metrics[name]:.3f}" for label, name in objective.shown if name in metrics)
-            print(
-                f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
-                f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem "
-                f"{metrics['peak_memory_gb']:.1f}G "
-                f"| world {world} | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
-                file=sys.stdout,
-                flush=True,
-            )
-        stops.step_done(state.step, step_time, rank)
+            commits.keep(state.step, metrics)
+            report.print_line(state.step, metrics, objective)
+        stops.step_done(state.step, metrics["step_time_s"], rank)
         if flags & FENCED:  # another driver holds the run directory: stop here, commit nothing
-            _require_lease(fence)  # every rank raises rank 0's word, naming the new holder
-        checkpoint_s = 0.0
-        if flags or state.step % ck.every_n_steps == 0 or state.step == t.max_steps:
-            save_start = time.perf_counter()
-            if uploading:  # the previous asynchronous checkpoint: long uploaded by now
-                _log_committed(logger, uploading, checkpoint.confirm(strategy))
-            urgent = bool(flags) or state.step == t.max_steps or not ck.async_save
-            done = pending + [(state.step, {"checkpoint_step": state.step})]
-            # The checkpoint holds its own steps' metrics; those of earlier ones MLflow has not taken
-            # yet go once into the run directory's backlog (metrics_backlog.py): a restart, the driver
-            # at the end or `raytrain sync-metrics` writes them if this process never can.
-            state.metrics = done if rank == 0 else []
-            if journal:
-                journal.keep(logger.unwritten())
-                journal.forget(logger.written_through)
-            # A stop on every rank at once, on the training thread, before anything is staged: an async
-            # save's own refusal (checkpoint.sign, the fence itself) comes on Ray's upload thread
-            if token:
-                _require_lease(fence)
-            committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)
-            checkpoint_s = time.perf_counter() - save_start
-            if logger and getattr(objective, "samples", None):  # GRPO: what the step sampled and scored
-                logger.log_table(f"samples/step_{state.step:08d}.json", objective.samples)
-            uploading = [] if urgent else done
-            if urgent:
-                _log_committed(logger, done, committed)
-            pending = []
-        if flags & (SIGTERM | RAY_NOTICE):
-            stops.preempted(state.step, rank, wait=bool(flags & SIGTERM))
-        if flags & SIGTERM:
-            raise Preempted(f"SIGTERM: checkpoint committed at step {state.step}; restarting from it")
-        if flags & DRIVER_STOP:
-            state.stopped = True
+            held.require()  # every rank raises rank 0's word, naming the new holder
+        if commits.due(flags, state.step):
+            commits.save(state, metrics, flags, objective)
+        if _stop(flags, state, stops, rank):
             break
-        if flags & RAY_NOTICE and rank == 0:
-            print(
-                f"[raytrain] preemption notice: checkpoint committed at step {state.step}", file=sys.stdout, flush=True
-            )
     return state
+
+
+def _stop(flags: int, state: TrainState, stops: StopSignals, rank: int) -> bool:
+    """After a notice's checkpoint committed: leave for a restart (SIGTERM), end the job (a stop the
+    driver asked for), or go on (Ray's drain notice: Ray restarts once the node is gone)."""
+    if flags & (SIGTERM | RAY_NOTICE):
+        stops.preempted(state.step, rank, wait=bool(flags & SIGTERM))
+    if flags & SIGTERM:
+        raise Preempted(f"SIGTERM: checkpoint committed at step {state.step}; restarting from it")
+    if flags & DRIVER_STOP:
+        state.stopped = True
+        return True
+    if flags & RAY_NOTICE and rank == 0:
+        print(f"[raytrain] preemption notice: checkpoint committed at step {state.step}", file=sys.stdout, flush=True)
+    return False

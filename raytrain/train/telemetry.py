@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from raytrain.job import objectives
+
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
@@ -30,13 +32,6 @@ PEAK_BF16_FLOPS = {
     "B200": 2250e12,
     "GB200": 2500e12,
 }
-
-
-def extra_forwards(spec) -> int:
-    """Forwards without backward a trained row pays: DPO's reference; KTO's reference and its KL
-    sequence's two (none under apo_zero_unpaired, which has no KL estimate)."""
-    kl_free = spec.training.preference.loss == "apo_zero_unpaired"
-    return {"dpo": 1, "kto": 1 if kl_free else 3}.get(spec.training.objective, 0)
 
 
 def flops_per_token(
@@ -86,7 +81,12 @@ class StepFlops:
         base = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", model)
         config = getattr(base, "config", None) or getattr(getattr(base, "module", base), "config", None)
         self.per_token = flops_per_token(
-            config, n, trainable, spec.data.seq_len, spec.training.adapters, extra_forwards=extra_forwards(spec)
+            config,
+            n,
+            trainable,
+            spec.data.seq_len,
+            spec.training.adapters,
+            extra_forwards=objectives.extra_forwards(spec),
         )
         self.peak = peak_flops(device)
 

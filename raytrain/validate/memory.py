@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raytrain.job import deepspeed_config, masks, nf4_layout
+from raytrain.job import deepspeed_config, masks, nf4_layout, strategies
 from raytrain.job.grpo import ENGINE_RUNTIME_CPU_GIB, engine_kv_bytes, reward_model_base, reward_model_bytes
 from raytrain.job.plan import RunPlan, frozen_head_apart, splits_vocabulary
 from raytrain.job.spec import JobSpec
@@ -83,16 +83,18 @@ def compute_bytes(spec: JobSpec) -> int:
 
 def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     t, off = spec.training, spec.training.offload
-    sharded = t.strategy in ("fsdp2", "zero3")
+    facts_of = strategies.of(spec)
+    sharded = facts_of.shards
     plan = RunPlan.of(spec)
     P, c, w = plan.shard_degree(workers), compute_bytes(spec), DTYPE_BYTES[spec.model.dtype]
     N, per = facts.n_params, f" / {P}" if P > 1 else ""
     out = Estimate(workers)
     # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together;
     # ZeRO-3 offloads the optimizer (with its fp32 master) and the parameters separately.
-    host_opt = off.optimizer or (t.strategy == "fsdp2" and off.params)
-    host_params = off.params or (t.strategy == "fsdp2" and off.optimizer)
-    if t.strategy == "zero3":  # DeepSpeed: 16-bit params and grads with an fp32 master in the optimizer; in
+    together = facts_of.offload == "together"
+    host_opt = off.optimizer or (together and off.params)
+    host_params = off.params or (together and off.optimizer)
+    if facts_of.sixteen_bit_copy:  # DeepSpeed: 16-bit params and grads with an fp32 master in the optimizer; in
         # fp32 its optimizer still clones the partition (stage3's _create_fp32_partitions): 12 B either way
         p_b, opt_b, opt_label = (2, 12, "AdamW m, v + fp32 master") if c == 2 else (4, 12, "AdamW m, v + fp32 copy")
     else:  # fsdp2 / ddp: trained weights are fp32 masters with fp32 grads and AdamW state (to_fp32_master)
@@ -101,11 +103,11 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     if t.finetune == "full":
         terms = [
             (Term("weights", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_params),
-            (Term("gradients", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_opt and t.strategy == "fsdp2"),
+            (Term("gradients", f"{p_b} B × {_n(N)}{per}", p_b * N / P), host_opt and together),
             (Term(f"optimizer ({opt_label})", f"{opt_b} B × {_n(N)}{per}", opt_b * N / P), host_opt),
         ]
     else:
-        base_b = 2 if t.strategy == "zero3" and c == 2 else w
+        base_b = 2 if facts_of.sixteen_bit_copy and c == 2 else w
         frozen = Term("frozen weights", f"{base_b} B × {_n(N)}{per}", base_b * N / P)
         if t.finetune == "qlora":  # the adapted layers' weights in NF4, the rest (embeddings, norms) as loaded
             shapes = quantized_shapes(spec, facts)
@@ -123,11 +125,16 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
             (Term("adapter (fp32 weights, grads, AdamW)", f"16 B × {_n(n_lora)}{per}", 16 * n_lora / P), host_opt),
         ]
     if spec.reference_copy:  # DPO's frozen reference, sharded like the model
-        ref_b = 2 if t.strategy == "zero3" and c == 2 else w  # frozen: kept as loaded (ZeRO-3: its 16-bit copy)
+        ref_b = 2 if facts_of.sixteen_bit_copy and c == 2 else w  # frozen: kept as loaded (ZeRO-3: its 16-bit copy)
         terms.append((Term("DPO reference copy (frozen)", f"{ref_b} B × {_n(N)}{per}", ref_b * N / P), host_params))
     for term, on_host in terms:
         (out.host if on_host else out.device).append(term)
-    if t.strategy == "fsdp2" and plan.accumulation_steps(workers) > 1 and not plan.sync_every_micro_batch:
+    if (
+        sharded
+        and facts_of.sync_last_micro_batch
+        and plan.accumulation_steps(workers) > 1
+        and not plan.sync_every_micro_batch
+    ):
         # FSDP2 skips the reduce-scatter on all but the last micro-batch and keeps each
         # parameter's whole (unsharded) fp32 gradient on every rank until the step.
         n = N if t.finetune == "full" else n_lora
@@ -263,7 +270,7 @@ def checkpoint_bytes(spec: JobSpec, facts: ModelFacts) -> int:
     if spec.training.adapters:
         return 12 * trainable_params(spec, facts)
     w = DTYPE_BYTES[spec.model.dtype]
-    per_param = 14 if spec.training.strategy == "zero3" and compute_bytes(spec) == 2 else 3 * w
+    per_param = 14 if strategies.of(spec).sixteen_bit_copy and compute_bytes(spec) == 2 else 3 * w
     return per_param * facts.n_params
 
 
@@ -368,15 +375,15 @@ def _options(spec: JobSpec, n: int):
         yield [Change("training.activation_checkpointing: true", {"activation_checkpointing": True})]
     if compute_bytes(spec) == 4:
         yield [Change("training.precision: bf16", {"precision": "bf16"})]
-    if t.strategy == "ddp":
+    if strategies.of(spec).replicated:
         yield [Change("training.strategy: fsdp2", {"strategy": "fsdp2"})]
     elif not t.offload.optimizer:
         yield [Change("training.offload.optimizer: true", {"offload": {"optimizer": True}})]
-    if t.strategy == "zero3" and not t.offload.params:
+    if strategies.of(spec).offload == "apart" and not t.offload.params:
         yield [Change("training.offload.params: true", {"offload": {"params": True}})]
     if t.finetune == "full":
         yield [Change("training.finetune: lora", {"finetune": "lora"})]
-    if t.strategy != "ddp":  # more devices: the last resort, it costs money rather than speed
+    if not strategies.of(spec).replicated:  # more devices: the last resort, it costs money rather than speed
         key = "num_workers" if spec.scaling.num_workers else "min_workers"
         group = spec.scaling.model_parallel  # whole sequence- and tensor-parallel groups only
         yield [
