@@ -9,7 +9,9 @@ import argparse
 import atexit
 import json
 import os
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from raytrain.errors import JobError, user_message
@@ -86,10 +88,12 @@ def _report(report, as_json: bool) -> None:
             )
         )
         return
-    for p in report.errors:
-        print(f"  - {p}", file=sys.stderr)
-    for p in report.notes:
-        print(f"  note: {p}", file=sys.stderr)
+    # On a terminal a long problem (the memory estimate's note) wraps to its width; piped, one line each.
+    width = max(60, shutil.get_terminal_size().columns - 1) if sys.stderr.isatty() else 0
+    for lead, problems in (("  - ", report.errors), ("  note: ", report.notes)):
+        for p in problems:
+            text = lead + str(p)
+            print(textwrap.fill(text, width, subsequent_indent=" " * 4) if width else text, file=sys.stderr)
 
 
 def cmd_validate(args) -> int:

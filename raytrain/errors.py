@@ -97,4 +97,17 @@ def forward_worker_stdout_only() -> None:
     for name, handler in list(dispatcher.handlers):
         if name == "ray_print_logs":
             dispatcher.remove_handler(name)
-            dispatcher.add_handler(name, lambda data, show=handler: None if data.get("is_err") else show(data))
+            dispatcher.add_handler(name, lambda data, show=handler: _show_stdout(data, show))
+
+
+def _show_stdout(data: dict, show) -> None:
+    """raytrain's own lines (rank 0's step lines, the start-up line) as the driver's own, without
+    Ray's `(RayTrainWorker pid=...)` prefix and colour codes; any other stdout line as Ray shows it."""
+    if data.get("is_err"):
+        return
+    lines = data.get("lines", [])
+    ours = [line for line in lines if line.startswith("[raytrain] ")]
+    for line in ours:
+        print(line, flush=True)
+    if len(ours) < len(lines):
+        show({**data, "lines": [line for line in lines if not line.startswith("[raytrain] ")]})

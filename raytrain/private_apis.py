@@ -167,14 +167,49 @@ def _attribute_as(owner, name: str, value):
         setattr(owner, name, saved)
 
 
-# --- Ray Train's trainer, built in a driver without torch -----------------------------------
-def torch_backend():
-    """Ray Train's torch process-group setup (`ray.train.torch.config._TorchBackend`), which its
-    public TorchConfig names: imported where it runs (the controller), never in the driver, for
-    `ray.train.torch` imports torch."""
-    from ray.train.torch.config import _TorchBackend
+# --- Ray Train's trainer, with torch only in its workers --------------------------------------
+# Ray Train's TorchConfig names `_TorchBackend` in `ray.train.torch.config`, which imports torch at
+# its top: in the driver (TorchTrainer) and in the controller (which runs the backend's hooks), 2-3 s
+# of a CPU start-up each. raytrain's own Backend (driver/trainer.py) runs the same steps and reaches
+# these functions by reference to this torch-free module; each imports Ray's torch module only where
+# it runs, in a worker.
+def worker_address() -> tuple[str, int]:
+    """The address and a free port of the worker this runs on (rank 0's: the process group's master)."""
+    from ray.train._internal.utils import get_address_and_port
 
-    return _TorchBackend
+    return get_address_and_port()
+
+
+def set_torch_distributed_env_vars() -> None:
+    """LOCAL_RANK, RANK, WORLD_SIZE, ... as torchrun sets them (Ray's own helper), on the worker."""
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    _set_torch_distributed_env_vars()
+
+
+def setup_torch_process_group(**kwargs) -> None:
+    """torch.distributed.init_process_group as Ray's TorchConfig does it (NCCL's async error handling)."""
+    from ray.train.torch.config import _setup_torch_process_group
+
+    _setup_torch_process_group(**kwargs)
+
+
+def shutdown_torch(destroy_process_group: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy_process_group)
+
+
+def torch_shutdown_timeout_s() -> int:
+    from ray._private import ray_constants
+    from ray.train.constants import (
+        DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+        TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+    )
+
+    return ray_constants.env_integer(
+        TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+    )
 
 
 def torch_train_func_context():

@@ -1,6 +1,6 @@
 """Prepare once: a Ray Data job on the cluster's CPUs reads every source, tokenizes (a batch
 of rows per tokenizer call) and packs each read unit on its own, and writes the token store;
-the driver writes its manifest last. A small dataset is prepared by the driver itself, unit
+the driver writes its manifest last. A small dataset is prepared by one plain Ray task, unit
 after unit, in less time than Ray Data's workers take to start. Training workers never tokenize.
 
 The store's key hashes everything that changes its tokens (the sources' paths, sizes and
@@ -39,7 +39,7 @@ PACKER_VERSION = (
     4  # 2: units sized from the file; 3: positions per document, chat labels from one rendering; 4: store format 4
 )
 UNIT_BYTES = 16 << 20  # the most JSON Lines bytes per prepare task
-# Less source data than this is prepared in the driver, unit after unit: done before Ray Data's
+# Less source data than this is prepared by one plain task, unit after unit: done before Ray Data's
 # workers would have started and imported transformers.
 LOCAL_BYTES = 4 << 20
 BATCH_ROWS = 256  # rows tokenized per tokenizer call: its per-call cost is spread thin, a batch's memory stays small
@@ -190,10 +190,15 @@ def _run_units(
         "spec": spec.model_dump(mode="json"),
         "data": data.model_dump(mode="json"),
     }
+    import ray
+
     if len(units) <= 1 or _source_bytes(fs, units) < LOCAL_BYTES:
-        return [
-            json.loads(prepare_unit({"index": i, "unit": u.to_json()}, **kwargs)["result"]) for i, u in enumerate(units)
-        ]
+        items = [{"index": i, "unit": u.to_json()} for i, u in enumerate(units)]
+        if not ray.is_initialized():  # a tool or test without a cluster
+            return _prepare_units(items, kwargs)
+        # One task on a worker Ray already runs: the tokenizer's import and the tokenizing happen
+        # beside the driver's work (the trainer's start), not in its process and under its GIL.
+        return ray.get(ray.remote(num_cpus=1)(_prepare_units).remote(items, kwargs))
     import logging
 
     import ray.data
@@ -208,6 +213,10 @@ def _run_units(
         prepare_unit, fn_kwargs={**kwargs, "one_core": True}, concurrency=concurrency, num_cpus=1
     ).take_all()
     return [json.loads(r["result"]) for r in sorted(results, key=lambda r: r["index"])]
+
+
+def _prepare_units(items: list[dict], kwargs: dict) -> list[dict]:
+    return [json.loads(prepare_unit(item, **kwargs)["result"]) for item in items]
 
 
 def _source_bytes(fs, units: list[Unit]) -> int:

@@ -3,6 +3,7 @@ MLflow run, build the dataset, run the TorchTrainer, close the run."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -48,7 +49,10 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
         return
     lo, hi = spec.scaling.worker_range
     cpus = max(os.cpu_count() or 1, int(hi * spec.scaling.cpus_per_worker)) + 2  # +2 logical CPUs for Ray Data
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    # A private cluster on this machine: Ray's notices of its own start (token authentication on,
+    # "Started a local Ray instance") do not concern the job; its warnings and errors still show.
+    logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 
 

@@ -10,7 +10,9 @@ driver imports this module, never the other way round."""
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import threading
 
 from raytrain.rundir import signing
 from raytrain.train import preemption
@@ -51,8 +53,27 @@ def setup_worker() -> None:
     works, but submitting any call from a process that has run no task yet crashes it (Ray
     2.60: `shared_lru.h:66 Check failed: value != nullptr`, the caller's runtime env is unset;
     a call given a runtime_env of its own goes through, then the next task assignment fails
-    `context.cc:95 Check failed: task_index_ == 0`). See `with_secrets` for where they come."""
+    `context.cc:95 Check failed: task_index_ == 0`). See `with_secrets` for where they come.
+
+    It also starts importing what a step needs (`PREIMPORT`) in a thread: the process would otherwise
+    import torch, transformers' modelling and peft only once Ray Train has set the group up (its
+    actors, the rendezvous, the process group), one after the other, where most of that setup is
+    waiting on other processes."""
     preemption.install_sigterm_handler(float(os.environ.get(GRACE_ENV, "120")))  # host: an environment value
+    threading.Thread(target=_preimport, name="raytrain-preimport", daemon=True).start()
+
+
+# What every train worker imports before its first step, slowest last (measured on a CPU worker:
+# torch 1.7 s, raytrain's worker 0.5 s, transformers' modelling 3.9 s, peft 0.5 s).
+PREIMPORT = ("torch", "raytrain.train.worker", "transformers.modeling_utils", "peft")
+
+
+def _preimport() -> None:
+    for name in PREIMPORT:
+        try:
+            importlib.import_module(name)
+        except Exception:  # the main thread's own import of it will say what is wrong
+            return
 
 
 def with_secrets(train_func):
