@@ -10,6 +10,7 @@ import atexit
 import json
 import os
 import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -180,8 +181,6 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from raytrain.demo_assets import make_all
-
     if not QUICKSTART_JOB.is_file():
         print(
             f"raytrain quickstart: {QUICKSTART_JOB} is not there: the quickstart runs from a checkout of raytrain "
@@ -189,7 +188,10 @@ def cmd_quickstart(args) -> int:
             file=sys.stderr,
         )
         return EXIT_INVALID
-    root = make_all(Path(".raytrain/quickstart"))
+    root = Path(".raytrain/quickstart")
+    # Built in a process of its own (torch makes the model), so that this one, the job's driver, runs
+    # without torch as `raytrain run` does; kept for later quickstarts.
+    subprocess.run([sys.executable, "-m", "raytrain.demo_assets", str(root)], check=True)
     print(f"[raytrain] demo model and data in {root}")
     args.job, args.json, args.skip_probes, args.address = str(QUICKSTART_JOB), False, False, None
     return cmd_run(args)

@@ -184,3 +184,9 @@ def make_all(root: str | Path, rows: int = 4000) -> Path:
     write_jsonl(root / "kto.jsonl", kto_rows(rows // 4, seed=1))
     write_jsonl(root / "prompts.jsonl", prompt_rows(rows // 8, seed=2))
     return root
+
+
+if __name__ == "__main__":  # `raytrain quickstart` builds them so, in a process of their own
+    import sys
+
+    make_all(sys.argv[1])

@@ -31,8 +31,9 @@ BELOW = {
     "train": {"job", "rundir", "model", "data", "tracking", "strategies", "objectives", "rl"},
     "driver": {"job", "rundir", "model", "data", "tracking", "train"},
 }
-# The one door from the driver into the workers' code: torch-free, it imports the worker inside.
-DRIVER_INTO_TRAIN = {"raytrain.train.entry"}
+# The doors from the driver into the workers' code, torch-free: the train function (it imports the
+# worker inside) and the process group's setup.
+DRIVER_INTO_TRAIN = {"raytrain.train.entry", "raytrain.train.process_group"}
 # What runs without torch: validate, the run directory, the driver (and all they import).
 TORCH_FREE = (
     "raytrain.job",
@@ -47,6 +48,7 @@ TORCH_FREE = (
     "raytrain.model.targets",
     "raytrain.train.entry",
     "raytrain.train.preemption",
+    "raytrain.train.process_group",
 )
 HEAVY = ("torch", "transformers", "peft", "deepspeed", "torchao", "vllm", "liger_kernel")
 

@@ -83,32 +83,40 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     )
 
 
-def test_quickstart_runs_from_any_folder(ray_address, tmp_path):
-    # It used to look for jobs/quickstart.yaml in the working directory.
+def test_quickstart_runs_from_any_folder_and_its_driver_never_maps_torch(ray_address, tmp_path):
+    # It used to look for jobs/quickstart.yaml in the working directory. Its driver (this process's
+    # child) runs with no libtorch mapped the whole time: torch is only in the workers.
     import os
     import subprocess
     import sys
+    import time
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "raytrain",
-            "quickstart",
-            "--set",
-            "training.max_steps=2",
-            "--set",
-            "checkpoint.export_final=false",
-        ],
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raytrain", "quickstart", "--set", "training.max_steps=4"]
+        + ["--set", "checkpoint.export_final=false"],
         cwd=tmp_path,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
         env={**os.environ, "RAY_ADDRESS": ray_address},
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert latest_checkpoint(str(tmp_path / "runs" / "quickstart")).endswith("step_00000002")
-    assert "eval_loss" in proc.stdout.splitlines()[-1]  # the quickstart shows its held-out loss
+    looks, torch_mapped = 0, []
+    while proc.poll() is None:
+        try:
+            maps = open(f"/proc/{proc.pid}/maps").read()
+        except OSError:  # it just ended
+            break
+        looks += 1
+        torch_mapped += [line.split()[-1] for line in maps.splitlines() if "libtorch" in line][:1]
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert looks > 20 and not torch_mapped, (looks, torch_mapped)
+    assert latest_checkpoint(str(tmp_path / "runs" / "quickstart")).endswith("step_00000004")
+    lines = out.splitlines()
+    assert "eval_loss" in lines[-1]  # the quickstart shows its held-out loss
+    steps = [line for line in lines if line.startswith("[raytrain] step ")]  # rank 0's, as the driver's own
+    assert len(steps) == 4 and not [line for line in lines if "RayTrainWorker pid=" in line], lines
 
 
 def test_a_new_mlflow_store_is_a_copy_of_a_migrated_template_and_an_existing_store_is_kept(

@@ -1,15 +1,8 @@
-"""Ray Train's trainer for one job, with torch only in its workers: Ray Train's TorchTrainer imports
-torch in the driver and its TorchConfig in the controller (`ray.train.torch`), so the driver gives
-Ray Train's DataParallelTrainer a config and a backend of its own that run the same steps, their
-torch parts imported where they run, in the workers. The train function is
-train/entry.py's, which imports the worker inside each worker process."""
+"""Ray Train's trainer for one job, with torch only in its workers: Ray Train's DataParallelTrainer
+with train/process_group.py's torch backend (TorchTrainer would import torch here and in the
+controller) and train/entry.py's train function, which imports the worker inside each worker."""
 
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
-
-from ray.train.backend import Backend, BackendConfig
 
 from raytrain import private_apis
 from raytrain.driver.worker_env import runtime_env
@@ -18,73 +11,7 @@ from raytrain.job.spec import JobSpec
 from raytrain.rundir.job_file import sign_plan
 from raytrain.tracking.timeline import Timeline
 from raytrain.train import entry
-
-
-@dataclass
-class TorchBackend(BackendConfig):
-    """TorchConfig's fields and behaviour (gloo on CPU workers, NCCL on GPUs), torch-free here."""
-
-    backend: str = "gloo"
-    init_method: str = "env"
-    timeout_s: int = 1800
-
-    @property
-    def backend_cls(self):
-        return TorchProcessGroup
-
-    @property
-    def train_func_context(self):
-        return private_apis.torch_train_func_context()
-
-    @property
-    def framework(self):
-        return private_apis.torch_framework()
-
-    def to_dict(self) -> dict:
-        return {"backend": self.backend, "init_method": self.init_method, "timeout_s": self.timeout_s}
-
-
-class TorchProcessGroup(Backend):
-    """Ray Train's torch backend's steps (`_TorchBackend.on_start` for CPU and CUDA workers), run from
-    the controller without importing torch there: rank 0's address, the torchrun variables, then
-    `init_process_group` on every worker, each step a function of the torch-free private_apis."""
-
-    share_cuda_visible_devices: bool = True  # every worker sees its node's GPUs and picks cuda:{local_rank}
-
-    def on_start(self, worker_group, backend_config: TorchBackend) -> None:
-        import ray
-
-        addr, port = worker_group.execute_single(0, private_apis.worker_address)
-        worker_group.execute(_set_master, addr=addr, port=port)
-        worker_group.execute(private_apis.set_torch_distributed_env_vars)
-        n = len(worker_group)
-        setup = [
-            worker_group.execute_single_async(
-                i,
-                private_apis.setup_torch_process_group,
-                backend=backend_config.backend,
-                world_rank=i,
-                world_size=n,
-                init_method="env://",
-                timeout_s=backend_config.timeout_s,
-            )
-            for i in range(n)
-        ]
-        ray.get(setup)
-
-    def on_shutdown(self, worker_group, backend_config: TorchBackend) -> None:
-        import ray
-        from ray.exceptions import GetTimeoutError
-
-        done = worker_group.execute_async(private_apis.shutdown_torch, destroy_process_group=len(worker_group) > 1)
-        try:
-            ray.get(done, timeout=private_apis.torch_shutdown_timeout_s())
-        except GetTimeoutError:
-            print("[raytrain] the workers' torch process group did not shut down in time", flush=True)
-
-
-def _set_master(addr: str, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+from raytrain.train.process_group import TorchBackend
 
 
 def build_trainer(
