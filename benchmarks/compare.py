@@ -4,6 +4,8 @@ P1  steady step period, raytrain (Ray Train, FSDP2) / bare torchrun FSDP2.   goa
 P2  submit -> first finished step, raytrain / bare torchrun (raytrain cold: it starts its
     own local Ray cluster, as `raytrain run` does; warm: joins a running one, as on a cluster,
     and finds its token store already prepared by an earlier job on the same data).
+P0b submit -> first finished step, raytrain (cold) / TRL's SFTTrainer in one process (trl_start.py):
+    the same model, rows and batch. goal <= 2.0
 P7  FSDP2 / FSDP1 tokens/s and peak memory, both bare.
 P8  ZeRO-3 / FSDP2 step period and peak memory, both through raytrain.
 P9  DPO / SFT step time through raytrain on the same rows (SFT trains prompt + chosen; DPO
@@ -207,16 +209,18 @@ def p1(s: h.Setting) -> dict:
 
 # ---------------------------------------------------------------- P2
 def p2(s: h.Setting) -> dict:
-    h.header("P2 submit -> first finished step: raytrain / bare torchrun", s)
+    h.header("P2 submit -> first finished step: raytrain / bare torchrun / TRL's SFTTrainer (P0b)", s)
     s = h.with_overrides(s, steps=3)
     model, data = h.assets(s)
     # ray-train: the bare loop in a plain TorchTrainer on its own cluster, Ray Train's own floor.
-    first = {"raytrain-cold": [], "raytrain-warm": [], "torchrun": [], "ray-train": []}
+    first = {"raytrain-cold": [], "raytrain-warm": [], "torchrun": [], "ray-train": [], "trl": []}
     exits: dict[str, list[float]] = {arm: [] for arm in first}
     milestones: dict[tuple[str, str], list[float]] = {}
     for arm in h.alternate(s.reps, list(first)):
         if arm in ("torchrun", "ray-train"):
             r = bare_arm(s, f"p2-{arm}", model, data, in_ray_train=arm == "ray-train")
+        elif arm == "trl":
+            r = trl_arm(s, model, data)
         elif arm == "raytrain-cold":
             r = raytrain_arm(s, f"p2-{arm}", model, data)
         else:
@@ -244,6 +248,15 @@ def p2(s: h.Setting) -> dict:
         "torchrun",
         first["torchrun"],
         fmt=".2f",
+    )
+    trl = h.ratio_line(
+        "P0b submit -> first step, own local cluster",
+        "raytrain",
+        first["raytrain-cold"],
+        "TRL SFTTrainer",
+        first["trl"],
+        fmt=".2f",
+        goal="<= 2.0",
     )
     warm = h.ratio_line(
         "P2 submit -> first step, running cluster",
@@ -288,6 +301,7 @@ def p2(s: h.Setting) -> dict:
     return {
         "ratio": ratio,
         "ratio_warm": warm,
+        "ratio_trl": trl,
         "ratio_exit": exit_ratio,
         "ratio_over_ray_train": over_ray,
         "first": first,
@@ -295,10 +309,36 @@ def p2(s: h.Setting) -> dict:
     }
 
 
+def trl_arm(s: h.Setting, model: Path, data: Path) -> dict:
+    """TRL's SFTTrainer on the same model, rows and batch, one process as a TRL user starts it (trl_start.py)."""
+    folder = h.scratch("p2-trl")
+    try:
+        command = [
+            h.sys.executable,
+            str(h.REPO / "benchmarks" / "trl_start.py"),
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--seq-len",
+            str(s.seq_len),
+            "--global-batch",
+            str(s.global_batch),
+            "--micro-batch",
+            str(s.micro_batch),
+            "--steps",
+            str(s.steps),
+            "--out",
+            str(folder / "out"),
+        ]
+        return {"run": h.run_arm("p2-trl", command, folder / "steps", env=h.bare_env(s), timeout_s=s.timeout_s)}
+    finally:
+        h.cleanup(folder)
+
+
 # Lines of `raytrain run`'s own output (the driver's, not forwarded from workers) that mark its start-up.
 MILESTONES = {
     "pre-flight done": ": valid (",
-    "Ray up": "Started a local Ray instance",
     "MLflow run + control actor ready": "[raytrain] job ",
 }
 
