@@ -187,3 +187,18 @@ def test_the_code_is_formatted_and_linted():
         cwd=root,
     )
     assert layout.returncode == 0, "run `.venv/bin/ruff format`:\n" + layout.stdout + layout.stderr
+
+
+def test_a_worker_imports_only_what_its_job_runs():
+    # An fsdp2 LoRA worker's code path, as far as imports go: no DeepSpeed (zero3's), no vLLM (the
+    # engine runs in its own environment), no MLflow server side, no Ray Data (the token store is read
+    # directly), no TRL (a test reference only).
+    code = (
+        "import sys\n"
+        "import raytrain.train.worker, raytrain.strategies.fsdp2, raytrain.objectives, raytrain.model.modeling\n"
+        "import raytrain.tracking.step_metrics, mlflow.tracking, transformers.modeling_utils, peft\n"
+        "print(sorted(m for m in ('deepspeed', 'vllm', 'mlflow.server', 'flask', 'sqlalchemy', 'alembic', 'ray.data',"
+        " 'trl') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
