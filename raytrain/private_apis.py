@@ -237,3 +237,16 @@ def trainer_without_datasets(**kwargs):
             return [c for c in super()._create_default_callbacks() if not isinstance(c, DatasetsCallback)]
 
     return Trainer(**kwargs)
+
+
+def actor_start_times() -> dict[str, float]:
+    """Each actor of this cluster and when it came up (seconds since the epoch), from the GCS's actor
+    table (Ray's public state API needs the dashboard, which raytrain's local clusters do not start).
+    For benchmarks/startup.py."""
+    from ray._private.state import state
+
+    out = {}
+    for actor_id, row in state.actor_table(None).items():
+        if row.get("StartTime"):
+            out[f"{row.get('ActorClassName') or row.get('Name')} ({actor_id[:6]})"] = row["StartTime"] / 1000
+    return out
