@@ -70,7 +70,8 @@ FIELDS = {
 
 
 def options() -> dict[str, tuple]:
-    from raytrain.job.spec import ModelSpec, TrainingSpec
+    from raytrain.job.sections import ModelSpec
+    from raytrain.job.training import TrainingSpec
 
     out: dict[str, tuple] = {}
     for name, field in TrainingSpec.model_fields.items():

@@ -149,7 +149,7 @@ def test_a_holder_is_this_processes_neighbour_only_in_the_same_boot_and_pid_name
 
 
 def test_a_run_directory_without_conditional_writes_is_refused_at_validate():
-    from raytrain.job.spec import CheckpointSpec
+    from raytrain.job.sections import CheckpointSpec
 
     for uri in ("gs://bucket/runs", "hdfs://namenode/runs", "abfs://container/runs"):
         with pytest.raises(

@@ -144,7 +144,7 @@ def test_each_objective_and_strategy_is_one_row_of_its_table(tmp_path):
     from typing import get_args
 
     from raytrain.job import objectives, strategies
-    from raytrain.job.spec import TrainingSpec
+    from raytrain.job.training import TrainingSpec
 
     fields = TrainingSpec.model_fields
     assert set(get_args(fields["objective"].annotation)) == set(objectives.OBJECTIVES)

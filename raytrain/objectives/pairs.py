@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from raytrain.data.pairs import MARGIN_TAG_BITS
-from raytrain.job.spec import JobSpec, PreferenceSpec
+from raytrain.job.spec import JobSpec
+from raytrain.job.training import PreferenceSpec
 from raytrain.model.facts import SCORE_HEAD
 from raytrain.objectives.base import Objective
 from raytrain.objectives.tokens import forward, real_pairs, replaced_forward, sequence_logps, staged, unwrapped

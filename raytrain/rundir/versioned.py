@@ -12,7 +12,7 @@ How each storage gives that:
   writer leaves no stale lock. A reader never sees a half-written record (rename is atomic); the
   version is a counter inside the record.
 - Anything else (gs://, hdfs://, abfs://): no conditional write that raytrain can use, so the
-  job spec refuses such a run directory (job/spec.py: `LEASE_SCHEMES`).
+  job spec refuses such a run directory (job/sections.py: `LEASE_SCHEMES`).
 
 A record that exists but cannot be read or parsed raises `Unreadable`: never "no record", so a
 torn read or a storage hiccup cannot hand a live job's lease to another driver.
