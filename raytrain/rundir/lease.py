@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 
-from raytrain.errors import JobError
+from raytrain.errors import JobError, TransientError
 from raytrain.rundir import storage, versioned
 
 FILE = "driver.json"
@@ -77,22 +77,32 @@ def process_identity() -> dict:
 
 
 def _load(run_dir: str, patient: bool = True) -> tuple[dict | None, str | None]:
-    """The record and its version; an unreadable record is retried for RETRY_S, then a JobError."""
+    """The record and its version; an unreadable record is retried for RETRY_S (patient), then
+    `versioned.Unreadable` for the caller to word: before a start it ends the attempt, at a commit
+    mid-run it is a storage outage a restart may outlast (`commit`)."""
     deadline = time.monotonic() + (RETRY_S if patient else 0)
     while True:
         try:
             return versioned.load(uri(run_dir))
-        except versioned.Unreadable as exc:
+        except versioned.Unreadable:
             if time.monotonic() >= deadline:
-                raise JobError(
-                    f"the run directory's lease {uri(run_dir)} cannot be read ({exc}); nothing was "
-                    "started. Check the storage, then run again"
-                ) from exc
+                raise
             time.sleep(1.0)
 
 
+def _load_to_start(run_dir: str) -> tuple[dict | None, str | None]:
+    """`_load` before anything of the run started: an unreadable record ends it with the fix."""
+    try:
+        return _load(run_dir)
+    except versioned.Unreadable as exc:
+        raise JobError(
+            f"the run directory's lease {uri(run_dir)} cannot be read ({exc}); nothing was "
+            "started. Check the storage, then run again"
+        ) from exc
+
+
 def read(run_dir: str) -> dict | None:
-    return _load(run_dir)[0]
+    return _load_to_start(run_dir)[0]
 
 
 def gone(holder: dict, cluster: str) -> str | None:
@@ -132,8 +142,9 @@ def acquire(run_dir: str, me: dict, cluster: str, takeover: bool) -> str:
     holder on another cluster is refused, or fenced with `takeover`."""
     fs, path = storage.filesystem(run_dir)
     fs.create_dir(path, recursive=True)
+    floor = checkpoints_generation(run_dir)
     for _ in range(10):  # each round: read, decide, one conditional write (a racing writer: read again)
-        holder, version = _load(run_dir)
+        holder, version = _load_to_start(run_dir)
         why, live = None, False
         if holder and not holder.get("released"):
             why = gone(holder, cluster)
@@ -161,7 +172,9 @@ def acquire(run_dir: str, me: dict, cluster: str, takeover: bool) -> str:
                 f"{why or 'fencing it (--takeover): its workers stop before their next step and commit nothing more'}",
                 flush=True,
             )
-        generation = int((holder or {}).get("generation", 0)) + 1
+        # Above every generation the run directory's folders name too: a record deleted by hand (or
+        # by a lifecycle rule) must not hand out generation 1 again, whose folders are still there.
+        generation = max(int((holder or {}).get("generation", 0)), floor) + 1
         token = f"{generation}:{secrets.token_hex(6)}"
         doc = {
             **me,
@@ -190,17 +203,36 @@ def acquire(run_dir: str, me: dict, cluster: str, takeover: bool) -> str:
 
 def _update(run_dir: str, token: str, change: dict, patient: bool) -> dict | None:
     """Write `change` into the record while it names `token` (conditional on the version read);
-    returns the holder that took it over instead, or None once written."""
-    for _ in range(20):
-        holder, version = _load(run_dir, patient)
-        if holder is None or holder.get("token") != token:
-            return holder or {}
+    returns the holder that took it over instead, or None once written. A storage that fails a read
+    or a write (`versioned.Unreadable`, any OSError) is retried for RETRY_S when `patient`, then
+    raised as `versioned.Unreadable`: the caller decides whether that ends anything."""
+    deadline = time.monotonic() + (RETRY_S if patient else 0)
+    conflicts = 0
+    while True:
         try:
+            holder, version = _load(run_dir, patient=False)
+            if holder is None or holder.get("token") != token:
+                return holder or {}
             versioned.write(uri(run_dir), {**holder, **change}, version)
             return None
-        except versioned.Conflict:
-            continue  # a renewal or a commit of this same holder came first: again on the new version
-    raise JobError(f"could not update the run directory's lease {uri(run_dir)}: it keeps changing under this driver")
+        except versioned.Conflict:  # a renewal or a commit of this same holder came first: again on the new version
+            conflicts += 1
+            if conflicts >= 20:
+                raise JobError(
+                    f"could not update the run directory's lease {uri(run_dir)}: it keeps changing under this driver"
+                ) from None
+        except OSError as exc:  # versioned.Unreadable is one; so is a local write's own error
+            if time.monotonic() >= deadline:
+                raise exc if isinstance(exc, versioned.Unreadable) else versioned.Unreadable(str(exc)) from exc
+            time.sleep(1.0)
+
+
+def checkpoints_generation(run_dir: str) -> int:
+    """The highest generation the run directory's checkpoint folders name (`step_N` is 1,
+    `step_N-gG` is G; rundir/checkpoints.folder_name), 0 for none."""
+    from raytrain.rundir.checkpoints import order_key  # checkpoints imports this module
+
+    return max((order_key(name)[1] for name in storage.subfolders(run_dir) if name.startswith("step_")), default=0)
 
 
 def generation_of(token: str) -> int:
@@ -210,10 +242,29 @@ def generation_of(token: str) -> int:
 
 def commit(run_dir: str, token: str, name: str) -> None:
     """Rank 0, before a checkpoint's manifest is written: the checkpoint `name` is committed under
-    this lease, or a JobError if another driver holds it (nothing of this checkpoint is then signed)."""
-    taken_by = _update(run_dir, token, {"committed": name}, patient=True)
+    this lease; a JobError if another driver holds it (final: nothing of this checkpoint is then
+    signed, and the new holder continues), an `errors.TransientError` if the storage stayed
+    unreachable through RETRY_S (a restart from the last committed checkpoint may outlast it)."""
+    try:
+        taken_by = _update(run_dir, token, {"committed": name}, patient=True)
+    except versioned.Unreadable as exc:
+        raise TransientError(
+            f"checkpoint {name} was not committed: the run directory's lease {uri(run_dir)} could not be read or "
+            f"written for {RETRY_S:.0f} s ({exc}); the worker group restarts from the last committed checkpoint "
+            "(within failure.max_failures) once the storage answers"
+        ) from exc
     if taken_by is not None:
         raise JobError(fenced_message(run_dir, taken_by))
+
+
+def still_held(run_dir: str, token: str) -> bool:
+    """Whether the record still names `token` (False when another driver holds it; True when it
+    cannot be read: unknown is not taken, and the commit's conditional write decided already)."""
+    try:
+        holder, _ = versioned.load(uri(run_dir))
+    except versioned.Unreadable:
+        return True
+    return holder is not None and holder.get("token") == token
 
 
 def fenced_message(run_dir: str, holder: dict) -> str:
@@ -235,13 +286,24 @@ class Renewal:
         self._thread.start()
 
     def _run(self) -> None:
+        # Nothing but a takeover ends renewing: a storage that fails a write now (an S3 5xx, a local
+        # write error, a torn read) is tried again at the next renewal, and any other error is said
+        # and outlived. A renewal thread that dies leaves the live job's lease to lapse: TTL_S later
+        # another driver takes it without --takeover and fences this one.
+        failing = None
         while not self._stop.wait(RENEW_S):
             self.renewals += 1
             try:
                 if _update(self.run_dir, self.token, {"renewals": self.renewals}, patient=False) is not None:
                     return  # taken over: stop renewing
-            except JobError:  # storage unreachable for a moment: the next renewal tries again
-                pass
+            except Exception as exc:  # noqa: BLE001 - see above
+                if failing is None:
+                    print(f"[raytrain] could not renew the run directory's lease ({exc}); retrying", flush=True)
+                failing = exc
+                continue
+            if failing is not None:
+                print("[raytrain] the run directory's lease is renewed again", flush=True)
+                failing = None
 
     def stop(self) -> None:
         """No renewal after this returns (one in flight is waited for)."""
@@ -254,7 +316,7 @@ class Renewal:
         self.stop()
         try:
             _update(self.run_dir, self.token, {"released": True}, patient=True)
-        except JobError as exc:  # the run is over either way: a later driver waits out the TTL instead
+        except (JobError, OSError) as exc:  # the run is over either way: a later driver waits out the TTL instead
             print(f"[raytrain] could not release the run directory's lease: {exc}", flush=True)
 
 
@@ -270,7 +332,10 @@ class Fence:
     def _run(self, every_s: float) -> None:
         while self.taken_by is None:
             time.sleep(every_s)
-            self._check()
+            try:
+                self._check()
+            except Exception:  # noqa: BLE001 - unknown is not taken: the next read, or the commit, decides
+                pass
 
     def _check(self) -> None:
         try:

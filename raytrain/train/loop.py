@@ -156,10 +156,22 @@ def _require_lease(fence) -> None:
         try:
             fence.require()
         except JobError as exc:
-            said = [str(exc)]
+            said = [exc.args[0] if exc.args else str(exc)]
     torch.distributed.broadcast_object_list(said, src=0)
     if said[0]:
         raise JobError(said[0])
+
+
+def before_checkpoint(token: str, fence, journal, logger) -> None:
+    """Collective, before each checkpoint: the lease first, on every rank at once, on the training
+    thread, before anything is staged or written (an async save's own refusal, checkpoint.sign,
+    comes on Ray's upload thread); then rank 0 keeps in the backlog the steps MLflow has not taken
+    (metrics_backlog.py). So a fenced group writes and deletes no backlog file of the run directory."""
+    if token:
+        _require_lease(fence)
+    if journal:
+        journal.keep(logger.unwritten())
+        journal.forget(logger.written_through)
 
 
 def host_values(t: torch.Tensor) -> list[float]:
@@ -196,7 +208,7 @@ def fit(
     objective = objectives.build(spec)
     checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
     skipped = SkippedUpdates()
-    journal = metrics_backlog.Journal(spec.run_dir) if logger else None  # rank 0
+    journal = metrics_backlog.Journal(spec.run_dir, state.step) if logger else None  # rank 0
     while state.step < t.max_steps:
         step_start = time.perf_counter()
         seed_step(t.seed, state.step, rank // strategy.layout.tp)  # a layer's tp ranks drop out alike
@@ -279,13 +291,7 @@ def fit(
             # yet go once into the run directory's backlog (metrics_backlog.py): a restart, the driver
             # at the end or `raytrain sync-metrics` writes them if this process never can.
             state.metrics = done if rank == 0 else []
-            if journal:
-                journal.keep(logger.unwritten())
-                journal.forget(logger.written_through)
-            # A stop on every rank at once, on the training thread, before anything is staged: an async
-            # save's own refusal (checkpoint.sign, the fence itself) comes on Ray's upload thread
-            if token:
-                _require_lease(fence)
+            before_checkpoint(token, fence, journal, logger)
             committed = checkpoint.save_and_report(strategy, state, metrics, wait=urgent)
             checkpoint_s = time.perf_counter() - save_start
             if logger and getattr(objective, "samples", None):  # GRPO: what the step sampled and scored
