@@ -109,7 +109,9 @@ class GRPO:
             if self.engine is None:
                 from raytrain.rl.engine import VLLMEngine
 
-                self.engine = VLLMEngine(self.spec, strategy.device, sum(len(a[3]) for a in asks))
+                self.engine = VLLMEngine(
+                    self.spec, strategy.device, sum(len(a[3]) for a in asks), bf16=strategy.plan.bf16
+                )
                 atexit.register(self.engine.close)
                 host["vllm/start_s"] = self.engine.start_s
             host["vllm/sync_mb"], host["vllm/sync_s"] = self.engine.sync(strategy)
