@@ -92,6 +92,30 @@ def test_liger_fused_loss_is_called_as_it_takes_its_arguments_and_only_on_cuda(a
     assert kernels.fused_loss(make_job(assets, tmp_path), torch.device("cpu")) is None
 
 
+def test_liger_fused_loss_only_from_the_release_that_takes_per_row_gradients_rightly(assets, tmp_path):
+    """Before liger-kernel 0.8.2 the fused loss's backward under reduction="none" scaled every row's
+    gradient by the first row's: DPO, KTO and SimPO trained on wrong gradients with no error. An older
+    one is not used, and the kernel line says why (raytrain's own loss runs)."""
+    from conftest import make_job
+
+    from raytrain.model import kernels
+
+    assert [kernels.liger_fused_allowed(v) for v in ("0.7.9", "0.8.1", "0.8.2.dev0", "0.8.2", "0.9.1", "0.10.0")] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+    assert not kernels.liger_fused_allowed("not-a-version")
+    spec, cuda = make_job(assets, tmp_path, training={"objective": "sft"}), torch.device("cuda")
+    note = kernels.fused_loss_note(spec, cuda, version="0.8.1")
+    assert "liger-kernel 0.8.1 predates 0.8.2" in note and "raytrain's, not Liger's" in note
+    assert kernels.fused_loss_note(spec, cuda, version="0.8.2") == ""
+    assert kernels.fused_loss_note(spec, torch.device("cpu"), version="0.8.1") == ""  # it would not run there anyway
+
+
 def test_liger_block_kernels_run_only_where_cuda_blocks_stay_eager_and_whole(assets, tmp_path):
     """Liger's RMSNorm, SwiGLU and RoPE (kernels.block_kernels) take a block's ops only on CUDA, only
     where the blocks are not compiled (inductor fuses those ops itself) and not under tensor
