@@ -154,7 +154,7 @@ def test_a_step_syncs_the_host_once_and_matches_the_cpu_step(group, assets, tmp_
     # uploads per micro-batch, and transformers read the device once per forward to learn whether
     # the position ids pack documents, masking_utils.find_packed_sequence_indices; attention.py
     # now tells it from the host rows).
-    assert [s.where for s in syncs["device"]] == ["loop.py:host_values"] * 3, syncs["device"]
+    assert [s.where for s in syncs["device"]] == ["train/loop.py:host_values"] * 3, syncs["device"]
     # The same kernels on the host copies; clipping's norm groups tensors by device (a foreach
     # kernel on CPU, per tensor elsewhere), so fp32 rounding may differ in the last bits.
     for cpu, device in zip(results["cpu"], results["device"]):
@@ -213,7 +213,7 @@ def test_a_grpo_step_rolls_out_scores_and_trains_on_the_device_as_on_the_cpu(gro
     assert ours == {
         ("upload", "rl/sampling.py:rollout"): 16,
         ("copy", "rl/sampling.py:rollout"): 4,
-        ("copy", "loop.py:host_values"): 2,
+        ("copy", "train/loop.py:host_values"): 2,
     }, ours
     theirs = collections.Counter((s.kind, s.origin) for s in syncs["device"] if s.origin != "raytrain")
     assert theirs[("scalar", "transformers")] == 2 * 2 * 8, theirs
@@ -249,7 +249,7 @@ def test_a_step_with_non_finite_gradients_changes_nothing(group, assets, tmp_pat
                 if hook:
                     hook.remove()
                     assert not any(p.grad is not None for p in strategy.params)  # zeroed for the next step
-            assert [s.where for s in accel.syncs[before:]] == ["loop.py:host_values"] * len(batches)
+            assert [s.where for s in accel.syncs[before:]] == ["train/loop.py:host_values"] * len(batches)
             runs[name] = (
                 results,
                 {k: v.cpu() for k, v in strategy.model.state_dict().items()},

@@ -161,11 +161,11 @@ def test_the_engine_runs_in_the_plans_precision_at_the_pinned_commit(assets, tmp
     args = engine_args(gpu, RunPlan.of(gpu).bf16, True, 0, adapter=False)
     assert args["dtype"] == "bfloat16" and args["revision"] == gpu.model.revision
     assert args["gpu_memory_utilization"] == gpu.training.grpo.vllm_gpu_memory_utilization
-    assert reward_model_bytes(gpu) == 2
+    assert reward_model_bytes(gpu, RunPlan.of(gpu).bf16) == 2
     cpu = job(assets, tmp_path, "cpu")
     args = engine_args(cpu, RunPlan.of(cpu).bf16, False, 1 << 26, adapter=False)
     assert args["dtype"] == "float32" and args["revision"] is None and args["kv_cache_bytes"] == 1 << 26
-    assert reward_model_bytes(cpu) == 4
+    assert reward_model_bytes(cpu, RunPlan.of(cpu).bf16) == 4
     fp32 = job(assets, tmp_path, "fp32", scaling={"use_gpu": True}, training={"precision": "fp32"})
     assert engine_args(fp32, RunPlan.of(fp32).bf16, True, 0, adapter=False)["dtype"] == "float32"
     assert (

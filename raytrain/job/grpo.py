@@ -95,12 +95,10 @@ def reward_model_base(path: str) -> str:
     return (json.loads(adapter.read_text()).get("base_model_name_or_path") or "") if adapter.is_file() else path
 
 
-def reward_model_bytes(spec) -> int:
-    """A reward model's compute bytes a weight: bf16 on GPUs where the trainer's precision resolves
-    to bf16 (RunPlan.bf16: `auto` does there), else fp32."""
-    from raytrain.job.plan import RunPlan  # plan imports the spec, which imports this module
-
-    return 2 if spec.scaling.use_gpu and RunPlan.of(spec).bf16 else 4
+def reward_model_bytes(spec, bf16: bool) -> int:
+    """A reward model's compute bytes a weight: bf16 on GPUs where the trainer's precision resolves to
+    bf16 (`bf16`: RunPlan.bf16, where `auto` is bf16 on GPUs; it tested precision == "bf16"), else fp32."""
+    return 2 if spec.scaling.use_gpu and bf16 else 4
 
 
 class GRPOSpec(Section):

@@ -20,13 +20,13 @@ state: every step reseeds from (seed, step, rank), see `loop.seed_step`.
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from raytrain.errors import JobError
 from raytrain.rundir import lease, signing, storage
+from raytrain.rundir.lease import order_key
 
 STATE_FILE = "train_state.json"
 METRICS_FILE = (
@@ -106,16 +106,6 @@ def folder_name(step: int, token: str) -> str:
     step, lands its files in a folder of its own, never over the new driver's."""
     generation = lease.generation_of(token)
     return f"step_{step:08d}" if generation <= 1 else f"step_{step:08d}-g{generation}"
-
-
-def order_key(name: str) -> tuple[int, int]:
-    """(step, generation) of a checkpoint folder's name, the order checkpoints are compared in:
-    numeric, so `step_N-g10` comes after `step_N-g9` (as strings it sorts before). (-1, 0) for a
-    name of no checkpoint."""
-    match = re.fullmatch(r"step_(\d+)(?:-g(\d+))?", name or "")
-    if not match:
-        return (-1, 0)
-    return int(match.group(1)), int(match.group(2) or 1)
 
 
 def record_latest(run_dir: str, name: str) -> None:

@@ -35,6 +35,7 @@ outage (errors.TransientError: a restart may outlast it), not a takeover (a fina
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
@@ -195,9 +196,17 @@ def _update(run_dir: str, token: str, change: dict, patient: bool) -> dict | Non
 def checkpoints_generation(run_dir: str) -> int:
     """The highest generation the run directory's checkpoint folders name (`step_N` is 1,
     `step_N-gG` is G; rundir/checkpoints.folder_name), 0 for none."""
-    from raytrain.rundir.checkpoints import order_key  # checkpoints imports this module
-
     return max((order_key(name)[1] for name in storage.subfolders(run_dir) if name.startswith("step_")), default=0)
+
+
+def order_key(name: str) -> tuple[int, int]:
+    """(step, generation) of a checkpoint folder's name, the order checkpoints are compared in:
+    numeric, so `step_N-g10` comes after `step_N-g9` (as strings it sorts before). (-1, 0) for a
+    name of no checkpoint."""
+    match = re.fullmatch(r"step_(\d+)(?:-g(\d+))?", name or "")
+    if not match:
+        return (-1, 0)
+    return int(match.group(1)), int(match.group(2) or 1)
 
 
 def generation_of(token: str) -> int:
