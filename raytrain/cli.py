@@ -54,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["run"].add_argument(
         "--takeover",
         action="store_true",
-        help="if another driver runs this job, have it checkpoint and stop, and continue here",
+        help=(
+            "if another driver runs this job: on this Ray cluster, have it checkpoint and stop; on another,"
+            " fence it (its workers stop and commit nothing more); then continue here from the last checkpoint"
+        ),
     )
     q = sub.add_parser("quickstart", help="make the offline demo model and data, then run jobs/quickstart.yaml")
     q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

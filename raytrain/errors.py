@@ -4,6 +4,8 @@ Workers raise them; the launcher finds them in Ray's wrapped failures and prints
 message alone, so a user never reads a traceback from deep inside a worker.
 """
 
+import errno
+
 MARKER = "raytrain-error:"
 
 
@@ -29,40 +31,98 @@ def user_message(exc: BaseException) -> str | None:
     return None
 
 
+class TransientError(Exception):
+    """Storage or the network failed for now (a lease that stayed unreachable through its retries):
+    not the job's own fault, so a restart within failure.max_failures may mend it (`transient`)."""
+
+
 # What a restart can mend, whatever the job: storage, the network, a collective (a peer lost mid-call).
+# By type: these never come from the job's own code or data.
 TRANSIENT_TYPES = (
-    "OSError",
+    "TransientError",
+    "Unreadable",  # rundir/versioned.py: a record that could not be read or written now
     "ConnectionError",
     "TimeoutError",
-    "DistBackendError",
     "DistNetworkError",
     "DistStoreError",
     "RayActorError",
     "ActorDiedError",
     "NodeDiedError",
 )
-TRANSIENT_WORDS = (
-    "AWS Error",
+# An OSError by its errno: the network or a network file system, not a missing file, a refused
+# permission, a full or read-only disk (a restart meets those again: FileNotFoundError and
+# PermissionError are OSErrors too, and used to count).
+TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "ETIMEDOUT",
+        "ECONNRESET",
+        "ECONNREFUSED",
+        "ECONNABORTED",
+        "EHOSTUNREACH",
+        "ENETUNREACH",
+        "ENETDOWN",
+        "ENETRESET",
+        "EPIPE",
+        "ESTALE",
+        "EIO",
+        "EAGAIN",
+    )
+    if hasattr(errno, name)
+)
+# An OSError without an errno (pyarrow words an object store's answer so) by the answer it names:
+# throttling, a 5xx, a connection lost. Not ACCESS_DENIED, NO_SUCH_KEY or NO_SUCH_BUCKET.
+STORAGE_WORDS = (
+    "SLOW_DOWN",
+    "SERVICE_UNAVAILABLE",
+    "INTERNAL_FAILURE",
+    "NETWORK_CONNECTION",
+    "REQUEST_TIMEOUT",
+    "THROTTLING",
+    "HTTP 500",
+    "HTTP 502",
+    "HTTP 503",
+    "HTTP 504",
     "Connection reset",
     "Connection refused",
     "Broken pipe",
     "timed out",
     "Timed out",
-    "gloo",
-    "NCCL",
-    "Socket",
-    "unreachable",
+)
+# A collective's error (torch raises DistBackendError, or a RuntimeError from gloo) counts only when
+# it says a peer or the link went: "NCCL" or "gloo" alone also names an invalid argument, a
+# mismatched shape or an out-of-memory, which a restart repeats.
+PEER_LOST_WORDS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Connection refused",
+    "Broken pipe",
+    "remote process exited",
+    "unhandled system error",
+    "communicator was aborted",
+    "Socket Timeout",
+    "Timed out waiting",
+    "Watchdog caught collective operation timeout",
 )
 
 
 def transient(exc: BaseException) -> bool:
     """An error of storage, the network or a collective: retried within failure.max_failures, never
     taken for one the job's own code or data makes (the same error twice ends such a job)."""
-    for cause in _chain(exc):
-        if any(t.__name__ in TRANSIENT_TYPES for t in type(cause).__mro__):
-            return True
-        if any(w in str(cause) for w in TRANSIENT_WORDS):
-            return True
+    return any(_transient_one(cause) for cause in _chain(exc))
+
+
+def _transient_one(exc: BaseException) -> bool:
+    names = {t.__name__ for t in type(exc).__mro__}
+    if names & set(TRANSIENT_TYPES):
+        return True
+    text = str(exc)
+    if isinstance(exc, OSError):
+        if exc.errno is not None:
+            return exc.errno in TRANSIENT_ERRNOS
+        return any(w in text for w in STORAGE_WORDS)
+    if isinstance(exc, RuntimeError):  # DistBackendError is one; so is what gloo raises
+        return any(w in text for w in PEER_LOST_WORDS)
     return False
 
 

@@ -197,3 +197,20 @@ def test_a_plain_forward_of_a_raytrain_model_is_transformers_own(cases, implemen
     with torch.no_grad():  # rows longer than the window, and rows it does not cut
         for rows in (ids, ids[:, :4]):
             torch.testing.assert_close(ours(input_ids=rows).logits, plain(input_ids=rows).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_varlen_kernel_is_resolved_once_where_the_worker_picks_it(torch_varlen):
+    """Each attention call looked the kernel up (a functools.cache wrapper, inspect.signature and the
+    device's capability: what a compiled block would trace); now it reads what attention_kernel,
+    at setup, resolved. So a call finds it with no lookup able to: here, the table emptied after."""
+    cpu, llama = torch.device("cpu"), {"hidden_size": 64, "num_attention_heads": 4}
+    assert kernels.attention_kernel("sdpa", cpu, torch.float32, llama, (None,)) == kernels.VARLEN_NAME
+    varlen.install_torch_varlen(False)  # nothing left to look up
+    assert kernels.varlen_kernel(cpu, torch.float32) is None
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    cu = torch.tensor([0, 5, 8, 16], dtype=torch.int32)
+    out = kernels.varlen_attention(q, k, v, cu=cu, longest=8, groups=1, window=None, scale=None)
+    # the first document of row 0 (positions 0..4) attends to itself alone, causally
+    first = torch.nn.functional.scaled_dot_product_attention(q[:1, :, :5], k[:1, :, :5], v[:1, :, :5], is_causal=True)
+    torch.testing.assert_close(out[0, :5], first[0].transpose(0, 1), rtol=1e-5, atol=1e-5)

@@ -92,6 +92,30 @@ def test_liger_fused_loss_is_called_as_it_takes_its_arguments_and_only_on_cuda(a
     assert kernels.fused_loss(make_job(assets, tmp_path), torch.device("cpu")) is None
 
 
+def test_liger_fused_loss_only_from_the_release_that_takes_per_row_gradients_rightly(assets, tmp_path):
+    """Before liger-kernel 0.8.2 the fused loss's backward under reduction="none" scaled every row's
+    gradient by the first row's: DPO, KTO and SimPO trained on wrong gradients with no error. An older
+    one is not used, and the kernel line says why (raytrain's own loss runs)."""
+    from conftest import make_job
+
+    from raytrain.model import kernels
+
+    assert [kernels.liger_fused_allowed(v) for v in ("0.7.9", "0.8.1", "0.8.2.dev0", "0.8.2", "0.9.1", "0.10.0")] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+    assert not kernels.liger_fused_allowed("not-a-version")
+    spec, cuda = make_job(assets, tmp_path, training={"objective": "sft"}), torch.device("cuda")
+    note = kernels.fused_loss_note(spec, cuda, version="0.8.1")
+    assert "liger-kernel 0.8.1 predates 0.8.2" in note and "raytrain's, not Liger's" in note
+    assert kernels.fused_loss_note(spec, cuda, version="0.8.2") == ""
+    assert kernels.fused_loss_note(spec, torch.device("cpu"), version="0.8.1") == ""  # it would not run there anyway
+
+
 def test_liger_block_kernels_run_only_where_cuda_blocks_stay_eager_and_whole(assets, tmp_path):
     """Liger's RMSNorm, SwiGLU and RoPE (kernels.block_kernels) take a block's ops only on CUDA, only
     where the blocks are not compiled (inductor fuses those ops itself) and not under tensor
@@ -235,3 +259,77 @@ def test_a_tied_table_trains_with_one_table_sized_tensor_less():
     assert dense_peak - sparse_peak >= 0.9 * table
     untied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False}))
     assert not modeling.sparse_tied_lookup(untied, torch.device("cpu"))  # its embedding's own gradient stays dense
+
+
+def _split_table_on_two_ranks(rank: int, port: int, out: str) -> None:
+    """One rank of 2 on gloo: the split table's lookup and loss with their padded length asked of the
+    ranks (an all-gather read on the host) and told by the host (the micro-batch's most tokens)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from raytrain.strategies import vocab_parallel
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(50, 8, generator=g)  # the same whole table on both ranks; each keeps its rows
+    first, n = vocab_parallel.rows(50, 2, rank)
+    weight = DTensor.from_local(
+        table[first : first + n], mesh, [Shard(0)], run_check=False, shape=table.shape, stride=table.stride()
+    )
+    own = (7, 4)[rank]  # ragged: the ranks' micro-batches differ by rows
+    g = torch.Generator().manual_seed(1 + rank)
+    states = torch.randn(own, 8, generator=g)
+    labels = torch.randint(50, (own,), generator=g)
+    labels[0] = IGNORE
+    embedding = torch.nn.Embedding(50, 8)
+    embedding.weight = torch.nn.Parameter(weight, requires_grad=False)
+    report = {}
+    for how, longest in (("asked", None), ("told", 7)):
+        x = states.clone().requires_grad_(True)
+        loss = vocab_parallel.Loss(0).sized(longest)(x, weight, labels)
+        loss.sum().backward()
+        embedding.longest = longest
+        found = vocab_parallel.lookup(embedding, labels.clamp(min=0))
+        report[how] = {"loss": loss.tolist(), "grad": x.grad.flatten().tolist(), "lookup": found.flatten().tolist()}
+    x = states.clone().requires_grad_(True)
+    reference = torch.nn.functional.cross_entropy(x @ table.T, labels, ignore_index=IGNORE, reduction="none")
+    reference.sum().backward()
+    report["whole"] = {
+        "loss": reference.tolist(),
+        "grad": x.grad.flatten().tolist(),
+        "lookup": table[labels.clamp(min=0)].flatten().tolist(),
+    }
+    try:  # a host size smaller than a rank's tokens: refused on the host, before any collective
+        vocab_parallel.Loss(0).sized(3)(states, weight, labels)
+    except RuntimeError as exc:
+        report["too_small"] = str(exc)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+def test_the_split_tables_collectives_sized_on_the_host_compute_what_they_did(tmp_path):
+    """The split vocabulary asked every rank for its token count twice a micro-batch (an all-gather read
+    on the host: a device sync on a GPU); the host knows it (data/batches.most_rows). Told it, the
+    lookup and the loss give the asked version's values and gradients, which are the whole table's."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_split_table_on_two_ranks, args=(r, port, str(tmp_path))) for r in range(2)]
+    [p.start() for p in procs]
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0, p.exitcode
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["told"] == report["asked"], rank  # the same collectives, the same padding: bit for bit
+        for key in ("loss", "grad", "lookup"):
+            torch.testing.assert_close(torch.tensor(report["told"][key]), torch.tensor(report["whole"][key]))
+        assert "more than the 3" in report["too_small"]

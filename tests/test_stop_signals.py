@@ -199,3 +199,46 @@ def test_ranks_waiting_for_the_data_are_woken_by_the_drivers_word_and_never_hold
             assert ray.get(actor.data_ready.remote(60), timeout=5) is (ending == "prepared")
         finally:
             control.release(run_dir, held)
+
+
+def test_only_what_a_restart_can_mend_counts_as_transient():
+    """errors.transient: storage, the network, a lost peer. A missing file, a refused permission, a
+    collective's invalid argument or an OOM that names NCCL or gloo repeat on a restart: counted
+    transient, they used up failure.max_failures instead of ending the job at the second time."""
+    import errno
+
+    from raytrain.errors import JobError, TransientError, transient
+    from raytrain.rundir.versioned import Unreadable
+
+    mended = (
+        ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+        TimeoutError("read timed out"),
+        OSError(errno.ETIMEDOUT, "Connection timed out"),
+        OSError(errno.ESTALE, "Stale file handle"),  # an NFS server restarted
+        OSError("When reading key 'step': AWS Error SLOW_DOWN during GetObject (HTTP 503)"),
+        OSError("AWS Error NETWORK_CONNECTION during PutObject operation: curlCode: 7"),
+        Unreadable("s3://b/run/driver.json could not be read: 500 InternalError"),
+        TransientError("checkpoint step_00000003 was not committed: the lease could not be read or written"),
+        RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:52001"),
+        RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO)"),
+    )
+    repeated = (
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/train.jsonl"),
+        PermissionError(errno.EACCES, "Permission denied", "/mnt/runs/job"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        OSError("When reading key 'x': AWS Error ACCESS_DENIED during GetObject operation"),
+        RuntimeError("NCCL error: invalid usage (run with NCCL_DEBUG=WARN for details)"),
+        RuntimeError("[gloo] mismatched tensor sizes in allreduce: 4 vs 8"),
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (NCCL buffers)"),
+        ValueError("the reward function timed out on row 3"),  # the job's own code saying so
+        JobError("data.path: no such file"),
+    )
+    assert [transient(e) for e in mended] == [True] * len(mended)
+    assert [transient(e) for e in repeated] == [False] * len(repeated)
+    try:  # a cause counts through the chain, as Ray nests a worker's error
+        try:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        except OSError as inner:
+            raise RuntimeError("the upload failed") from inner
+    except RuntimeError as outer:
+        assert transient(outer)

@@ -74,6 +74,12 @@ def test_the_image_the_cloud_nodes_and_the_dev_venv_install_through_the_constrai
         assert setup and all(
             line.count("pip install") == line.count("-c ~/raytrain/k8s/constraints.txt") for line in setup
         )
+    # RAYTRAIN_VLLM_PYTHON only where vLLM was built: Docker's ${VAR:+word} is empty when VLLM_VERSION is (a
+    # worker of an engine: vllm job then says the variable names no Python, rl/engine_process.require_python).
+    built = next(line for line in dockerfile.splitlines() if "vllm-env/bin/pip install" in line)
+    env = [line for line in dockerfile.splitlines() if line.startswith("ENV RAYTRAIN_VLLM_PYTHON")]
+    assert env == ["ENV RAYTRAIN_VLLM_PYTHON=${VLLM_VERSION:+/home/ray/vllm-env/bin/python}"], env
+    assert "/home/ray/vllm-env/bin/pip" in built and 'if [ -n "$VLLM_VERSION" ]' in dockerfile
     # The README's command 1 (and so CI's fresh venv): the package with its dev extra, through the file,
     # so the versions the tests run are the pinned ones, whatever the registry released since.
     local = (REPO / "cluster" / "setup-local.sh").read_text()

@@ -43,10 +43,23 @@ def _open(uri: str) -> TokenStore:
     return store
 
 
-def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: int) -> list[dict]:
+def most_rows(largest_slice: int, count: int) -> list[int]:
+    """The most rows any data-parallel rank's i-th micro-batch holds, i < `count`, from the largest
+    slice's row count (rank 0's: `rank_slice` gives the first ranks the extra rows, and a part of
+    np.array_split grows with what it splits): known on every rank's host, so the split vocabulary's
+    collectives (strategies/vocab_parallel.py) size their buffers without asking the other ranks.
+    An empty part is a padding row: 1."""
+    return [max(1, b - a) for a, b in (rank_slice(largest_slice, count, i) for i in range(count))]
+
+
+def micro_batches(
+    stores: list[TokenStore], ids: list[tuple[int, int]], count: int, most: list[int] | None = None
+) -> list[dict]:
     """Rows (source, row) in `count` micro-batches of near-equal size; an empty one is a padding row.
     A preference row is two sequences: a micro-batch of b pairs holds the b chosen sequences,
-    then the b rejected ones (one forward for both, so every strategy's collectives match)."""
+    then the b rejected ones (one forward for both, so every strategy's collectives match).
+    `most` (`most_rows`): each micro-batch then carries `most_sequences`, the most sequences any
+    rank's holds."""
     sources = np.array([s for s, _ in ids], dtype=np.int64)
     rows = np.array([r for _, r in ids], dtype=np.int64)
     n, width = stores[0].seq_len, stores[0].planes
@@ -57,7 +70,7 @@ def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: i
         if mine.any():
             planes[mine] = store.read(rows[mine])
     out = []
-    for part in np.array_split(np.arange(len(ids)), count):
+    for i, part in enumerate(np.array_split(np.arange(len(ids)), count)):
         if len(part):
             t = torch.from_numpy(planes[part]).long()
             t = torch.cat(t.split(PLANES, dim=1))  # [rows, sequences x 3, n] -> [sequences x rows, 3, n]
@@ -71,6 +84,8 @@ def micro_batches(stores: list[TokenStore], ids: list[tuple[int, int]], count: i
                     "position_ids": torch.arange(n, dtype=torch.long)[None].repeat(sequences, 1),
                 }
             )
+        if most is not None:
+            out[-1]["most_sequences"] = most[i] * sequences
     return out
 
 
@@ -89,13 +104,16 @@ class GlobalBatches:
         self.micro = plan.accumulation_steps(world_size)
         mesh = plan.mesh(world_size)  # a sequence's sp x tp ranks read the same slice
         self.start, self.stop = rank_slice(self.global_batch, mesh.dp, mesh.dp_rank(rank))
+        first, last = rank_slice(self.global_batch, mesh.dp, 0)
+        self.most = most_rows(last - first, self.micro)
         self.position = DataPosition(position.consumed, key)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-prefetch")
         self._next = self._pool.submit(self._read, self.position.consumed)
 
     def _read(self, consumed: int):
         sources, epochs, rows = self.stream.at(np.arange(consumed + self.start, consumed + self.stop))
-        micro = micro_batches(self.stores, list(zip(sources.tolist(), rows.tolist())), self.micro)  # host: numpy arrays
+        pairs = list(zip(sources.tolist(), rows.tolist()))  # host: numpy arrays
+        micro = micro_batches(self.stores, pairs, self.micro, self.most)
         return micro, list(zip(sources.tolist(), epochs.tolist(), rows.tolist()))  # host: numpy arrays
 
     def __iter__(self):
@@ -124,6 +142,8 @@ class EvalBatches:
         self.stores, self.rows = stores, rows
         self.start, self.stop = rank_slice(rows.rows, world, rank)
         self.count = -(-(-(-rows.rows // world)) // micro_batch_size)  # the same on every rank
+        first, last = rank_slice(rows.rows, world, 0)
+        self.most = most_rows(last - first, self.count)
 
     def __len__(self) -> int:
         return self.count
@@ -132,7 +152,8 @@ class EvalBatches:
         for part in range(self.count):
             a, b = rank_slice(self.stop - self.start, self.count, part)  # np.array_split's parts
             sources, rows = self.rows.at(np.arange(self.start + a, self.start + b))
-            yield micro_batches(self.stores, list(zip(sources.tolist(), rows.tolist())), 1)[0]  # host: numpy arrays
+            pairs = list(zip(sources.tolist(), rows.tolist()))  # host: numpy arrays
+            yield micro_batches(self.stores, pairs, 1, [self.most[part]])[0]
 
 
 def open_data(spec: JobSpec, plan: RunPlan, rank: int, world: int, position: DataPosition):

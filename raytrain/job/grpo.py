@@ -51,7 +51,7 @@ class RewardSpec(Section):
     """Or a reward model: a folder `raytrain run` exported for `objective: reward` (a full model, or its LoRA adapter
     over the base it names), or any `AutoModelForSequenceClassification` folder with one label. It scores prompt +
     completion as TRL's GRPOTrainer does (conversations through its tokenizer's chat template); each worker holds a
-    whole copy, in fp32 (bf16 on GPUs under precision bf16)."""
+    whole copy, in fp32 (bf16 on GPUs where training.precision resolves to bf16, as auto does)."""
     column: str | None = None
     """`accuracy`: the row's column holding the reference answer (e.g. `solution`)."""
     pattern: str | None = None
@@ -95,9 +95,10 @@ def reward_model_base(path: str) -> str:
     return (json.loads(adapter.read_text()).get("base_model_name_or_path") or "") if adapter.is_file() else path
 
 
-def reward_model_bytes(spec) -> int:
-    """A reward model's compute bytes a weight: bf16 on GPUs under precision bf16, else fp32."""
-    return 2 if spec.scaling.use_gpu and spec.training.precision == "bf16" else 4
+def reward_model_bytes(spec, bf16: bool) -> int:
+    """A reward model's compute bytes a weight: bf16 on GPUs where the trainer's precision resolves to
+    bf16 (`bf16`: RunPlan.bf16, where `auto` is bf16 on GPUs; it tested precision == "bf16"), else fp32."""
+    return 2 if spec.scaling.use_gpu and bf16 else 4
 
 
 class GRPOSpec(Section):
@@ -262,8 +263,9 @@ def _vllm_problems(spec) -> list[str]:
     if not python.is_file():
         out.append(
             f"training.grpo.engine: vllm runs vLLM in its own Python environment, and there is none at "
-            f"{python}: run `bash cluster/setup-local.sh` (it builds .venv-vllm beside .venv), or set "
-            "RAYTRAIN_VLLM_PYTHON to a Python that has vllm (a GPU image's)"
+            f"{python} on this machine: run `bash cluster/setup-local.sh` (it builds .venv-vllm beside .venv), "
+            "or set RAYTRAIN_VLLM_PYTHON to a Python that has vllm (a GPU image's). (Each worker checks its "
+            "own at its start, and ends the job naming RAYTRAIN_VLLM_PYTHON where it has none.)"
         )
     if t.finetune == "qlora":
         out.append(

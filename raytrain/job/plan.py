@@ -163,15 +163,43 @@ def frozen_head_apart(spec: JobSpec) -> bool:
     )
 
 
-def splits_vocabulary(spec: JobSpec, workers: int) -> bool:
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # model.dtype's, as the frozen table is held
+
+
+def vocabulary_split_bytes(spec: JobSpec, workers: int, config: dict) -> tuple[float, float]:
+    """(what splitting the frozen output layer by rows saves a rank, what it costs it at the loss).
+    Saved: the other ranks' rows of the table, V·d × w × (1 − 1/N). Cost: the split loss gathers every
+    rank's last hidden states, keeps them for its backward and computes their fp32 gradient there,
+    N × T·d × (c + 4) on every rank, T a rank's tokens in a micro-batch (strategies/vocab_parallel.py).
+    d cancels: the split saves memory while N·T·(c + 4) < V·w·(1 − 1/N). (An untied frozen lookup is
+    split too; its saving is not counted, since its lookup gathers N × T·d of its own.)"""
+    text = config.get("text_config") or {}
+    vocab = config.get("vocab_size") or text.get("vocab_size") or 0
+    d = config.get("hidden_size") or text.get("hidden_size") or config.get("n_embd") or 0
+    n = RunPlan.of(spec).mesh_shape(workers)[-1]
+    c, w = (2 if RunPlan.of(spec).bf16 else 4), WEIGHT_BYTES[spec.model.dtype]
+    t = rank_tokens(spec)
+    return vocab * d * w * (1 - 1 / n), n * t * d * (c + 4)
+
+
+def rank_tokens(spec: JobSpec) -> int:
+    """The most tokens a rank's micro-batch holds: its sequences (a pair's two) x its part of each."""
+    return spec.training.micro_batch_size * spec.sequences_per_row * spec.data.seq_len // spec.scaling.sequence_parallel
+
+
+def splits_vocabulary(spec: JobSpec, workers: int, config: dict) -> bool:
     """Where that frozen output layer (and the lookup tied to it) is split by rows over the ranks
     (strategies/vocab_parallel.py) rather than kept whole on each: one flat mesh of more than one
     rank, no tensor parallelism, the loss through the token objectives at temperature 1 (not GRPO's
-    rollouts and tempered log-probs). The model may still decline (`vocab_parallel.tables`: a bias, a
-    scaled lookup)."""
+    rollouts and tempered log-probs), and only where it saves memory (`vocabulary_split_bytes`: at
+    N = 64 a Llama-3-8B's gathered states would be 6 GiB against the 1 GiB of rows saved). The model
+    may still decline (`vocab_parallel.tables`: a bias, a scaled lookup). `config`: its config.json."""
     plan = RunPlan.of(spec)
     shape = plan.mesh_shape(workers) if spec.training.strategy == "fsdp2" else (1,)
-    return frozen_head_apart(spec) and len(shape) == 1 and shape[0] > 1 and plan.tensor_parallel == 1 and not spec.rl
+    if not (frozen_head_apart(spec) and len(shape) == 1 and shape[0] > 1 and plan.tensor_parallel == 1 and not spec.rl):
+        return False
+    saved, cost = vocabulary_split_bytes(spec, workers, config)
+    return saved > cost
 
 
 def model_parallel_problems(config: dict, sp: int, tp: int) -> list[tuple[str, str, str]]:

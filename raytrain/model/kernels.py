@@ -9,14 +9,20 @@ window as flash's (left, 0). It runs on CUDA in 16 bits on Ampere and newer; `at
 picks it there when the model asks nothing flash lacks (masks.sdpa_varlen, the rule the memory
 estimate reads too), and names the choice for the start-up line.
 
-`VARLEN` holds the kernel by device type, with the compute dtypes it takes. "cuda" is torch's,
-filled at first use; tests/varlen.py adds a reference in plain torch for "cpu" (fp32), so the
-combination test runs this path on CPU as a GPU would, through the same calls.
+`VARLEN` holds the kernel by device type, with the compute dtypes it takes. "cuda" is torch's;
+tests/varlen.py adds a reference in plain torch for "cpu" (fp32), so the combination test runs this
+path on CPU as a GPU would, through the same calls. The kernel is resolved once, at setup, where the
+worker picks its attention (`attention_kernel`: the import, the signature, the device's capability),
+into `BOUND`; each attention call reads that plain dict, so a compiled block traces no lookup (a
+`functools.cache` wrapper, `inspect.signature` or `get_device_capability` in the graph would break it).
 
-The loss: where liger-kernel is installed on CUDA workers, its fused linear cross-entropy applies the
-output layer and the per-token loss a chunk of tokens at a time in one kernel (no logits kept:
-Liger's reported +20% throughput, -60% memory on Llama-3-8B); else raytrain's own
-(objectives/tokens.py: whole logits, or chunks under training.chunked_loss).
+The loss: where liger-kernel (LIGER_FLOOR or later) is installed on CUDA workers, its fused linear
+cross-entropy applies the output layer and the per-token loss a chunk of tokens at a time in one kernel
+(no logits kept: Liger's reported +20% throughput, -60% memory on Llama-3-8B); else raytrain's own
+(objectives/tokens.py: whole logits, or chunks under training.chunked_loss). raytrain calls it with
+`reduction="none"`, and before 0.8.2 its backward scaled every row's gradient by the first row's
+(liger-kernel 9ac26bb8): SFT's upstream gradient is uniform and survived, DPO's, KTO's and SimPO's
+got wrong gradients with no error. An older liger-kernel is not used, and the kernel line says so.
 
 The blocks: compiled (training.compile, auto on GPU where it applies), inductor fuses each block's
 norms, SwiGLU and rotary embedding itself. Where they stay eager on CUDA (zero3, sequence
@@ -48,6 +54,8 @@ class Kernel:
 
 
 VARLEN: dict[str, Kernel] = {}
+BOUND: dict[str, Kernel] = {}  # the kernel `attention_kernel` chose, by device type: what each call runs
+LIGER_FLOOR = "0.8.2"  # the first liger-kernel whose fused loss takes reduction="none" rightly
 
 
 def kernel(function: Callable, dtypes: tuple[torch.dtype, ...]) -> Kernel:
@@ -87,7 +95,10 @@ def attention_kernel(
         and (windows == (None,) or "window_size" in found.keywords)
         and ("scale" in found.keywords or not config.get("query_pre_attn_scalar"))
     )
-    return VARLEN_NAME if masks.sdpa_varlen(implementation, fits, config) else implementation
+    if not masks.sdpa_varlen(implementation, fits, config):
+        return implementation
+    BOUND[device.type] = found  # resolved here, once: varlen_attention reads it
+    return VARLEN_NAME
 
 
 def varlen_attention(
@@ -97,7 +108,7 @@ def varlen_attention(
     end as one sequence, each document its own segment; a window W as masks.py counts it (a key fewer
     than W positions back), flash's left bound W - 1."""
     b, h, s, d = query.shape
-    found = varlen_kernel(query.device, query.dtype)
+    found = BOUND[query.device.type]  # a plain read: resolved at setup (attention_kernel), never looked up here
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))
     keywords = {"window_size": (-1 if window is None else window - 1, 0)}
     if "enable_gqa" in found.keywords:
@@ -110,27 +121,62 @@ def varlen_attention(
     return out.view(b, s, h, d)
 
 
-def fused_loss(spec, device: torch.device) -> Callable | None:
-    """Liger's `liger_fused_linear_cross_entropy`, or None (raytrain's own loss). Taken under training.chunked_loss auto
-    (true or a number asks for raytrain's chunks) where the output layer is whole at the loss (fsdp2 or ddp without
-    tensor parallelism: objectives/tokens.py applies it after the forward; where fsdp2 split a frozen one by rows,
-    strategies/vocab_parallel.py's loss runs) and the objective scores vocabulary logits at temperature 1 (not a reward
-    model's one score, not GRPO's tempered log-probs)."""
+def liger_fused_allowed(version: str) -> bool:
+    """Whether this liger-kernel's fused linear cross-entropy takes reduction="none" rightly (LIGER_FLOOR)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) >= Version(LIGER_FLOOR)
+    except InvalidVersion:
+        return False
+
+
+def _liger_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("liger-kernel")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _fused_applies(spec, device: torch.device) -> bool:
     t = spec.training
-    if (
+    return not (
         device.type != "cuda"
         or t.chunked_loss != "auto"
         or not strategies.of(spec).head_after_forward
         or spec.scaling.tensor_parallel > 1
         or spec.scores
         or spec.rl
-    ):
+    )
+
+
+def fused_loss(spec, device: torch.device) -> Callable | None:
+    """Liger's `liger_fused_linear_cross_entropy`, or None (raytrain's own loss). Taken under training.chunked_loss auto
+    (true or a number asks for raytrain's chunks) where the output layer is whole at the loss (fsdp2 or ddp without
+    tensor parallelism: objectives/tokens.py applies it after the forward; where fsdp2 split a frozen one by rows,
+    strategies/vocab_parallel.py's loss runs) and the objective scores vocabulary logits at temperature 1 (not a reward
+    model's one score, not GRPO's tempered log-probs), from liger-kernel LIGER_FLOOR on (`fused_loss_note`)."""
+    if not _fused_applies(spec, device) or not liger_fused_allowed(_liger_version() or "0"):
         return None
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError:
         return None
     return liger_fused_linear_cross_entropy
+
+
+def fused_loss_note(spec, device: torch.device, version: str | None = None) -> str:
+    """For the kernel line: why Liger's fused loss does not run where it would (an installed
+    liger-kernel older than LIGER_FLOOR), else ""."""
+    version = version if version is not None else _liger_version()
+    if version is None or not _fused_applies(spec, device) or liger_fused_allowed(version):
+        return ""
+    return (
+        f"raytrain's, not Liger's fused one: liger-kernel {version} predates {LIGER_FLOOR}, whose backward scales "
+        'each row\'s gradient rightly under reduction="none"'
+    )
 
 
 def liger_blocks_apply(spec, device: torch.device, compiled: bool) -> bool:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from raytrain.data import IGNORE
 from raytrain.data.prompts import columns_of
 from raytrain.job.grpo import reward_model_bytes
+from raytrain.job.plan import RunPlan
 from raytrain.job.spec import JobSpec
 from raytrain.model import attention
 from raytrain.objectives.base import Objective
@@ -79,7 +80,8 @@ class GRPO(Objective):
             from raytrain.model.hub import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.spec)
-            dtype = torch.bfloat16 if reward_model_bytes(self.spec) == 2 else torch.float32  # a reward model's
+            bf16 = reward_model_bytes(self.spec, RunPlan.of(self.spec).bf16) == 2  # the plan's precision, on GPUs
+            dtype = torch.bfloat16 if bf16 else torch.float32  # a reward model's
             self.rewards = [
                 rewards_module.Reward(r, self.g.max_completion_length, device, dtype) for r in self.g.rewards
             ]
@@ -111,7 +113,9 @@ class GRPO(Objective):
             if self.engine is None:
                 from raytrain.rl.engine import VLLMEngine
 
-                self.engine = VLLMEngine(self.spec, strategy.device, sum(len(a[3]) for a in asks))
+                self.engine = VLLMEngine(
+                    self.spec, strategy.device, sum(len(a[3]) for a in asks), bf16=strategy.plan.bf16
+                )
                 atexit.register(self.engine.close)
                 host["vllm/start_s"] = self.engine.start_s
             host["vllm/sync_mb"], host["vllm/sync_s"] = self.engine.sync(strategy)
@@ -168,18 +172,16 @@ class GRPO(Objective):
     def _metrics(self, scores, summed, zero_std, flat, gen_s, reward_s, generated) -> None:
         lengths = torch.tensor([n for _, n, _ in flat], dtype=torch.float64)
         ended = torch.tensor([e for _, _, e in flat], dtype=torch.bool)
-        host = {
-            f"rewards/{r.name}/mean": torch.nanmean(scores[:, i]).item() for i, r in enumerate(self.rewards)
-        }  # host: CPU
-        host.update(
-            {f"rewards/{r.name}/std": nanstd(scores[:, i]).item() for i, r in enumerate(self.rewards)}
-        )  # host: CPU
+        means = [torch.nanmean(scores[:, i]).item() for i in range(len(self.rewards))]  # host: CPU tensors
+        stds = [nanstd(scores[:, i]).item() for i in range(len(self.rewards))]  # host: CPU tensors
+        host = {f"rewards/{r.name}/mean": m for r, m in zip(self.rewards, means)}
+        host.update({f"rewards/{r.name}/std": sd for r, sd in zip(self.rewards, stds)})
         host.update(
             {
-                "reward": torch.nanmean(summed).item(),
+                "reward": torch.nanmean(summed).item(),  # host: CPU tensors
                 "reward_std": nanstd(summed).item(),  # host: CPU tensors
                 "frac_reward_zero_std": zero_std.double().mean().item(),  # host: CPU tensor
-                "completions/mean_length": lengths.mean().item(),
+                "completions/mean_length": lengths.mean().item(),  # host: CPU tensors and Python numbers
                 "completions/min_length": lengths.min().item(),  # host: CPU
                 "completions/max_length": lengths.max().item(),  # host: CPU tensor
                 "completions/clipped_ratio": 1 - ended.double().mean().item(),  # host: CPU tensor

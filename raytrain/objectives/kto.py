@@ -115,4 +115,6 @@ def _split_kto(mb: dict) -> dict:
         real = (planes["labels"][:b, 1:] != IGNORE).any(-1).float()
         mb.update({k: v[:b] for k, v in planes.items()}, label=label, real=real)
         mb["kl"] = {**{k: v[b : 2 * b] for k, v in planes.items()}, "label": label, "real": real}
+        if "most_sequences" in mb:  # each forward holds a third of a row's sequences, on every rank alike
+            mb["most_sequences"] = mb["kl"]["most_sequences"] = mb["most_sequences"] // 3
     return mb

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from raytrain.data import IGNORE
 from raytrain.model import attention
 from raytrain.objectives.base import Objective
+from raytrain.strategies import vocab_parallel
 
 
 @dataclass
@@ -123,8 +124,14 @@ def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Ten
     (attention.py, told by `staged`). Under sequence parallelism: this rank's part of each sequence."""
     chunk, head = strategy.loss_chunk, getattr(model, "module", model).get_output_embeddings()  # (DDP's wrapper)
     x, split, fused = staged(strategy, mb), strategy.sequence, strategy.fused_loss
+    if isinstance(fused, vocab_parallel.Loss):  # the split table's collectives, sized on the host (no all-gather)
+        fused = fused.sized(x.get("most"))
     # The output layer returns its input for this call: the model's output is its hidden states.
-    with strategy.autocast(), replaced_forward(head, _identity) if chunk or fused else contextlib.nullcontext():
+    with (
+        strategy.autocast(),
+        replaced_forward(head, _identity) if chunk or fused else contextlib.nullcontext(),
+        vocab_parallel.sized_lookup(model, x.get("most")),
+    ):
         out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
     # The output layer is used after the model's forward: FSDP2 keeps the root's parameters (the
     # output layer's among them) gathered from its forward to its backward, so this is the same weight.
@@ -166,6 +173,8 @@ def staged(strategy, mb: dict) -> dict:
         out["margin"] = attention.to_device(mb["margin"], device)  # the pairs' (objectives.pairs.split_margins)
     if split:
         ids, positions, targets = split.part(ids), split.part(positions), split.part(targets)
+    if "most_sequences" in mb:  # the most tokens any rank's forward (and loss) of this micro-batch holds
+        out["most"] = mb["most_sequences"] * ids.shape[1]
     out.update(
         input_ids=attention.to_device(ids, device),
         position_ids=attention.to_device(positions, device),

@@ -6,7 +6,13 @@ Run by path with that environment's Python; it imports nothing of raytrain but `
 (the one place private APIs live), which imports only the standard library at module level.
 Each request is one line; each answer one line, `{"error": ...}` when the request failed, so the
 worker raises it with the engine's own words. Weights and adapters arrive as safetensors files the
-worker wrote (never pickles: nothing read here runs code).
+worker wrote (never pickles: nothing read here runs code). A full sync is one `reload_weights` fed
+a file at a time (`_streamed`): each file is read, deleted and acknowledged before the worker
+writes the next, so the shared-memory folder holds about one file, not the model.
+
+The engine sets its own death signal (PR_SET_PDEATHSIG) at its start, then checks that its parent
+is still the worker that started it: the worker starts it without a preexec_fn, which would run
+Python between fork and exec in a threaded process.
 
 Sampling: each completion carries its own seed (rl/sampling.completion_key), so what vLLM samples
 is a function of (key, prompt, weights), not of the order requests arrive in. Prefix caching is
@@ -32,6 +38,7 @@ def _engine(args: dict):
     lora = {"enable_lora": True, "max_lora_rank": args["lora_rank"], "max_loras": 1} if args.get("lora_rank") else {}
     return LLM(
         model=args["model"],
+        revision=args.get("revision"),  # the trainer's pinned commit: a moved hub id must not change the base
         dtype=args["dtype"],
         seed=0,
         enforce_eager=args["enforce_eager"],
@@ -70,11 +77,37 @@ def _generate(llm, lora, req: dict) -> dict:
     return {"completions": completions, "logps": logps}
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL when the worker's spawning thread ends; gone already (between its spawn and here): exit."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        sys.exit(0)
+
+
+def _streamed(answer):
+    """The weights of the files the worker sends, one {"file": path} line each, until {"end": true}:
+    each file read, deleted and acknowledged ({"taken": path}) before the worker writes the next."""
+    from safetensors.torch import load_file
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("end"):
+            return
+        tensors = load_file(req["file"])
+        os.unlink(req["file"])
+        answer.write(json.dumps({"taken": req["file"]}) + "\n")
+        yield from tensors.items()
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
-    # Run by path, Python put this file's folder (raytrain/) first on sys.path, where raytrain's own
-    # modules shadow top-level packages of the same name: transformers imports `kernels` (the Hub's
-    # kernels package) when one is importable, and found raytrain/kernels.py. Only the package root.
+    _die_with_parent(args["parent"])
+    # Run by path, Python put this file's folder (raytrain/rl/) first on sys.path, where raytrain's own
+    # modules would shadow top-level packages of the same name (transformers imports `kernels`, the
+    # Hub's kernels package, when one is importable, and once found raytrain's). Only the package root.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, args["raytrain_root"])
@@ -100,7 +133,7 @@ def main() -> None:
 
                 lora, out = LoRARequest(f"step-{req['id']}", req["id"], req["path"]), {}
             elif req["op"] == "weights":
-                llm.collective_rpc("reload_weights", kwargs={"weights_path": req["path"]})
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _streamed(answer)})
                 private_apis.vllm_refresh_tied_output_layer(llm)
                 out = {}
             elif req["op"] == "quit":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from raytrain.errors import JobError
 from raytrain.rundir import lease, signing, storage
+from raytrain.rundir.lease import order_key
 
 STATE_FILE = "train_state.json"
 METRICS_FILE = (
@@ -127,7 +128,7 @@ def latest_checkpoint(run_dir: str) -> str:
     if storage.exists(record_uri):
         record = signing.verify_document(json.loads(storage.read_text(record_uri)), record_uri)
         signing.require_place(record, "run_dir", signing.place(run_dir), record_uri)
-        if record["latest"] > (name or "") and storage.exists(storage.join(run_dir, record["latest"])):
+        if order_key(record["latest"]) > order_key(name) and storage.exists(storage.join(run_dir, record["latest"])):
             raise JobError(
                 f"refusing {uri}: Ray Train's run snapshot names {name or 'no checkpoint'} as the latest, but "
                 f"{record['latest']} was registered after it and is still there (its signed record, "
@@ -139,27 +140,37 @@ def latest_checkpoint(run_dir: str) -> str:
     return storage.join(run_dir, name)
 
 
-def await_committed(run_dir: str, name: str | None, timeout_s: float) -> None:
+def await_committed(run_dir: str, name: str | None, idle_s: float, most_s: float = 3600.0) -> None:
     """Driver, before it resumes: the checkpoint the lease's record names as the last committed
-    (lease.commit) is registered, or we wait up to `timeout_s` for its upload to finish. A driver
-    that took the lease from a live holder mid-upload then resumes from that checkpoint, not the
-    one before, so no step of the run is trained twice or written into one folder by both groups."""
+    (lease.commit) is registered, or we wait for its upload to finish. A driver that took the lease
+    from a live holder mid-upload then resumes from that checkpoint, not the one before, so no step
+    of the run is trained twice or written into one folder by both groups. The wait is sized to the
+    checkpoint: it lasts while the upload makes progress (the folder's files grow), up to `most_s`,
+    and gives up after `idle_s` without progress (the previous holder's upload died)."""
     folder = storage.join(run_dir, name) if name else None
     if not folder or not storage.exists(folder):  # nothing of it was uploaded: nothing to wait for
         return
-    uri, deadline, said = storage.join(run_dir, RAY_SNAPSHOT), time.monotonic() + timeout_s, False
-    while time.monotonic() < deadline:
+    uri, said = storage.join(run_dir, RAY_SNAPSHOT), False
+    started = last_change = time.monotonic()
+    seen = None
+    while True:
         snapshot = json.loads(storage.read_text(uri)) if storage.exists(uri) else {}
         if name in {r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", [])}:
             return
+        files = len(storage.tree(folder))
+        now = time.monotonic()
+        if files != seen:  # progress: the upload goes on
+            seen, last_change = files, now
+        if now - last_change >= idle_s or now - started >= most_s:
+            break
         if not said:
             print(
-                f"[raytrain] waiting up to {timeout_s:.0f} s for {name}, committed under the previous lease, to "
-                "finish uploading",
+                f"[raytrain] waiting for {name}, committed under the previous lease, to finish uploading (while it "
+                f"makes progress; {idle_s:.0f} s without)",
                 flush=True,
             )
             said = True
-        time.sleep(1.0)
+        time.sleep(min(1.0, idle_s / 4))
     print(f"[raytrain] {name} did not finish uploading: resuming from the checkpoint before it", flush=True)
 
 
@@ -168,7 +179,7 @@ def _newest_present(results: list[dict], present: set[str]) -> dict | None:
     return max(
         (r for r in results if r["checkpoint_dir_name"] in present),
         default=None,
-        key=lambda r: r["checkpoint_dir_name"],
+        key=lambda r: order_key(r["checkpoint_dir_name"]),
     )
 
 

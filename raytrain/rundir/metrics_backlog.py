@@ -39,25 +39,49 @@ def _spans(run_dir: str) -> list[tuple[int, int, str]]:
 
 class Journal:
     """Rank 0's side: `keep` at each checkpoint the steps MLflow has not taken yet; `forget` those
-    MLflow has."""
+    MLflow has. Built at the step the run resumed from: files of steps past it are a lineage that
+    was rolled back (a takeover or a deleted checkpoint resumed before them), so their steps are
+    not "kept already" (the watermark is at most the resumed step), and the first `keep` or
+    `forget` (each after the loop's lease check: a fenced group touches nothing here) trims them
+    to the resumed step, so a later restore never reads the old lineage's values for its steps."""
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
-        self.files = [(last, name) for _, last, name in _spans(run_dir)]  # listed once: kept in memory after
+    def __init__(self, run_dir: str, resumed: int = 0):
+        self.run_dir, self.resumed = run_dir, resumed
+        spans = _spans(run_dir)  # listed once: kept in memory after
+        self.files = [(last, name) for _, last, name in spans if last <= resumed]
+        self.stale = [(first, last, name) for first, last, name in spans if last > resumed]
         self.through = max((last for last, _ in self.files), default=0)  # steps kept here already
 
-    def keep(self, steps: list[tuple[int, dict]]) -> None:
-        new = [(step, metrics) for step, metrics in steps if step > self.through]
-        if not new:
+    def _trim(self) -> None:
+        """The rolled-back lineage's files: whole ones past the resumed step deleted, one that
+        straddles it rewritten with its steps up to that step."""
+        for first, last, name in self.stale:
+            uri = storage.join(_folder(self.run_dir), name)
+            if first <= self.resumed:
+                doc = signing.verify_document(json.loads(storage.read_text(uri)), uri)
+                signing.require_place(doc, "run_dir", signing.place(self.run_dir), uri)
+                self._write([(step, m) for step, m in doc["steps"] if step <= self.resumed])
+            storage.delete(uri)
+        self.stale = []
+
+    def _write(self, steps: list[tuple[int, dict]]) -> None:
+        if not steps:
             return
-        first, last = min(step for step, _ in new), max(step for step, _ in new)
+        first, last = min(step for step, _ in steps), max(step for step, _ in steps)
         name = f"steps_{first:08d}-{last:08d}.json"
-        doc = signing.sign_document({"run_dir": signing.place(self.run_dir), "steps": new})
+        doc = signing.sign_document({"run_dir": signing.place(self.run_dir), "steps": steps})
         storage.write_whole(storage.join(_folder(self.run_dir), name), json.dumps(doc))  # complete or invisible
-        self.through = last
+        self.through = max(self.through, last)
         self.files.append((last, name))
 
+    def keep(self, steps: list[tuple[int, dict]]) -> None:
+        if self.stale:
+            self._trim()
+        self._write([(step, metrics) for step, metrics in steps if step > self.through])
+
     def forget(self, logged_through: int) -> None:
+        if self.stale:
+            self._trim()
         for last, name in [f for f in self.files if f[0] <= logged_through]:
             storage.delete(storage.join(_folder(self.run_dir), name))
             self.files.remove((last, name))

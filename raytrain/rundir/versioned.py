@@ -10,7 +10,13 @@ How each storage gives that:
   read, compare and an atomic `rename` of a fully written temporary file. Linux's NFS client turns
   `flock` into an NFS byte-range lock, and the kernel drops it when its holder dies, so a crashed
   writer leaves no stale lock. A reader never sees a half-written record (rename is atomic); the
-  version is a counter inside the record.
+  version is a counter inside the record. Every read takes a shared lock on the record itself:
+  taking a lock makes the NFS client revalidate the file's cached data, so a reader on another
+  node never compares against a stale copy. An NFS mount with `nolock` or `local_lock=flock|all`
+  keeps locks on one node (two nodes would both hold one): `problems` refuses it at validate.
+- S3-compatible stores that accept `If-None-Match`/`If-Match` and ignore them would make every
+  write win: `problems` probes the store once at validate (a create-only put on a key that exists
+  must fail) and refuses one that ignores them.
 - Anything else (gs://, hdfs://, abfs://): no conditional write that raytrain can use, so the
   job spec refuses such a run directory (job/sections.py: `LEASE_SCHEMES`).
 
@@ -78,8 +84,11 @@ class _Local:
             os.close(fd)  # releases the lock
 
     def _read(self) -> tuple[dict | None, str | None]:
+        import fcntl
+
         try:
             with open(self.path, encoding="utf-8") as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # on NFS: the client revalidates what it reads next
                 text = f.read()
         except FileNotFoundError:
             return None, None
@@ -131,6 +140,13 @@ class _S3:
             raise Unreadable(f"{self.uri} could not be read: {exc}") from exc
         return _parse(text, self.uri), got["ETag"]
 
+    def delete(self) -> None:
+        """Remove the key, if it can be (validate's probe; a leftover one is harmless)."""
+        try:
+            self._client().delete_object(Bucket=self.bucket, Key=self.key)
+        except Exception:  # noqa: BLE001 - see above
+            pass
+
     def write(self, doc: dict, version: str | None) -> str:
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -146,3 +162,65 @@ class _S3:
         except (BotoCoreError, OSError) as exc:
             raise Unreadable(f"{self.uri} could not be written: {exc}") from exc
         return put["ETag"]
+
+
+# ---------------------------------------------------------------- validate: does this storage keep the swap?
+NODE_LOCAL_LOCKS = ("nolock", "local_lock=flock", "local_lock=all")
+
+
+def node_local_locks(path: str, mounts: str) -> str | None:
+    """The NFS mount holding `path` (the text of /proc/mounts) when its locks stay on this node
+    (`nolock`, `local_lock=flock` or `all`): "<mount point> (<type>, <option>)", else None."""
+    best = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) > len(best[1])):
+            best = (fields[0], point, fields[2], fields[3].split(","))
+    if best is None or not best[2].startswith("nfs"):
+        return None
+    option = next((o for o in best[3] if o in NODE_LOCAL_LOCKS), None)
+    return f"{best[1]} ({best[2]}, {option})" if option else None
+
+
+def problems(run_dir: str) -> str | None:
+    """validate, once: why the run directory's storage cannot keep the lease's compare-and-swap,
+    or None. S3: a create-only put on a key that exists, and a put naming a version that is not
+    the key's, must both fail (a store that ignores the conditions lets two drivers both win). A
+    file system: not an NFS mount whose locks stay on one node."""
+    import uuid
+
+    if not run_dir.startswith("s3://"):
+        path = storage.absolute(run_dir.removeprefix("file://"))
+        try:
+            with open("/proc/mounts", encoding="utf-8") as f:
+                mount = node_local_locks(path, f.read())
+        except OSError:  # not Linux: nothing to read
+            return None
+        return (
+            f"it is on the NFS mount {mount}, whose locks stay on this node: two drivers on two nodes would both "
+            "hold the run directory's lease. Remount without nolock / local_lock, or use an s3:// bucket"
+            if mount
+            else None
+        )
+    probe = _S3(storage.join(run_dir, f".raytrain-swap-probe-{uuid.uuid4().hex}.json"))
+    try:
+        probe.write({"probe": 1}, None)
+        for named, what in ((None, "If-None-Match: *"), ('"not-its-etag"', "If-Match")):
+            try:
+                probe.write({"probe": 2}, named)
+            except Conflict:
+                continue
+            return (
+                f"this S3-compatible store ignores {what} (a conditional put that must fail succeeded): the run "
+                "directory's lease would let two drivers both write it. Use a store with S3's conditional writes "
+                "(AWS S3, MinIO, Ceph RGW >= 19, ...), or a shared file system"
+            )
+        return None
+    except Unreadable as exc:
+        return f"a conditional write to it failed ({exc}); the run directory's lease needs S3's conditional writes"
+    finally:
+        probe.delete()

@@ -101,6 +101,8 @@ class Strategy(ABC):
             if self.loss_chunk
             else "cross-entropy"
         )
+        note = "" if self.fused_loss is not None else kernels.fused_loss_note(self.spec, self.device)
+        loss += f" ({note})" if note else ""
         blocks = "compiled" if self.plan.compile else f"eager ({self.block_kernels})" if self.block_kernels else "eager"
         return f"attention {self.attention_kernel}, loss {loss}, blocks {blocks}"
 

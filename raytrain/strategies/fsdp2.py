@@ -109,7 +109,8 @@ class FSDP2Strategy(TorchStrategy):
         head = modeling.frozen_output_weight(model)
         if head is None or head in ignored or cpu_offload or (self.compute_bf16 and head.dtype != torch.bfloat16):
             return ignored, False
-        split = vocab_parallel.split(model, dp_mesh) if splits_vocabulary(self.spec, self.world_size) else set()
+        splits = splits_vocabulary(self.spec, self.world_size, model.config.to_dict())
+        split = vocab_parallel.split(model, dp_mesh) if splits else set()
         return ignored | (split or {head}), modeling.tied(model)
 
     def device_meshes(self):

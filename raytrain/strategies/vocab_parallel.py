@@ -16,14 +16,20 @@ weight files fill just those rows), and no rank ever holds the whole table:
 
 That is Megatron's vocabulary-parallel embedding and cross-entropy over the data-parallel group
 instead of a tensor-parallel one. A rank holds as many logits as before (every rank's tokens x its
-rows) and 1/N of the table. Every rank calls the lookup and the loss the same number of times with
-the same number of chunks (the gathered tokens are padded to the longest rank's), as their
-collectives need. `plan.splits_vocabulary` is the job's rule (memory.py's estimate reads it too),
+rows) and 1/N of the table, but every rank's hidden states and their fp32 gradient, N x its tokens
+x hidden: `plan.splits_vocabulary` splits only where that is less than the rows it saves. Every rank
+calls the lookup and the loss the same number of times with the same number of chunks (the gathered
+tokens are padded to the longest rank's), as their collectives need. How long the longest is, the
+host knows (data/batches.most_rows: every rank's slice of a global batch is a function of the batch
+size and the rank count), so the lookup and the loss are told it (`sized_lookup`, `Loss.sized`)
+instead of asking the ranks (`most_rows`, a small all-gather read on the host, twice a micro-batch:
+left for callers that do not know it). `plan.splits_vocabulary` is the job's rule (memory.py's estimate reads it too),
 `tables` the model's; `split` runs on meta before FSDP2 shards the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -120,11 +126,35 @@ def _scatter_sum(parts: torch.Tensor, longest: int, own: int, group) -> torch.Te
     return out[:own]
 
 
+def _longest(given: int | None, n: int, device: torch.device, group) -> int:
+    """The padded length of this collective: the host-known one (`given`), else asked of the ranks."""
+    if given is None:
+        return most_rows(n, device, group)
+    if n > given:
+        raise RuntimeError(f"this rank holds {n} tokens, more than the {given} its micro-batch said any rank holds")
+    return given
+
+
+@contextlib.contextmanager
+def sized_lookup(model: nn.Module, longest: int | None):
+    """The split lookup's padded length for the forwards inside (the most tokens any rank looks up)."""
+    found = getattr(model, "module", model)  # DDP's wrapper
+    found = found.get_input_embeddings() if longest is not None and hasattr(found, "get_input_embeddings") else None
+    if found is None or not getattr(found, "vocab_split", False):
+        yield
+        return
+    found.longest = longest
+    try:
+        yield
+    finally:
+        found.longest = None
+
+
 def lookup(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """The embedding of `ids` from rows split over the ranks (a collective: every rank calls it)."""
     table, first, group = _local(module.weight)
     ids_ = ids.reshape(-1)
-    most = most_rows(len(ids_), ids.device, group)
+    most = _longest(getattr(module, "longest", None), len(ids_), ids.device, group)
     every = _gather(ids_, most, group, pad_value=-1)
     inside = (every >= first) & (every < first + table.shape[0])
     index = torch.where(inside, every - first, 0)
@@ -138,9 +168,9 @@ class _CrossEntropy(torch.autograd.Function):
     rows split over the ranks (a collective in forward and in backward)."""
 
     @staticmethod
-    def forward(ctx, states, weight, labels, chunk):
+    def forward(ctx, states, weight, labels, chunk, longest=None):
         table, first, group = _local(weight)
-        most, own = most_rows(len(states), states.device, group), len(states)
+        most, own = _longest(longest, len(states), states.device, group), len(states)
         every, every_labels = _gather(states.detach(), most, group), _gather(labels, most, group, pad_value=IGNORE)
         chunk = chunk * dist.get_world_size(group) if chunk else len(every)  # as many logits a chunk as unsplit
         lse = torch.empty(len(every), dtype=torch.float32, device=states.device)
@@ -184,7 +214,7 @@ class _CrossEntropy(torch.autograd.Function):
                 )
         ctx.probs = None
         own = _scatter_sum(d_states, ctx.longest, ctx.own, group)
-        return own.to(every.dtype), None, None, None
+        return own.to(every.dtype), None, None, None, None
 
 
 def _logits(states: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -202,9 +232,13 @@ class Loss:
     per-token cross-entropy; `chunk` (training.chunked_loss's tokens, 0: all at once) x N gathered
     tokens' logits a chunk, as many as `chunk` tokens' whole logits."""
 
-    def __init__(self, chunk: int):
-        self.chunk = chunk
+    def __init__(self, chunk: int, longest: int | None = None):
+        self.chunk, self.longest = chunk, longest
+
+    def sized(self, longest: int | None) -> "Loss":
+        """This loss with its padded length known on the host (the most tokens any rank scores)."""
+        return Loss(self.chunk, longest)
 
     def __call__(self, states, weight, target, bias=None, ignore_index=IGNORE, reduction="none"):
         assert bias is None and ignore_index == IGNORE and reduction == "none"
-        return _CrossEntropy.apply(states, weight, target, self.chunk)
+        return _CrossEntropy.apply(states, weight, target, self.chunk, self.longest)

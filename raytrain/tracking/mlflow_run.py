@@ -164,15 +164,14 @@ def log_goodput(mlflow, run_id: str, goodput: dict) -> None:
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    metrics = [
-        Metric(f"goodput_{k}", float(goodput[k]), now, 0) for k in ("wall_s", "productive_s", "wasted_s")
-    ]  # host: Python numbers
+    values = {k: float(goodput[k]) for k in ("wall_s", "productive_s", "wasted_s")}  # host: Python numbers
+    metrics = [Metric(f"goodput_{k}", v, now, 0) for k, v in values.items()]
     metrics.append(Metric("failures", float(len(goodput["failures"])), now, 0))  # host: Python numbers
     for i, failure in enumerate(goodput["failures"]):
         metrics += [
             Metric("failure_steps_lost", float(failure["steps_lost"]), now, i + 1),  # host: Python numbers
-            Metric("failure_recovery_s", float(failure["recovery_s"]), now, i + 1),
-        ]  # host: Python numbers
+            Metric("failure_recovery_s", float(failure["recovery_s"]), now, i + 1),  # host: Python numbers
+        ]
     mlflow.log_batch(run_id, metrics=metrics)
     mlflow.set_tag(run_id, "raytrain.goodput", json.dumps(goodput)[:5000])
 
@@ -215,9 +214,8 @@ def log_steps(mlflow, run_id: str, steps: list[tuple[int, dict]]) -> None:
         batch += [Metric(k, float(v), now, step) for k, v in metrics.items()]  # host: Python numbers
         following = len(steps[i + 1][1]) if i + 1 < len(steps) else BATCH
         if len(batch) + following + 1 > BATCH:
-            mlflow.log_batch(
-                run_id, metrics=batch + [Metric(LOGGED_THROUGH, float(step), now, step)]
-            )  # host: a Python int
+            through = Metric(LOGGED_THROUGH, float(step), now, step)  # host: a Python int
+            mlflow.log_batch(run_id, metrics=batch + [through])
             batch = []
 
 

@@ -207,9 +207,8 @@ class StepLogger:
             self.written_through = max(self.written_through, committed[-1].step)
         now = int(time.time() * 1000)
         others = [e for e in kept if not e.committed]
-        batch = [
-            Metric(k, float(v), now, e.step) for e in others for k, v in e.metrics.items()
-        ]  # host: metric values, read once a step
+        pairs = [(e.step, k, v) for e in others for k, v in e.metrics.items()]
+        batch = [Metric(k, float(v), now, step) for step, k, v in pairs]  # host: metric values, once a step
         for i in range(0, len(batch), mlflow_run.BATCH):
             self.client.log_batch(self.run_id, metrics=batch[i : i + mlflow_run.BATCH])
             self._reached()
@@ -218,9 +217,8 @@ class StepLogger:
             self.client.set_tag(self.run_id, key, value)
             self._reached()
         if live:  # after the committed ones; a live batch that fails is dropped, not retried
-            values = [
-                Metric(k, float(v), now, step) for step, m in live for k, v in m.items()
-            ]  # host: metric values, read once a step
+            pairs = [(step, k, v) for step, m in live for k, v in m.items()]
+            values = [Metric(k, float(v), now, step) for step, k, v in pairs]  # host: metric values, once a step
             for i in range(0, len(values), mlflow_run.BATCH):
                 self.client.log_batch(self.run_id, metrics=values[i : i + mlflow_run.BATCH])
                 self._reached()

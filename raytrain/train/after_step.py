@@ -86,9 +86,13 @@ class Lease:
     thread, whose word rides the stop flags); `require` is a collective that raises rank 0's word
     on every rank once another driver holds it."""
 
-    def __init__(self, spec, strategy):
-        self.token = strategy.plan.lease  # the lease this group's driver holds ("" without a driver)
-        self.fence = lease.Fence(spec.run_dir, self.token) if self.token and strategy.rank == 0 else None
+    def __init__(self, token: str, fence: lease.Fence | None):
+        self.token, self.fence = token, fence  # the lease this group's driver holds ("" without a driver)
+
+    @classmethod
+    def of(cls, spec, strategy) -> "Lease":
+        token = strategy.plan.lease
+        return cls(token, lease.Fence(spec.run_dir, token) if token and strategy.rank == 0 else None)
 
     def require(self) -> None:
         said = [None]
@@ -96,7 +100,7 @@ class Lease:
             try:
                 self.fence.require()
             except JobError as exc:
-                said = [str(exc)]
+                said = [exc.args[0] if exc.args else str(exc)]
         torch.distributed.broadcast_object_list(said, src=0)
         if said[0]:
             raise JobError(said[0])
@@ -108,11 +112,12 @@ class Commits:
     metrics; those of earlier checkpoints MLflow has not taken go once into the run directory's
     backlog (rundir/metrics_backlog.py)."""
 
-    def __init__(self, spec, strategy, logger, lease_: Lease):
+    def __init__(self, spec, strategy, logger, lease_: Lease, resumed: int):
         self.spec, self.strategy, self.logger, self.lease = spec, strategy, logger, lease_
         self.pending: list[tuple[int, dict]] = []  # not yet in a committed checkpoint
         self.uploading: list[tuple[int, dict]] = []  # ...of the checkpoint being uploaded in the background
-        self.journal = metrics_backlog.Journal(spec.run_dir) if logger else None  # rank 0's
+        # rank 0's; a restart's resumed step is its watermark: what the rolled-back lineage kept goes
+        self.journal = metrics_backlog.Journal(spec.run_dir, resumed) if logger else None
         self.checkpoint_s = 0.0  # the last save's blocking time, reported with the next step
 
     def keep(self, step: int, metrics: dict) -> None:
@@ -131,16 +136,10 @@ class Commits:
         started = time.perf_counter()
         if self.uploading:  # the previous background checkpoint: long uploaded by now
             self._committed(self.uploading, checkpoint.confirm(self.strategy))
-        # A stop on every rank at once, on the training thread, before anything is written or staged
-        # (the backlog included): an async save's own refusal comes on Ray's upload thread
-        if self.lease.token:
-            self.lease.require()
         urgent = bool(flags) or state.step == self.spec.training.max_steps or not self.spec.checkpoint.async_save
         done = self.pending + [(state.step, {"checkpoint_step": state.step})]
         state.metrics = done if self.strategy.rank == 0 else []
-        if self.journal:
-            self.journal.keep(self.logger.unwritten())
-            self.journal.forget(self.logger.written_through)
+        before_checkpoint(self.lease, self.journal, self.logger)
         committed = checkpoint.save_and_report(self.strategy, state, metrics, wait=urgent)
         self.checkpoint_s = time.perf_counter() - started
         if self.logger and objective.samples:  # GRPO: what the step sampled and scored
@@ -153,3 +152,15 @@ class Commits:
     def _committed(self, steps: list[tuple[int, dict]], path: str | None) -> None:
         if self.logger:  # handed to its writer: the step goes on at once, whatever MLflow does
             self.logger.log_committed(steps, path)
+
+
+def before_checkpoint(held: Lease, journal, logger) -> None:
+    """Collective, before each checkpoint: the lease first, on every rank at once, on the training
+    thread, before anything is staged or written (an async save's own refusal, checkpoint.sign, comes
+    on Ray's upload thread); then rank 0 keeps in the backlog the steps MLflow has not taken
+    (rundir/metrics_backlog.py). So a fenced group writes and deletes no backlog file."""
+    if held.token:
+        held.require()
+    if journal:
+        journal.keep(logger.unwritten())
+        journal.forget(logger.written_through)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tempfile
 
-from raytrain.errors import JobError
+from raytrain.errors import JobError, TransientError
 from raytrain.rundir import lease, signing, storage
 from raytrain.rundir.checkpoints import TrainState, folder_name, record_latest
 
@@ -85,16 +85,19 @@ def sign(directory: str, run_dir: str, name: str, token: str, group=None) -> Non
 
     parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     dist.gather_object(signing.checkpoint_part(directory), parts, dst=0, group=group)
-    said = [""]
+    said = [None]  # rank 0's verdict, for every rank to raise alike: None, or (final?, message)
     if parts is not None and token:
         try:
             lease.commit(run_dir, token, name)
-        except JobError as exc:
-            said = [str(exc)]
+        except JobError as exc:  # fenced: another driver continues the run
+            said = [(True, exc.args[0] if exc.args else str(exc))]
+        except Exception as exc:  # noqa: BLE001 - anything else must reach the other ranks too, not leave them waiting
+            said = [(False, str(exc) if isinstance(exc, TransientError) else f"{type(exc).__name__}: {exc}")]
     if token:
         dist.broadcast_object_list(said, src=0, group=group)
     if said[0]:
-        raise JobError(said[0])
+        final, message = said[0]
+        raise JobError(message) if final else TransientError(message)
     if parts is not None:
         signing.sign_checkpoint(directory, run_dir, name, parts)
 
@@ -110,7 +113,11 @@ def confirm(strategy) -> str | None:
     if strategy.rank != 0 or not committed:
         return None
     latest = committed[-1].checkpoint.path
-    record_latest(strategy.spec.run_dir, latest.rstrip("/").rsplit("/", 1)[-1])
+    # Fenced too: a group whose checkpoint Ray registered only after another driver took the lease
+    # (a late upload) must not move the signed record past the new holder's lineage.
+    token = strategy.plan.lease
+    if not token or lease.still_held(strategy.spec.run_dir, token):
+        record_latest(strategy.spec.run_dir, latest.rstrip("/").rsplit("/", 1)[-1])
     return latest
 
 

@@ -175,10 +175,10 @@ def fit(
     and every notice. Step metrics reach MLflow only once their step is committed (`Commits`)."""
     t, rank = spec.training, strategy.rank
     objective = objectives.build(spec)
-    held = Lease(spec, strategy)
+    held = Lease.of(spec, strategy)
     stops = StopSignals(control, check_ray_notice=spec.failure.checkpoint_on_preemption, fence=held.fence)
     commits, report, skipped = (
-        Commits(spec, strategy, logger, held),
+        Commits(spec, strategy, logger, held, state.step),
         Report(spec, strategy, state.step),
         SkippedUpdates(),
     )

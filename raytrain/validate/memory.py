@@ -27,7 +27,7 @@ from pathlib import Path
 
 from raytrain.job import deepspeed_config, masks, nf4_layout, strategies
 from raytrain.job.grpo import ENGINE_RUNTIME_CPU_GIB, engine_kv_bytes, reward_model_base, reward_model_bytes
-from raytrain.job.plan import RunPlan, frozen_head_apart, splits_vocabulary
+from raytrain.job.plan import RunPlan, frozen_head_apart, rank_tokens, splits_vocabulary
 from raytrain.job.spec import JobSpec
 from raytrain.model.facts import DTYPE_BYTES, ModelFacts, read_facts
 from raytrain.model.targets import lora_targets
@@ -168,12 +168,18 @@ def estimate(spec: JobSpec, facts: ModelFacts, workers: int) -> Estimate:
     # ranks' rows on top of its share).
     if frozen_head_apart(spec) and P > 1:
         head = "frozen output layer" + (" (tied to the embedding)" if tied else "")
-        if splits_vocabulary(spec, workers):  # strategies/vocab_parallel.py: each rank its rows, none gathered
-            out.device.append(
+        if splits_vocabulary(spec, workers, facts.config):  # strategies/vocab_parallel.py: each rank its rows
+            tokens = rank_tokens(spec)
+            out.device += [
                 Term(
                     f"{head} split by rows over the ranks", f"{vocab}·{d} × {w} B / {P}, in the frozen weights above", 0
-                )
-            )
+                ),
+                Term(
+                    "every rank's hidden states gathered for the split loss, and their fp32 gradient",
+                    f"{P} × {tokens}·{d} × ({c} + 4) B",
+                    P * tokens * d * (c + 4),
+                ),
+            ]
         else:
             out.device.append(
                 Term(f"{head} whole on every rank", f"{vocab}·{d} × {w} B × (1 - 1/{P})", vocab * d * w * (1 - 1 / P))
@@ -199,7 +205,7 @@ def reward_model_terms(spec: JobSpec) -> list[Term]:
     """GRPO's reward models: a whole copy on each worker (rl/reward_model.py), fp32 (bf16 on GPUs under
     precision bf16). Sized from a local folder's headers (an adapter's base's); a hub id is not counted."""
     out = []
-    c = reward_model_bytes(spec)
+    c = reward_model_bytes(spec, RunPlan.of(spec).bf16)
     for reward in spec.training.grpo.rewards if spec.rl else []:
         if not reward.model:
             continue

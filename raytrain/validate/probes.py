@@ -28,7 +28,7 @@ from raytrain.data.unpaired import to_unpaired
 from raytrain.job.data import DEFAULT_COLUMNS, DEFAULT_TAGS
 from raytrain.job.grpo import reward_model_base
 from raytrain.job.spec import JobSpec
-from raytrain.rundir import storage
+from raytrain.rundir import storage, versioned
 from raytrain.tracking.mlflow_run import REMOTE_WITHOUT_SERVER, tracking_uri
 from raytrain.validate.problems import NOTE, Problem, did_you_mean, is_hub_id
 
@@ -428,6 +428,9 @@ def storage_problems(spec: JobSpec, network_required: bool = False) -> list[Prob
                 "storage",
             )
         ]
+    why = versioned.problems(spec.run_dir)  # the lease's compare-and-swap (rundir/versioned.py)
+    if why:
+        return [Problem("checkpoint.storage_path", repr(uri), why, "storage")]
     return []
 
 

@@ -397,6 +397,75 @@ def test_liger_fused_loss_trains_with_the_unfused_losses(assets, storage, bf16_m
     assert all(rel(losses["auto"][k], losses[False][k]) <= LOSS_RTOL for k in losses[False]), losses
 
 
+def step_one_gradients(spec, device) -> tuple[dict[str, torch.Tensor], str]:
+    """Every trained parameter's gradient after step 1's micro-batches (before any update), whole,
+    and the strategy's kernel line."""
+    from raytrain import objectives
+    from raytrain.data.batches import open_data
+    from raytrain.job.plan import RunPlan
+    from raytrain.rundir.checkpoints import TrainState
+
+    prepared = lr.prepare_data(spec)
+    strategy = build(spec, device)
+    batches, _, _ = open_data(spec, RunPlan.of(spec, prepared), strategy.rank, strategy.world_size, TrainState().data)
+    objective, micro = objectives.build(spec), next(batches).micro_batches
+    for i, mb in enumerate(micro):
+        loss, _ = objective(strategy, mb)
+        strategy.backward(loss, sync=i == len(micro) - 1)
+    grads = {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float().cpu()
+        for n, p in strategy.hf_model.named_parameters()
+        if p.grad is not None
+    }
+    line = strategy.kernel_line()
+    batches.close()
+    lr.release(strategy)
+    del strategy
+    return grads, line
+
+
+@pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "ddp"), ("lora",)))
+def test_liger_fused_loss_gives_dpo_the_unfused_gradients_at_step_1(
+    assets, storage, bf16_model, device, strategy_name, finetune
+):
+    """DPO's upstream gradient differs by row (chosen and rejected tokens: opposite signs), which is what
+    liger-kernel before 0.8.2 got wrong under reduction="none" (kernels.LIGER_FLOOR): every trained
+    parameter's gradient at step 1 with Liger's fused loss against the unfused loss's. (The losses
+    test above is SFT's, whose uniform upstream gradient survived the bug.)"""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed here (tests/gpu/wheels.sh carries it)")
+    if not CUDA:
+        pytest.skip("Liger's kernels are Triton's: CUDA only")
+    from raytrain.model import kernels
+
+    grads, lines = {}, {}
+    for chunked in ("auto", False):
+        spec = job(
+            assets,
+            storage,
+            bf16_model,
+            f"liger-dpo-{chunked}-{strategy_name}-{finetune}",
+            strategy_name,
+            finetune,
+            steps=1,
+            data={"path": str(assets / "pairs.jsonl"), "seq_len": 32},
+            training={"objective": "dpo", "preference": {"beta": 0.1}, "chunked_loss": chunked},
+        )
+        grads[chunked], lines[chunked] = step_one_gradients(spec, device)
+    version = kernels._liger_version()
+    if not kernels.liger_fused_allowed(version):
+        assert f"liger-kernel {version} predates" in lines["auto"], lines["auto"]
+        pytest.skip(f"liger-kernel {version} predates {kernels.LIGER_FLOOR}: not used (the kernel line says so)")
+    assert "Liger's fused linear cross-entropy" in lines["auto"], lines["auto"]
+    assert grads["auto"].keys() == grads[False].keys() and grads[False]
+    worst = {
+        n: ((grads["auto"][n] - g).norm() / g.norm().clamp(min=1e-12)).item()
+        for n, g in grads[False].items()
+        if g.norm() > 0
+    }
+    print(f"\n[liger dpo {strategy_name}/{finetune}] worst relative gradient difference {max(worst.values()):.2e}")
+    assert worst and max(worst.values()) <= 5e-2, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+
+
 @pytest.mark.parametrize("strategy_name,finetune", cases(("fsdp2", "zero3"), ("lora",)))
 def test_liger_block_kernels_train_with_the_models_own(
     assets, storage, bf16_model, device, strategy_name, finetune, monkeypatch
