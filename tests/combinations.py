@@ -85,7 +85,9 @@ def options() -> dict[str, tuple]:
         sequence_parallel=(1, 2, 4),
         tensor_parallel=(1, 2),
         pack=(False, True),
-        attention=typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation),
+        attention=tuple(
+            a for a in typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation) if a != "auto"
+        ),
         model=("llama", "mistral window"),
         **GRPO_ONLY,
     )

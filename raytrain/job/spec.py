@@ -43,8 +43,11 @@ class ModelSpec(Section):
     keep an fp32 master copy with fp32 AdamW state, under every strategy; compute precision is `training.precision`."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code. Off unless the job says so: it executes code from the hub."""
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
-    """Attention kernel passed to transformers."""
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
+    """Attention implementation. `auto`: the fastest the model's class supports on the workers (sdpa where it does;
+    else flash_attention_2 on GPUs in bf16 where the class takes flash-attn's kernel; else eager, as gpt-oss's
+    attention sinks on CPU), named in the start-up line. An explicit one the class cannot run is refused by validate.
+    Packed rows keep raytrain's own document boundaries under each."""
 
     def hub_kwargs(self, path: str | None = None) -> dict:
         """What every `from_pretrained` of `path` (default: model.path) passes: the pinned
@@ -62,6 +65,13 @@ class LoraSpec(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] | None = None
     """Module names to adapt; default: the attention and MLP projections of the architecture."""
+    target_parameters: list[str] | None = None
+    """Parameters to adapt by name (peft's `target_parameters`: a 3-D expert weight gets rank-r factors per expert),
+    e.g. [experts.gate_up_proj, experts.down_proj]; default: a mixture of experts' fused expert weights (see
+    `experts`), none for a dense model; [] adapts none. The router only when named (e.g. mlp.gate.weight)."""
+    experts: bool = True
+    """Adapt a mixture-of-experts model's experts by default, as well as its target_modules; false leaves them frozen.
+    With experts adapted, peft takes no dropout and no DoRA, and QLoRA is refused."""
     use_dora: bool = False
     """DoRA (peft's weight-decomposed LoRA): each adapted weight's per-row magnitude is trained beside the low-rank
     update of its direction. fsdp2, zero3 and ddp; not with tensor parallelism."""
@@ -116,6 +126,11 @@ class TrainingSpec(Section):
     """DPO / SimPO / KTO / reward model settings."""
     lora: LoraSpec = LoraSpec()
     """LoRA settings, used when `finetune: lora` or `qlora`."""
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """A mixture of experts' load-balancing loss weight (TRL's name and meaning): null takes the model config's
+    `router_aux_loss_coef` (0.001 for Qwen3-MoE, Mixtral), 0 turns it off; set on a dense model it is an error. Added
+    to the policy's loss as transformers' `load_balancing_loss_func`, per sequence over its real tokens, weighted
+    by them over the global batch; logged as `aux_loss`."""
     global_batch_size: int = Field(32, gt=0)
     """Sequences (GRPO: prompts, each with its num_generations completions) per optimizer step over all workers; fixed
     for the whole job, whatever the worker count (each of N workers gets ceil or floor of global/N, so any N up to it

@@ -57,6 +57,7 @@ class Strategy(ABC):
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives/tokens.py); 0: the whole logits
         self.fused_loss = None  # Liger's fused linear cross-entropy where it runs (kernels.fused_loss)
         self.block_kernels = None  # Liger's block kernels' name where they run (kernels.block_kernels)
+        self.attention_choice = ""  # why `model.attn_implementation: auto` chose what runs (build_strategy's)
         self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
         # Two gloo groups, made at first use, each for collectives of one background thread: DCP's
         # async save plans in its own thread (`_save_group`), train/checkpoint.py signs in Ray's upload
@@ -102,7 +103,11 @@ class Strategy(ABC):
             else "cross-entropy"
         )
         blocks = "compiled" if self.plan.compile else f"eager ({self.block_kernels})" if self.block_kernels else "eager"
-        return f"attention {self.attention_kernel}, loss {loss}, blocks {blocks}"
+        chosen = f" ({self.attention_choice})" if self.attention_choice else ""
+        experts = modeling.experts_kernel(self.spec, self.hf_model.config.to_dict())
+        return f"attention {self.attention_kernel}{chosen}, loss {loss}, blocks {blocks}" + (
+            f", experts {experts}" if experts else ""
+        )
 
     def with_block_kernels(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` with Liger's block kernels where they run here (kernels.block_kernels): the trained
