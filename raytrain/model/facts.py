@@ -23,6 +23,7 @@ from raytrain.model.targets import matches
 SCORE_HEAD = "score"
 SCORE_HEADS = (SCORE_HEAD, "classifier")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+QK_NORMS = ("qwen3", "gemma3")  # families whose attention normalizes q and k per head (Qwen3, Qwen3-MoE, Gemma 3)
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
@@ -111,6 +112,8 @@ def layout_from_config(config: dict) -> dict[str, tuple[int, ...]]:
                 p + "post_attention_layernorm.weight": (d,),
             }
         )
+        if str(config.get("model_type", "")).startswith(QK_NORMS):  # RMS norms of each head's query and key
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         if experts > 1:  # transformers 5's fused experts and the router (Qwen3-MoE's names)
             shapes.update(
                 {

@@ -65,8 +65,9 @@ PEFT_FUSED = {"mixtral": ("w1", "w3"), "qwen2_moe": ("gate_proj", "up_proj")}  #
 PEFT_FAMILIES = {"mixtral": "mixtral", "minimax": "mixtral", "minimax_m2": "mixtral", "qwen2_moe": "qwen2_moe"} | {
     t: "qwen2_moe"
     for t in (
-        "qwen3_moe afmoe deepseek_v2 deepseek_v3 deepseek_v32 dots1 ernie4_5_moe glm4_moe glm4_moe_lite glm_moe_dsa "
-        "longcat_flash solar_open mellum qwen3_next hunyuan_v1_moe flex_olmo olmoe exaone_moe cohere2_moe"
+        "afmoe beam cohere2_moe deepseek_v2 deepseek_v3 deepseek_v32 dots1 ernie4_5_moe exaone_moe flex_olmo glm4_moe "
+        "glm4_moe_lite glm4v_moe glm_moe_dsa hunyuan_v1_moe longcat_flash mellum olmoe qwen3_moe qwen3_next "
+        "qwen3_omni_moe qwen3_omni_moe_text qwen3_omni_moe_thinker solar_open"
     ).split()
 }
 GROUPS = ("attention", "dense MLP", "experts", "router", "embeddings", "output layer", "norms and other")

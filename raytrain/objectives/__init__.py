@@ -27,6 +27,7 @@ from raytrain.objectives.pairs import Preference, Reward, pair_losses, score
 from raytrain.objectives.tokens import (
     SFT,
     Hidden,
+    aux_tokens,
     chunked_cross_entropy,
     forward,
     sequence_logps,
@@ -43,6 +44,7 @@ __all__ = [
     "Hidden",
     "Preference",
     "Reward",
+    "aux_tokens",
     "build",
     "chunked_cross_entropy",
     "evaluate",

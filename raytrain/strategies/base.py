@@ -31,7 +31,7 @@ from raytrain.errors import JobError
 from raytrain.job import masks
 from raytrain.job.plan import RunPlan
 from raytrain.job.spec import JobSpec
-from raytrain.model import kernels, modeling
+from raytrain.model import kernels, modeling, moe
 from raytrain.rundir.signing import SignedCheckpoint
 from raytrain.strategies import hf_files, ulysses, vocab_parallel
 from raytrain.strategies.dcp_files import SplitWriter, read_checkpoint
@@ -90,6 +90,23 @@ class Strategy(ABC):
             self.hf_model.config.to_dict(),
             self.attention_windows,
         )
+
+    @functools.cached_property
+    def router_aux_coef(self) -> float:
+        """`training.router_aux_loss_coef` resolved for the model (moe.router_aux_coef: TRL's meaning); 0: none."""
+        config = self.hf_model.config.to_dict()
+        problem = moe.router_aux_problem(self.spec.training.router_aux_loss_coef, config)
+        if problem:  # validate refuses it first, from config.json
+            raise JobError(problem)
+        return moe.router_aux_coef(self.spec.training.router_aux_loss_coef, config)
+
+    @functools.cached_property
+    def router_top_k(self) -> int:
+        return moe.top_k(self.hf_model.config.to_dict())
+
+    def adapter_line(self) -> str:
+        """What the job trains, per group (targets.audit of what peft built), for the start-up line and MLflow."""
+        return modeling.audit(self.hf_model, full=not self.spec.training.adapters)
 
     def kernel_line(self) -> str:
         """What runs a step's hottest parts on this worker, for the start-up line and MLflow's tags."""
