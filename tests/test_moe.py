@@ -143,8 +143,7 @@ def test_a_target_matching_nothing_and_options_peft_refuses_are_named(models):
     assert problems(lora={"target_parameters": ["experts.w9"]})[0] == ["experts.w9"]
     fields = {f for f, _, _ in problems(lora={"dropout": 0.1, "use_dora": True})[1]}
     assert fields == {"training.lora.dropout", "training.lora.use_dora"}
-    (qlora,) = problems(finetune="qlora")[1]
-    assert qlora[0] == "training.finetune" and "training.lora.experts: false" in qlora[2]
+    assert problems(finetune="qlora")[1] == []  # NF4 attention, the experts adapted as loaded (test_combinations)
     (frozen,) = problems(lora={"experts": False, "target_modules": ["q_proj", "down_proj"]})[1]
     assert frozen[0] == "training.lora.experts" and "peft 0.21 turns target_modules down_proj" in frozen[2]
     assert problems(lora={"experts": False, "dropout": 0.1}) == ([], [])  # no parameter adapted: peft's Linear
@@ -340,3 +339,61 @@ def test_validate_refuses_what_an_moe_or_a_class_cannot_run(models, tmp_path, as
     assert "its 3-D (expert) parameters: down_proj, gate_up_proj" in errors["training.lora.target_parameters"]
     errors, _ = check("qwen3-moe", lora={"rank": 4, "dropout": 0.1})
     assert "training.lora.dropout: 0" in errors["training.lora.dropout"]
+    # GRPO's rollouts on vLLM: refused for a mixture of experts, with the reason (the tiny one's head size too)
+    grpo = {
+        "objective": "grpo",
+        "grpo": {
+            "num_generations": 2,
+            "max_completion_length": 8,
+            "engine": "vllm",
+            "rewards": [{"function": "raytrain.demo_assets:lipogram"}],
+        },
+    }
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "the red fox"}) + "\n")
+    job = {
+        "name": "v",
+        "model": {"path": models["qwen3-moe"]},
+        "data": {"path": str(path), "seq_len": 32, "format": "prompt"},
+        "training": {"lora": {"rank": 4}, **grpo},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"storage_path": str(tmp_path / "runs")},
+        "tracking": {"uri": f"sqlite:///{tmp_path}/m.db"},
+    }
+    (tmp_path / "grpo.yaml").write_text(json.dumps(job))
+    engine = [
+        p.message for p in preflight.check(str(tmp_path / "grpo.yaml")).errors if p.field == "training.grpo.engine"
+    ]
+    assert any("a mixture of experts: its experts' LoRA adapters" in m and "use engine: hf" in m for m in engine)
+    assert any("vLLM's CPU attention takes head sizes" in m for m in engine), engine
+
+
+@pytest.mark.slow
+def test_a_gpt_oss_full_fine_tune_trains_at_the_default_attention_and_logs_its_balancing_loss(
+    ray_address, assets, models, tmp_path
+):
+    """The whole job on Ray (2 workers, fsdp2): gpt-oss at `attn_implementation: auto` (eager: no sdpa for its
+    sinks) trains; MLflow has aux_loss every step, the kernel line names the choices, the audit every group."""
+    from conftest import make_job, metric_history
+    from mlflow.tracking import MlflowClient
+
+    from raytrain.driver import launcher
+    from raytrain.tracking.mlflow_run import tracking_uri
+
+    spec = make_job(
+        assets,
+        tmp_path / "runs",
+        model={"path": models["gpt-oss"]},
+        training={"finetune": "full", "max_steps": 6},
+        optimizer={"lr": 3e-3, "warmup_steps": 0},
+        checkpoint={"every_n_steps": 6, "export_final": False},
+    )
+    assert spec.model.attn_implementation == "auto"
+    result = launcher.run(spec)
+    losses, aux = metric_history(spec, result.run_id), metric_history(spec, result.run_id, "aux_loss")
+    assert sorted(aux) == list(range(1, 7)) and all(1.0 < v < 4.0 for v in aux.values()), aux  # E·Σ f·P, k=2
+    assert losses[6] < losses[1], losses
+    tags = MlflowClient(tracking_uri(spec)).get_run(result.run_id).data.tags
+    assert tags["raytrain.kernels"].startswith("attention eager (auto: GptOssForCausalLM supports eager here")
+    assert tags["raytrain.kernels"].endswith(", experts grouped_mm"), tags["raytrain.kernels"]
+    assert tags["raytrain.adapters"].startswith("attention trained") and "experts trained" in tags["raytrain.adapters"]

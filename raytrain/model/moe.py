@@ -92,3 +92,21 @@ def model_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...
 def fused_in_files(shapes: dict[str, tuple[int, ...]]) -> bool:
     """Whether the files hold one weight an expert, which transformers fuses on load."""
     return any(p.match(n) for n in shapes for p, _, _ in FILE_TO_MODEL)
+
+
+def file_parts(keys) -> dict[str, dict[int, list[str]]]:
+    """{the model's fused parameter: {expert: [its file keys, in row order]}} for files holding one
+    weight an expert (`FILE_TO_MODEL`): gate's rows first, up's after them, as transformers concatenates
+    them (each part's rows are its file weight's first dimension)."""
+    keys = list(keys)
+    out: dict[str, dict[int, list]] = {}
+    for key in keys:
+        name = key
+        for pattern, replacement in RENAMES:
+            name = pattern.sub(replacement, name)
+        for pattern, target, part in FILE_TO_MODEL:
+            m = pattern.match(name)
+            if m:
+                out.setdefault(m.group(1) + target, {}).setdefault(int(m.group(2)), [None, None])[part or 0] = key
+                break
+    return {n: {e: [k for k in slots if k] for e, slots in by.items()} for n, by in out.items()}

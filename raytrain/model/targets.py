@@ -169,8 +169,9 @@ def unmatched(adapters: Adapters, modules: Iterable[str], parameters: Iterable[s
 
 def expert_problems(spec, adapters: Adapters, parameters: Iterable[str]) -> list[tuple[str, str, str]]:
     """(field, value, why and the fix) for each LoRA option peft's ParamWrapper refuses while parameters
-    (an MoE's experts) are adapted, and for asking experts frozen while peft adapts them anyway."""
-    lora, t = spec.training.lora, spec.training
+    (an MoE's experts) are adapted, and for asking experts frozen while peft adapts them anyway. (QLoRA
+    takes them: its NF4 weights are the adapted linear layers', and the experts stay as loaded.)"""
+    lora = spec.training.lora
     if not adapters.parameters:
         return []
     out, what = [], f"the adapted parameters ({', '.join(adapters.parameters)})"
@@ -190,16 +191,6 @@ def expert_problems(spec, adapters: Adapters, parameters: Iterable[str]) -> list
                 "training.lora.use_dora",
                 "true",
                 f"peft's ParamWrapper, which adapts {what}, has no DoRA: remove use_dora, or {off}",
-            )
-        )
-    if t.finetune == "qlora":
-        out.append(
-            (
-                "training.finetune",
-                "qlora",
-                f"QLoRA keeps the adapted linear layers in NF4, and {what} are adapted by adding the update to the "
-                f"weight itself, which a 4-bit NF4 weight cannot take: {off} (attention in NF4, experts frozen "
-                "as loaded), or use training.finetune: lora",
             )
         )
     experts = [p for p in parameters if group_of(p) == "experts" and any(matches(a, p) for a in adapters.parameters)]

@@ -454,6 +454,8 @@ def lora_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
             else ""
         )
         audit = targets.audit(memory.lora_counts(spec, facts), facts.shapes, full=False)
+        if spec.training.finetune == "qlora" and chosen.parameters:
+            rewritten += f" (qlora: NF4 for the adapted linear layers; {', '.join(chosen.parameters)} stay as loaded)"
         out.append(Problem("training.lora", "", f"adapters: {audit}{rewritten}", "model", NOTE))
     return out
 
