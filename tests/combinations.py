@@ -25,6 +25,8 @@ import time
 import typing
 from pathlib import Path
 
+import families
+
 WORLD = 4
 SEQ = 64
 # Two steps: before and after one update, where a wrong mask or exchange shows from the first step on.
@@ -298,6 +300,8 @@ def reference_of(case: dict, opts: dict) -> dict:
         name: False if opts[name] == (False, True) else REFERENCE.get(name, values[0]) for name, values in opts.items()
     }
     ref.update({k: case[k] for k in MATH_KEYS})
+    if case["model"] in families.NO_SDPA:  # a class without sdpa: the reference's attention is eager
+        ref["attention"] = "eager"
     if case["finetune"] == "qlora":  # an NF4 base is sharded by fsdp2 alone (validate refuses ddp)
         ref["strategy"] = "fsdp2"
     if case["objective"] != "sft":

@@ -39,6 +39,7 @@ FAMILIES = (
 )
 TIED = {"qwen2 tied", "mistral window", "gemma", "qwen3 tied", "gemma3"}
 MOE = {"qwen3-moe", "gpt-oss"}  # experts as fused 3-D parameters, a router
+NO_SDPA = {"gpt-oss"}  # classes without sdpa (attention sinks): eager on CPU (tests/test_moe.py reads the flags)
 
 
 def config(family: str, demo: dict):

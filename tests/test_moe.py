@@ -62,6 +62,7 @@ def test_the_attention_flags_read_from_source_are_the_classes_own(models):
         own = private_apis.attention_flags(cls)
         assert private_apis.attention_flags_from_source(config.model_type, cls.__name__) == own, family
         assert implementations.source_flags(config.to_dict()) == AttentionFlags.of(cls.__name__, own), family
+        assert (family in families.NO_SDPA) == (not own["_supports_sdpa"]), family
 
 
 def test_auto_picks_what_the_class_runs_on_each_device():
@@ -231,9 +232,9 @@ def _trained(rank: int, world: int, device, cases: list[str], export_root: str) 
 
 
 def test_moe_jobs_train_alike_on_any_layout_and_their_adapters_load_in_plain_peft(models, tmp_path):
-    """Two gloo ranks: fsdp2 and zero3 against DDP, the balancing loss on (the config's 0.001) at other
-    micro-batch splits, coef 0 against a plain transformers loss; every adapter with expert weights
-    loads with plain peft, its merge gives its logits; each resumes to the same next step."""
+    """Two gloo ranks: fsdp2 and zero3 LoRA with the experts adapted against DDP, the balancing loss on (the
+    config's 0.001) at another micro-batch split; coef 0 against transformers' own loss; every adapter holds
+    expert weights, loads with plain peft, and its merge gives its logits; each resumes to the same next step."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -262,8 +263,6 @@ def test_moe_jobs_train_alike_on_any_layout_and_their_adapters_load_in_plain_pef
     cases = {
         ("qwen3-moe", "ddp", "lora"): job("qwen3-moe", "ddp", "lora"),
         ("qwen3-moe", "fsdp2", "lora"): job("qwen3-moe", "fsdp2", "lora", micro=2),
-        ("qwen3-moe", "zero3", "full"): job("qwen3-moe", "zero3", "full"),
-        ("qwen3-moe", "ddp", "full"): job("qwen3-moe", "ddp", "full", micro=2),
         ("qwen3-moe", "ddp", "full", 0): job("qwen3-moe", "ddp", "full", coef=0),
         ("gpt-oss", "ddp", "lora"): job("gpt-oss", "ddp", "lora"),
         ("gpt-oss", "zero3", "lora"): job("gpt-oss", "zero3", "lora", micro=2),
@@ -272,18 +271,16 @@ def test_moe_jobs_train_alike_on_any_layout_and_their_adapters_load_in_plain_pef
     r = {k: got[v] for k, v in cases.items()}
     for a, b in [
         (("qwen3-moe", "fsdp2", "lora"), ("qwen3-moe", "ddp", "lora")),
-        (("qwen3-moe", "zero3", "full"), ("qwen3-moe", "ddp", "full")),
         (("gpt-oss", "zero3", "lora"), ("gpt-oss", "ddp", "lora")),
     ]:
         for key in ("losses", "grad_norms", "means"):  # means: the balancing loss, the same at any split
             torch.testing.assert_close(torch.tensor(r[a][key]), torch.tensor(r[b][key]), rtol=1e-5, atol=1e-7)
     for case in r.values():
         assert case["resumed"] == case["continued"]
-    assert len(r[("qwen3-moe", "ddp", "full")]["means"]) == 1 and 1.5 < r[("qwen3-moe", "ddp", "full")]["means"][0] < 4
+    assert len(r[("qwen3-moe", "ddp", "lora")]["means"]) == 1 and 1.5 < r[("qwen3-moe", "ddp", "lora")]["means"][0] < 4
+    # coef 0 is today's loss: no aux_loss, and transformers' own mean cross-entropy over the same rows
     off = r[("qwen3-moe", "ddp", "full", 0)]
-    assert off["means"] == [] and off["losses"][0] == pytest.approx(r[("qwen3-moe", "ddp", "full")]["losses"][0])
-    assert off["grad_norms"][0] != r[("qwen3-moe", "ddp", "full")]["grad_norms"][0]  # the aux loss's gradient
-    # coef 0 is today's loss: transformers' own mean cross-entropy over the same rows
+    assert off["means"] == []
     import mesh_cases
 
     rows = torch.from_numpy(mesh_cases.global_rows(False, False, 4, seq=32)).long()

@@ -51,7 +51,8 @@ def router_aux_coef(requested: float | None, config: dict) -> float:
     (0 where it declares none), 0 turns the loss off."""
     if requested is not None:
         return requested
-    return float(text_config(config).get("router_aux_loss_coef") or 0.0) if is_moe(config) else 0.0
+    coef = text_config(config).get("router_aux_loss_coef") or 0.0
+    return coef * 1.0 if is_moe(config) else 0.0  # (a config.json number: no tensor, nothing read from a device)
 
 
 def router_aux_problem(requested: float | None, config: dict) -> str | None:

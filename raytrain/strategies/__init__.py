@@ -18,11 +18,7 @@ def build_strategy(spec: JobSpec, device: torch.device, plan: RunPlan | None = N
     """The strategy the plan names, set up. Without a driver's plan (tests, benchmarks, the GPU
     suite) the job's own: `RunPlan.of(spec)`. `on_phase("loaded")` is called once the trained
     model's weights are in place, before the optimizer and anything else (the start-up record)."""
-    from raytrain.model import attention
-
     plan = plan or RunPlan.of(spec)
-    chosen = attention.choice(spec)[1]  # why `auto` chose what it did, for the kernel line
-    spec = attention.resolve(spec)  # every part of the worker reads the implementation it runs
     name = spec.training.strategy
     if name == "fsdp2":
         from raytrain.strategies.fsdp2 import FSDP2Strategy as cls
@@ -31,7 +27,6 @@ def build_strategy(spec: JobSpec, device: torch.device, plan: RunPlan | None = N
     else:
         from raytrain.strategies.zero3 import Zero3Strategy as cls
     strategy = cls(spec, device, plan)
-    strategy.attention_choice = chosen
     if on_phase is not None:
         strategy.on_phase = on_phase
     strategy.setup()

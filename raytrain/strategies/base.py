@@ -31,7 +31,7 @@ from raytrain.errors import JobError
 from raytrain.job import masks
 from raytrain.job.plan import RunPlan
 from raytrain.job.spec import JobSpec
-from raytrain.model import kernels, modeling, moe
+from raytrain.model import attention, kernels, modeling, moe
 from raytrain.rundir.signing import SignedCheckpoint
 from raytrain.strategies import hf_files, ulysses, vocab_parallel
 from raytrain.strategies.dcp_files import SplitWriter, read_checkpoint
@@ -42,6 +42,10 @@ class Strategy(ABC):
     """Build, step, save, load and export one model on one worker of a process group."""
 
     def __init__(self, spec: JobSpec, device: torch.device, plan: RunPlan):
+        # Why `model.attn_implementation: auto` chose what runs (the kernel line); then the job as its parts
+        # read it, with the implementation resolved (every part of a worker reads the one it runs).
+        self.attention_choice = attention.choice(spec)[1]
+        spec = attention.resolve(spec)
         self.spec, self.plan = spec, plan  # the job as written; what the driver resolved it to
         self.device = device
         self.rank = dist.get_rank()
@@ -57,7 +61,6 @@ class Strategy(ABC):
         self.loss_chunk = 0  # tokens per cross-entropy chunk (objectives/tokens.py); 0: the whole logits
         self.fused_loss = None  # Liger's fused linear cross-entropy where it runs (kernels.fused_loss)
         self.block_kernels = None  # Liger's block kernels' name where they run (kernels.block_kernels)
-        self.attention_choice = ""  # why `model.attn_implementation: auto` chose what runs (build_strategy's)
         self.on_phase = lambda phase: None  # build_strategy's: "loaded" once the weights are in place
         # Two gloo groups, made at first use, each for collectives of one background thread: DCP's
         # async save plans in its own thread (`_save_group`), train/checkpoint.py signs in Ray's upload
