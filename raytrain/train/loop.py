@@ -268,8 +268,9 @@ def fit(
             eta = elapsed / (state.step - start) * (t.max_steps - state.step)
             mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
             mfu += f" | eval {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
-            if means:  # the preference objectives' headline metrics: (label, TRL's name) in `objective.shown`
-                mfu += "".join(f" | {label} {metrics[name]:.3f}" for label, name in objective.shown if name in metrics)
+            shown = getattr(objective, "shown", ())  # the preference objectives' headline metrics: (label, TRL's name)
+            mfu += "".join(f" | {label} {metrics[name]:.3f}" for label, name in shown if name in metrics)
+            mfu += f" | aux {metrics['aux_loss']:.3f}" if "aux_loss" in metrics else ""
             print(
                 f"[raytrain] step {state.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} "
                 f"| {tokens_per_s:,.0f} tok/s{mfu} | data {data_wait / step_time:.0%} | mem "
