@@ -2,6 +2,10 @@
 
     python -m benchmarks.job_memory [--arms lora full dpo]
 
+M1m (issue #63): the same for a Qwen3-MoE of 111M parameters (16 experts of 384, 2 a token, hidden 512,
+      6 layers, a 49k vocabulary), LoRA with its experts adapted and a full fine-tune: busiest peak /
+      validate's estimate, goal 0.85-1.15 (`--arms moe`)
+
 M1j  (busiest worker's peak resident memory over load + 5 steps, SmolLM2-135M shape
       - the same job on the 0.1M-parameter model) / (a rank's share: model bytes / N,
       x4 for a full fine-tune: its weights, gradients and AdamW's m and v)       goal <= 1.5
@@ -131,6 +135,53 @@ def dpo(real: Path, folder: Path, env: dict) -> None:
     )
 
 
+def moe_shape(s: h.Setting) -> Path:
+    """A Qwen3-MoE of 111M parameters (16 experts of 384, 2 a token; hidden 512, 6 layers, 8 heads of 64,
+    a 49k vocabulary, untied), random weights in fp32, saved as transformers saves it (one weight an expert)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    out = h.CACHE / "qwen3-moe-111m-shape"
+    if not (out / "config.json").exists():
+        base, _ = h.assets(s)
+        config = Qwen3MoeConfig(
+            vocab_size=49152,
+            hidden_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            num_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=384,
+            norm_topk_prob=True,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            eos_token_id=0,
+            pad_token_id=0,
+            bos_token_id=None,
+        )
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+        AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out))
+    return out
+
+
+def moe(folder: Path, env: dict, data: Path) -> None:
+    """M1m: the MoE's busiest worker's peak against validate's estimate, LoRA (experts adapted) and full."""
+    model = moe_shape(h.SETTINGS["quick"])
+    for finetune in ("lora", "full"):
+        r = run_job(f"moe-{finetune}", model, data, finetune, env, folder)
+        est = estimate_mb(folder / f"moe-{finetune}")
+        print(
+            f"M1m moe {finetune}: busiest peak / validate's estimate = {r['peak_mb']:.0f} / "
+            f"{est['total_mb']:.0f} MiB = {r['peak_mb'] / est['total_mb']:.2f} (goal 0.85-1.15); {r['startup']}; "
+            f"{r['wall_s']:.0f} s\n"
+            f"   estimate: {est['arithmetic']}",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", nargs="+", default=["lora", "full", "dpo"])
@@ -158,10 +209,12 @@ def main() -> None:
     try:
         if "dpo" in args.arms:
             dpo(smollm2_shape(s), folder, base_env)
+        if "moe" in args.arms:
+            moe(folder, base_env, data)
         for kind in args.models:
             real = smollm2_shape(s, tied=kind == "tied")
             model_mib = sum(f.stat().st_size for f in real.glob("*.safetensors")) / 2**20
-            for finetune in [a for a in args.arms if a != "dpo"]:
+            for finetune in [a for a in args.arms if a not in ("dpo", "moe")]:
                 # what a rank must hold: its shard of the weights; a full fine-tune also its gradients and AdamW's m, v
                 share = model_mib / 2 * (4 if finetune == "full" else 1)
                 for setting, env in settings.items():

@@ -19,7 +19,8 @@ USES = {
     "ray": "worker setup-hook variable, log dispatcher, SIGTERM setter and Ray Train's worker context",
     "torch": "DCP storage prefix and DTensor's local tensor",
     "deepspeed": "engine config's universal-checkpoint switch",
-    "transformers": "config._attn_implementation, _init_weights, _no_split_modules and _auto_class",
+    "transformers": "config._attn_implementation, _init_weights, _no_split_modules, _auto_class and the model classes'"
+    " attention flags (_supports_sdpa, _supports_flash_attn, _compatible_flash_implementations)",
 }
 # The rollout engine's environment (its own venv: cluster/setup-local.sh pins it; vllm_server.py
 # reports the version it runs, and a worker says in one line when it is not this one).
@@ -136,6 +137,58 @@ def set_attn_implementation(config, name: str) -> None:
 def attn_implementation_as(config, name: str):
     """The layers call `name`'s attention inside the block; what they called before after it."""
     return _attribute_as(config, "_attn_implementation", name)
+
+
+# The attention flags a model class declares (transformers' PreTrainedModel defaults where it declares none):
+# what `model.attn_implementation: auto` chooses among and what validate refuses (job/implementations.py).
+ATTENTION_FLAGS = {"_supports_sdpa": False, "_supports_flash_attn": False, "_compatible_flash_implementations": None}
+
+
+def attention_flags(cls) -> dict:
+    """A model class's attention flags, read from the class (no weights): transformers keeps them in
+    private class attributes, which its own `get_correct_attn_implementation` reads."""
+    return {name: getattr(cls, name, default) for name, default in ATTENTION_FLAGS.items()}
+
+
+def attention_flags_from_source(model_type: str, architecture: str) -> dict | None:
+    """The same flags for the installed transformers' class `architecture` of `model_type`, read from
+    its modeling file's source without importing transformers (validate runs without torch): the
+    class's own assignments, then its bases' in the same file. None where the file or class is not
+    found (a remote-code model: the worker reads its class)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    models = Path(list(spec.submodule_search_locations)[0]) / "models"
+    names, parts = [model_type.replace("-", "_")], model_type.replace("-", "_").split("_")
+    names += ["_".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]  # gemma3_text -> gemma3
+    for name in names:
+        file = models / name / f"modeling_{name}.py"
+        if not file.is_file():
+            continue
+        classes = {n.name: n for n in ast.parse(file.read_text()).body if isinstance(n, ast.ClassDef)}
+        if architecture not in classes:
+            continue
+        flags, todo, seen = {}, [architecture], set()
+        while todo:  # the class first, then its bases breadth-first: the first assignment of a name wins
+            node = classes.get(todo.pop(0))
+            if node is None or node.name in seen:
+                continue
+            seen.add(node.name)
+            for stmt in node.body:
+                target = stmt.targets[0] if isinstance(stmt, ast.Assign) else getattr(stmt, "target", None)
+                named = isinstance(target, ast.Name) and target.id in ATTENTION_FLAGS and target.id not in flags
+                if named and stmt.value is not None:
+                    try:
+                        flags[target.id] = ast.literal_eval(stmt.value)
+                    except ValueError:
+                        return None  # computed, not literal: only the class itself can say
+            todo += [b.id for b in node.bases if isinstance(b, ast.Name)]
+        return {name: flags.get(name, default) for name, default in ATTENTION_FLAGS.items()}
+    return None
 
 
 def init_weights(model, module) -> None:

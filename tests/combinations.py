@@ -25,6 +25,8 @@ import time
 import typing
 from pathlib import Path
 
+import families
+
 WORLD = 4
 SEQ = 64
 # Two steps: before and after one update, where a wrong mask or exchange shows from the first step on.
@@ -86,7 +88,9 @@ def options() -> dict[str, tuple]:
         sequence_parallel=(1, 2, 4),
         tensor_parallel=(1, 2),
         pack=(False, True),
-        attention=typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation),
+        attention=tuple(
+            a for a in typing.get_args(ModelSpec.model_fields["attn_implementation"].annotation) if a != "auto"
+        ),
         model=("llama", "mistral window"),
         **GRPO_ONLY,
     )
@@ -150,14 +154,26 @@ def refusal(case: dict, models: dict, configs: dict) -> str | None:
     model's mesh rule: what `raytrain validate` says before its probes of the world."""
     from pydantic import ValidationError
 
+    from raytrain.job.implementations import attention_problem, source_flags
     from raytrain.job.plan import model_parallel_problems
     from raytrain.job.spec import JobSpec
+    from raytrain.model import targets
+    from raytrain.model.facts import read_facts
 
     try:
-        JobSpec.model_validate(job(case, models, "/tmp/unused"))
+        spec = JobSpec.model_validate(job(case, models, "/tmp/unused"))
     except ValidationError as exc:
         return "; ".join(e["msg"] for e in exc.errors())
-    problems = model_parallel_problems(configs[case["model"]], case["sequence_parallel"], case["tensor_parallel"])
+    config = configs[case["model"]]
+    problems = model_parallel_problems(config, case["sequence_parallel"], case["tensor_parallel"])
+    flags = source_flags(config)  # the model class's attention (validate's rule)
+    why = attention_problem(flags, spec.model.attn_implementation) if flags else None
+    if why:
+        problems.append(("model.attn_implementation", spec.model.attn_implementation, why))
+    if spec.training.adapters:  # what peft refuses with an MoE's experts adapted (validate's rule)
+        facts = read_facts(Path(models[case["model"]]))
+        chosen = targets.decide(spec, facts.modules, facts.shapes, facts.config)
+        problems += targets.expert_problems(spec, chosen, facts.shapes)
     return "; ".join(f"{field}={value}: {fix}" for field, value, fix in problems) or None
 
 
@@ -211,25 +227,41 @@ def covering(opts: dict, refused, seed: int = 0) -> tuple[list[dict], dict]:
     return cases, {"pairs": refused_pairs, "unheld": sorted(todo, key=repr)}
 
 
-# The families users start from beyond the pair axis's two models (tests/families.py): each takes the
-# place of the demo Llama in a full case and in another one (`with_families`), where every pair that case
-# holds is held by another case too.
-EXTRA_FAMILIES = ("qwen2 tied", "phi3", "gemma", "gpt-neox")
+# The families users start from beyond the pair axis's two models (tests/families.py): each takes the place of
+# the demo Llama in cases (`with_families`: a full fine-tune, one that is not, or both), where every pair that case
+# holds is held by another case too. The mixtures of experts first (they take fp32 cases only, MOE_FAMILIES), each
+# in a LoRA case (its experts adapted) and a full one; a family whose parts another holds in one case: Qwen3's
+# q/k norms and tied table (Qwen2's biased q/k/v are gpt-oss's too), Gemma 3's scaled embedding, GeGLU and
+# per-head norms (Gemma's, with windows on alternate layers).
+EXTRA_FAMILIES = {
+    "qwen3-moe": (False, True),
+    "gpt-oss": (False, True),
+    "qwen3 tied": (False, True),
+    "gemma3": (False, True),
+    "phi3": (False,),
+    "gpt-neox": (True,),
+}
+# A mixture of experts routes each token to its top-k experts: bf16's rounding (fsdp2's bf16 parameters against
+# the reference's autocast over fp32 ones) flips near-tied choices, which changes the loss by more than rounding.
+# Its cases are fp32 ones, where the same tokens pick the same experts under every layout.
+MOE_FAMILIES = ("qwen3-moe", "gpt-oss")
+PAIR_MODELS = ("llama", "mistral window")
 
 
 def with_families(cases: list[dict], refused) -> list[dict]:
-    """`cases` with each of EXTRA_FAMILIES as the model of two cases that held the Llama, one that
-    fine-tunes the whole model and one that does not, where another Llama case holds every other
-    option's value of it (the covering set keeps all its pairs) and validate takes the family there
-    (the tensor-parallel plan knows Llama-style blocks only)."""
+    """`cases` with each of EXTRA_FAMILIES as the model of the cases it asks for (a full fine-tune when True),
+    each one that held a pair-axis model (the Llama, the windowed Mistral), where another case of that model
+    holds every other option's value of it (the covering set keeps all its pairs) and validate takes the family
+    there (the tensor-parallel plan knows Llama-style blocks only; peft's ParamWrapper takes no DoRA)."""
     cases = [dict(c) for c in cases]
-    for family in EXTRA_FAMILIES:
-        for full in (True, False):
+    for family, kinds in EXTRA_FAMILIES.items():
+        for full in kinds:
             for case in cases:
-                others = [c for c in cases if c is not case and c["model"] == "llama"]
+                others = [c for c in cases if c is not case and c["model"] == case["model"]]
                 if (
-                    case["model"] == "llama"
+                    case["model"] in PAIR_MODELS
                     and (case["finetune"] == "full") == full
+                    and (family not in MOE_FAMILIES or case["precision"] == "fp32")
                     and refused({**case, "model": family}) is None
                     and all(any(o[name] == value for o in others) for name, value in case.items() if name != "model")
                 ):
@@ -269,6 +301,8 @@ def reference_of(case: dict, opts: dict) -> dict:
         name: False if opts[name] == (False, True) else REFERENCE.get(name, values[0]) for name, values in opts.items()
     }
     ref.update({k: case[k] for k in MATH_KEYS})
+    if case["model"] in families.NO_SDPA:  # a class without sdpa: the reference's attention is eager
+        ref["attention"] = "eager"
     if case["finetune"] == "qlora":  # an NF4 base is sharded by fsdp2 alone (validate refuses ddp)
         ref["strategy"] = "fsdp2"
     if case["objective"] != "sft":

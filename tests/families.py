@@ -8,6 +8,12 @@ what makes it differ from the Llama the demo is:
     phi3           fused qkv_proj and gate_up_proj (Phi-3, Phi-3.5 mini)
     gemma          tied, embeddings scaled by sqrt(hidden), head_dim apart from hidden/heads, GeGLU
     gpt-neox       fused query_key_value, parallel residual, partial rotary, no KV groups (Pythia)
+    qwen3 tied     tied, RMS norms on q and k (Qwen3 0.6B-4B)
+    qwen3-moe      4 experts, 2 a token, fused expert weights (transformers 5's layout), a raw router
+                   parameter (Qwen3-30B-A3B, -235B-A22B)
+    gpt-oss        biased experts and router, attention sinks (no sdpa), a sliding window on every other
+                   layer (gpt-oss-20b/120b)
+    gemma3         tied, scaled embedding, q/k norms, a window on every other layer, query_pre_attn_scalar
 
 Built with transformers' own configs and `from_config`, saved beside the demo tokenizer: loaded
 through the same `from_pretrained` path a hub id takes.
@@ -19,13 +25,37 @@ import json
 import shutil
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen2 tied", "mistral window", "phi3", "gemma", "gpt-neox")
-TIED = {"qwen2 tied", "mistral window", "gemma"}
+FAMILIES = (
+    "llama",
+    "qwen2 tied",
+    "mistral window",
+    "phi3",
+    "gemma",
+    "gpt-neox",
+    "qwen3 tied",
+    "qwen3-moe",
+    "gpt-oss",
+    "gemma3",
+)
+TIED = {"qwen2 tied", "mistral window", "gemma", "qwen3 tied", "gemma3"}
+MOE = {"qwen3-moe", "gpt-oss"}  # experts as fused 3-D parameters, a router
+NO_SDPA = {"gpt-oss"}  # classes without sdpa (attention sinks): eager on CPU (tests/test_moe.py reads the flags)
 
 
 def config(family: str, demo: dict):
     """transformers' config of `family` at the demo model's sizes (`demo`: its config.json)."""
-    from transformers import GemmaConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import (
+        Gemma3TextConfig,
+        GemmaConfig,
+        GPTNeoXConfig,
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     size = {
         k: demo[k]
@@ -58,6 +88,47 @@ def config(family: str, demo: dict):
         )
     if family == "gpt-neox":
         return GPTNeoXConfig(**size, **tokens, rotary_pct=0.5, use_parallel_residual=True, tie_word_embeddings=False)
+    head_dim = demo["hidden_size"] // demo["num_attention_heads"]
+    # Experts: 4 of a quarter of the dense MLP's width, 2 a token (Qwen3-30B-A3B routes 8 of 128)
+    experts = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+    if family == "qwen3 tied":
+        return Qwen3Config(**size, **gqa, **tokens, head_dim=head_dim, tie_word_embeddings=True)
+    if family == "qwen3-moe":
+        return Qwen3MoeConfig(
+            **size,
+            **gqa,
+            **tokens,
+            **experts,
+            head_dim=head_dim,
+            num_experts=4,
+            moe_intermediate_size=demo["intermediate_size"] // 4,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        )
+    if family == "gpt-oss":
+        return GptOssConfig(
+            **{**size, "intermediate_size": demo["intermediate_size"] // 4},
+            **gqa,
+            **tokens,
+            **experts,
+            head_dim=head_dim,
+            num_local_experts=4,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * (size["num_hidden_layers"] // 2),
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+            tie_word_embeddings=False,
+        )
+    if family == "gemma3":
+        return Gemma3TextConfig(
+            **size,
+            **gqa,
+            **tokens,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * (size["num_hidden_layers"] // 2),
+            tie_word_embeddings=True,
+        )
     raise ValueError(family)
 
 

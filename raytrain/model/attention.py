@@ -17,6 +17,7 @@ deliberately not with its mask interface, so transformers builds no mask and inf
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -24,10 +25,71 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raytrain import private_apis
+from raytrain.errors import JobError
 from raytrain.job import masks
+from raytrain.job.implementations import AUTO, AttentionFlags, attention_problem, choose_attention
+from raytrain.job.plan import RunPlan
 from raytrain.model import kernels
 
 PREFIX = "raytrain-"
+
+
+def resolve(spec):
+    """The job with `model.attn_implementation` as its workers run it: `auto` resolved from the model
+    class's own flags (job/implementations.py, the rule validate applies from the class's source), an
+    explicit choice the class cannot run refused."""
+    chosen, _ = choice(spec)
+    if chosen == spec.model.attn_implementation:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"attn_implementation": chosen})})
+
+
+def choice(spec) -> tuple[str, str]:
+    """(implementation, why: empty where the job named it) for the job's model on its workers."""
+    m, plan = spec.model, RunPlan.of(spec)
+    return _choice(
+        m.path, m.revision, m.trust_remote_code, spec.scores, m.attn_implementation, spec.scaling.use_gpu, plan.bf16
+    )
+
+
+@functools.cache  # the model's class is looked up once a process (every load_model asks)
+def _choice(path, revision, remote, scores, requested, gpu, bf16) -> tuple[str, str]:
+    flags = model_flags(path, revision, remote, scores)
+    if flags is None:  # a class found nowhere: transformers' own choice at load (sdpa, or its error)
+        return (
+            ("sdpa", "auto: sdpa (the model's class was not found to read its flags)")
+            if requested == AUTO
+            else (
+                requested,
+                "",
+            )
+        )
+    problem = attention_problem(flags, requested)
+    if problem:
+        raise JobError(f"model.attn_implementation {requested}: {problem}")
+    return choose_attention(flags, "cuda" if gpu else "cpu", bf16) if requested == AUTO else (requested, "")
+
+
+def model_flags(path: str, revision: str | None, remote: bool, scores: bool) -> AttentionFlags | None:
+    """The attention flags of the class the job's model loads as, from its config (no weights)."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
+
+    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=remote)
+    auto = "AutoModelForSequenceClassification" if scores else "AutoModelForCausalLM"
+    try:
+        if remote and auto in (getattr(config, "auto_map", None) or {}):
+            cls = get_class_from_dynamic_module(config.auto_map[auto], path, revision=revision)
+        else:
+            mapping = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING if scores else MODEL_FOR_CAUSAL_LM_MAPPING
+            cls = mapping[type(config)]
+    except (KeyError, ValueError, OSError):
+        return None
+    return AttentionFlags.of(cls.__name__, private_apis.attention_flags(cls))
 
 
 @dataclass

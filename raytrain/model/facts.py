@@ -1,7 +1,9 @@
 """What pre-flight knows of a model without torch: its config and its parameters' names and
-shapes, from the safetensors headers (a few KB read per file) or, when only config.json is at
-hand (a hub id in the local Hugging Face cache), from its dimensions with a Llama-style layout
-assumed. memory.py estimates from these; preflight.py checks LoRA targets against them."""
+shapes as transformers 5 builds the model, from the safetensors headers (a few KB read per file;
+a mixture of experts' per-expert weights fused as transformers fuses them on load, model/moe.py)
+or, when only config.json is at hand (a hub id in the local Hugging Face cache), from its
+dimensions with a Llama-style layout assumed (fused experts and a router where the config has
+them). memory.py estimates from these; preflight.py checks LoRA targets against them."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from raytrain.model import moe
 from raytrain.model.targets import matches
 
 # What transformers calls the head of a decoder's ...ForSequenceClassification (Llama, Qwen, Mistral,
@@ -20,6 +23,7 @@ from raytrain.model.targets import matches
 SCORE_HEAD = "score"
 SCORE_HEADS = (SCORE_HEAD, "classifier")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+QK_NORMS = ("qwen3", "gemma3")  # families whose attention normalizes q and k per head (Qwen3, Qwen3-MoE, Gemma 3)
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
@@ -94,7 +98,7 @@ def layout_from_config(config: dict) -> dict[str, tuple[int, ...]]:
     kv = config.get("num_key_value_heads") or heads
     hd = config.get("head_dim") or d // heads
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size") or config.get("n_inner") or 4 * d
-    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 1
+    experts = moe.experts(config)
     shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
     for i in range(n_layers):
         p = f"model.layers.{i}."
@@ -108,13 +112,22 @@ def layout_from_config(config: dict) -> dict[str, tuple[int, ...]]:
                 p + "post_attention_layernorm.weight": (d,),
             }
         )
-        for e in range(experts):
-            mlp = p + (f"mlp.experts.{e}." if experts > 1 else "mlp.")
+        if str(config.get("model_type", "")).startswith(QK_NORMS):  # RMS norms of each head's query and key
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if experts > 1:  # transformers 5's fused experts and the router (Qwen3-MoE's names)
             shapes.update(
                 {
-                    mlp + "gate_proj.weight": (inter, d),
-                    mlp + "up_proj.weight": (inter, d),
-                    mlp + "down_proj.weight": (d, inter),
+                    p + "mlp.experts.gate_up_proj": (experts, 2 * inter, d),
+                    p + "mlp.experts.down_proj": (experts, d, inter),
+                    p + "mlp.gate.weight": (experts, d),
+                }
+            )
+        else:
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (inter, d),
+                    p + "mlp.up_proj.weight": (inter, d),
+                    p + "mlp.down_proj.weight": (d, inter),
                 }
             )
     if not config.get("tie_word_embeddings", False):  # absent: count lm_head (an over- rather than under-estimate)
@@ -134,5 +147,6 @@ def read_facts(folder: Path) -> ModelFacts:
         shapes: dict[str, tuple[int, ...]] = {}
         for f in files:
             shapes.update(read_safetensors_header(f))
-        return ModelFacts(config, shapes, f"safetensors headers ({len(files)} file{'s' * (len(files) > 1)})", True)
+        where = f"safetensors headers ({len(files)} file{'s' * (len(files) > 1)})"
+        return ModelFacts(config, moe.model_shapes(shapes), where, True)
     return ModelFacts(config, layout_from_config(config), "config.json dimensions (Llama-style layout assumed)", False)

@@ -11,23 +11,58 @@ from torch import nn
 
 from raytrain import private_apis
 from raytrain.errors import JobError
+from raytrain.job.implementations import choose_experts
 from raytrain.job.spec import JobSpec
-from raytrain.model import attention, hub, targets
+from raytrain.model import attention, hub, moe, targets
 from raytrain.model.facts import SCORE_HEAD
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def lora_targets(spec: JobSpec, model: nn.Module) -> list[str]:
+def lora_targets(spec: JobSpec, model: nn.Module) -> targets.Adapters:
+    """The job's LoRA targets on `model` (targets.decide, validate's rule), refused as validate refuses them."""
     linear = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    chosen = targets.lora_targets(spec, linear)
-    if not chosen:  # validate refuses it first, from the weight names
+    params = [name for name, _ in model.named_parameters()]
+    chosen = targets.decide(spec, linear, params, model.config.to_dict())
+    problems = targets.expert_problems(spec, chosen, params)
+    if problems:  # validate refuses them first, from the weight names
+        raise JobError("; ".join(f"{field}={value}: {why}" for field, value, why in problems))
+    missing = targets.unmatched(chosen, linear, params)
+    if missing or not (chosen.modules or chosen.parameters):
         leaves = sorted({name.rsplit(".", 1)[-1] for name in linear})
         raise JobError(
-            f"no default LoRA targets in {type(model).__name__}; set training.lora.target_modules "
-            f"(its linear layers: {leaves})"
+            f"the LoRA target(s) {missing or 'chosen'} match nothing in {type(model).__name__}; set "
+            f"training.lora.target_modules (its linear layers: {leaves}) or target_parameters"
         )
     return chosen
+
+
+def audit(model: nn.Module, full: bool) -> str:
+    """targets.audit of what peft built (not what was asked): each LoRA layer's rank and experts as peft made
+    them, each trained weight outside one (a reward model's head), counted whole (DTensor and ZeRO-3 sizes)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    size = lambda p: getattr(p, "ds_numel", None) or p.numel()  # noqa: E731 - ZeRO-3 keeps the whole size apart
+    shapes = {base_name(n): tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in model.named_parameters()}
+    shapes = {n: s for n, s in shapes.items() if ".lora_" not in n and "modules_to_save" not in n}
+    counts, seen = [], set()
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or "default" not in module.r:
+            continue
+        base = base_name(name).replace(".base_layer", "")
+        parts = [getattr(module, k, {}) for k in ("lora_A", "lora_B", "lora_magnitude_vector")]
+        own = [p for part in parts if "default" in part for p in part["default"].parameters()]
+        seen.update(id(p) for p in own)
+        if isinstance(module, ParamWrapper):
+            target, leaf, experts = f"{base}.{module.parameter_name}", module.parameter_name, module.num_experts
+        else:
+            target, leaf, experts = base, base.rsplit(".", 1)[-1], 1
+        counts.append((target, leaf, module.r["default"], experts, sum(size(p) for p in own)))
+    for name, p in model.named_parameters():  # trained whole beside the adapters (peft's modules_to_save)
+        if p.requires_grad and id(p) not in seen:
+            clean = base_name(name).replace(".modules_to_save.default", "")
+            counts.append((clean, clean.rsplit(".", 2)[-2] + " (whole)", 0, 1, size(p)))
+    return targets.audit(counts, shapes, full)
 
 
 def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> nn.Module:
@@ -44,6 +79,7 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    spec = attention.resolve(spec)  # `auto` as the model's class and the workers decide it
     kwargs = dict(
         dtype=DTYPES[spec.model.dtype],
         attn_implementation=spec.model.attn_implementation,
@@ -55,9 +91,12 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
             AutoModelForSequenceClassification,
             {"num_labels": 1, "pad_token_id": hub.load_tokenizer(spec).pad_token_id},
         )
+    config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs(), **head)
+    experts = experts_kernel(spec, config.to_dict())
+    if experts:  # chosen, not transformers' default taken silently (job/implementations.py)
+        kwargs["experts_implementation"] = experts
     try:
         if on_meta or empty:
-            config = AutoConfig.from_pretrained(spec.model.path, **spec.model.hub_kwargs(), **head)
             with torch.device("meta") if on_meta else contextlib.nullcontext():
                 model = auto.from_config(config, **kwargs)
         else:
@@ -85,6 +124,11 @@ def load_model(spec: JobSpec, *, on_meta: bool = False, empty: bool = False) -> 
     return model
 
 
+def experts_kernel(spec: JobSpec, config: dict) -> str | None:
+    """transformers' `experts_implementation` the job's mixture-of-experts model runs (None: a dense model)."""
+    return choose_experts("cuda" if spec.scaling.use_gpu else "cpu") if moe.is_moe(config) else None
+
+
 def apply_lora(spec: JobSpec, model: nn.Module) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -92,11 +136,15 @@ def apply_lora(spec: JobSpec, model: nn.Module) -> nn.Module:
     torch.manual_seed(spec.training.seed)  # same adapter init on every rank and every restart
     # A reward model's head is new: peft's SEQ_CLS task trains it whole beside the adapters (its
     # `modules_to_save`), and the exported adapter carries it.
+    # What the job asks, as it asks it: peft's own rewrite on some MoE families applies (targets.py), and
+    # the audit reads what peft built.
+    modules, parameters = lora_targets(spec, model).asked
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora_targets(spec, model),
+        target_modules=list(modules) or None,
+        target_parameters=list(parameters) or None,
         task_type="SEQ_CLS" if spec.scores else "CAUSAL_LM",
         use_dora=lora.use_dora,
     )
@@ -277,8 +325,9 @@ def require_complete(model: nn.Module, missing: list[str], unexpected: list[str]
 
 
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
+_BASE_LAYERS = re.compile(r"(\.base_layer)+\.")  # nested where peft wraps one module twice (ParamWrapper per parameter)
 
 
 def base_name(name: str) -> str:
     """A peft parameter name as the base model calls it."""
-    return _PEFT_PREFIX.sub("", name).replace(".base_layer.", ".")
+    return _BASE_LAYERS.sub(".", _PEFT_PREFIX.sub("", name))

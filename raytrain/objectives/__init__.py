@@ -29,6 +29,7 @@ from raytrain.objectives.pairs import Preference, Reward, pair_losses, score
 from raytrain.objectives.tokens import (
     SFT,
     Hidden,
+    aux_tokens,
     chunked_cross_entropy,
     forward,
     sequence_logps,
@@ -46,6 +47,7 @@ __all__ = [
     "Objective",
     "Preference",
     "Reward",
+    "aux_tokens",
     "build",
     "chunked_cross_entropy",
     "evaluate",

@@ -211,6 +211,7 @@ class GRPO(Objective):
             labels=labels,
             position_ids=torch.arange(n)[None].repeat(len(asked), 1),
             advantages=torch.tensor(adv, dtype=torch.float32),
+            pad_id=pad,
         )
         if engine_logps is not None:
             mb["_sampling_logps"] = sampled[:, 1:]  # aligned as the targets are (position t scores label t + 1)

@@ -12,7 +12,16 @@ from raytrain.job.spec import JobSpec
 from raytrain.job.training import PreferenceSpec
 from raytrain.model.facts import SCORE_HEAD
 from raytrain.objectives.base import Objective
-from raytrain.objectives.tokens import forward, real_pairs, replaced_forward, sequence_logps, staged, unwrapped
+from raytrain.objectives.tokens import (
+    balance,
+    forward,
+    real_pairs,
+    replaced_forward,
+    routed,
+    sequence_logps,
+    staged,
+    unwrapped,
+)
 
 
 def pair_losses(
@@ -168,5 +177,6 @@ def score(strategy, model, mb: dict) -> torch.Tensor:
         return out[:, None].expand(-1, hidden.shape[1], -1)
 
     with strategy.autocast(), replaced_forward(head, pooled):
-        out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
+        out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"], **routed(strategy))
+    balance(strategy, out, x)
     return out.logits.squeeze(-1)

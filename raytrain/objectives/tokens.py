@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from raytrain.data import IGNORE
 from raytrain.model import attention
+from raytrain.objectives import router
 from raytrain.objectives.base import Objective
 from raytrain.strategies import vocab_parallel
 
@@ -132,13 +133,41 @@ def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Ten
         replaced_forward(head, _identity) if chunk or fused else contextlib.nullcontext(),
         vocab_parallel.sized_lookup(model, x.get("most")),
     ):
-        out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"])
+        out = model(input_ids=x["input_ids"], position_ids=x["position_ids"], **x["attention"], **routed(strategy))
+    balance(strategy, out, x)
     # The output layer is used after the model's forward: FSDP2 keeps the root's parameters (the
     # output layer's among them) gathered from its forward to its backward, so this is the same weight.
     logits, targets = out.logits, x["targets"]
     if split is None or split.rank == split.size - 1:  # a sequence's last position predicts nothing: its
         logits, targets = logits[:, :-1], targets[:, :-1]  # sums then add exactly the terms they always did
     return (Hidden(logits, head, chunk, strategy.autocast, fused) if chunk or fused else logits), targets
+
+
+def routed(strategy) -> dict:
+    """The model's keyword for its router's logits, where this forward trains the policy of a job with a
+    balancing loss (router.py): grad enabled; references, KL rows and evaluation run under no_grad."""
+    return {"output_router_logits": True} if strategy.router_aux_coef and torch.is_grad_enabled() else {}
+
+
+def balance(strategy, out, x: dict) -> None:
+    """This micro-batch's Σ T_r·aux_r (router.balance_sum), kept in its staged copies for the loop."""
+    if getattr(out, "router_logits", None) is not None and "row_tokens" in x:
+        split = strategy.sequence
+        x["aux"] = x.get("aux", 0) + router.balance_sum(
+            out.router_logits, x["real_tokens"], x["row_tokens"], strategy.router_top_k, split.group if split else None
+        )
+
+
+def aux_tokens(strategy, mb: dict) -> int:
+    """The micro-batch's real tokens (router.real_tokens), whole sequences: the balancing loss's units."""
+    return int(router.real_tokens(mb["input_ids"], mb["labels"], pad_id(strategy, mb)).sum())  # host: host rows
+
+
+def pad_id(strategy, mb: dict) -> int | None:
+    """The pad id the rows were padded with: the store's (micro_batches puts it in), else the model's."""
+    if "pad_id" in mb:
+        return mb["pad_id"]
+    return unwrapped(strategy.model).config.get_text_config().pad_token_id
 
 
 def staged(strategy, mb: dict) -> dict:
@@ -171,6 +200,10 @@ def staged(strategy, mb: dict) -> dict:
         out["last"] = attention.to_device((last - first).clamp(0, n - 1), device)
         out["here"] = attention.to_device(((last >= first) & (last < first + n)).float(), device)
         out["margin"] = attention.to_device(mb["margin"], device)  # the pairs' (objectives.pairs.split_margins)
+    if strategy.router_aux_coef:  # the balancing loss's tokens: real ones, whole sequences' counts
+        real = router.real_tokens(ids, mb["labels"], pad_id(strategy, mb))
+        out["row_tokens"] = attention.to_device(real.sum(-1).float(), device)
+        out["real_tokens"] = attention.to_device((split.part(real) if split else real).float(), device)
     if split:
         ids, positions, targets = split.part(ids), split.part(positions), split.part(targets)
     if "most_sequences" in mb:  # the most tokens any rank's forward (and loss) of this micro-batch holds

@@ -31,7 +31,7 @@ from raytrain.errors import JobError
 from raytrain.job import masks
 from raytrain.job.plan import RunPlan
 from raytrain.job.spec import JobSpec
-from raytrain.model import kernels, modeling
+from raytrain.model import attention, kernels, modeling, moe
 from raytrain.rundir.signing import SignedCheckpoint
 from raytrain.strategies import hf_files, ulysses, vocab_parallel
 from raytrain.strategies.dcp_files import SplitWriter, read_checkpoint
@@ -42,6 +42,10 @@ class Strategy(ABC):
     """Build, step, save, load and export one model on one worker of a process group."""
 
     def __init__(self, spec: JobSpec, device: torch.device, plan: RunPlan):
+        # Why `model.attn_implementation: auto` chose what runs (the kernel line); then the job as its parts
+        # read it, with the implementation resolved (every part of a worker reads the one it runs).
+        self.attention_choice = attention.choice(spec)[1]
+        spec = attention.resolve(spec)
         self.spec, self.plan = spec, plan  # the job as written; what the driver resolved it to
         self.device = device
         self.rank = dist.get_rank()
@@ -90,6 +94,23 @@ class Strategy(ABC):
             self.attention_windows,
         )
 
+    @functools.cached_property
+    def router_aux_coef(self) -> float:
+        """`training.router_aux_loss_coef` resolved for the model (moe.router_aux_coef: TRL's meaning); 0: none."""
+        config = self.hf_model.config.to_dict()
+        problem = moe.router_aux_problem(self.spec.training.router_aux_loss_coef, config)
+        if problem:  # validate refuses it first, from config.json
+            raise JobError(problem)
+        return moe.router_aux_coef(self.spec.training.router_aux_loss_coef, config)
+
+    @functools.cached_property
+    def router_top_k(self) -> int:
+        return moe.top_k(self.hf_model.config.to_dict())
+
+    def adapter_line(self) -> str:
+        """What the job trains, per group (targets.audit of what peft built), for the start-up line and MLflow."""
+        return modeling.audit(self.hf_model, full=not self.spec.training.adapters)
+
     def kernel_line(self) -> str:
         """What runs a step's hottest parts on this worker, for the start-up line and MLflow's tags."""
         loss = (
@@ -104,7 +125,11 @@ class Strategy(ABC):
         note = "" if self.fused_loss is not None else kernels.fused_loss_note(self.spec, self.device)
         loss += f" ({note})" if note else ""
         blocks = "compiled" if self.plan.compile else f"eager ({self.block_kernels})" if self.block_kernels else "eager"
-        return f"attention {self.attention_kernel}, loss {loss}, blocks {blocks}"
+        chosen = f" ({self.attention_choice})" if self.attention_choice else ""
+        experts = modeling.experts_kernel(self.spec, self.hf_model.config.to_dict())
+        return f"attention {self.attention_kernel}{chosen}, loss {loss}, blocks {blocks}" + (
+            f", experts {experts}" if experts else ""
+        )
 
     def with_block_kernels(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` with Liger's block kernels where they run here (kernels.block_kernels): the trained

@@ -25,7 +25,7 @@ from torch.futures import Future
 
 from raytrain.errors import JobError
 from raytrain.job.spec import JobSpec
-from raytrain.model import hub, modeling, qlora
+from raytrain.model import hub, modeling, moe, qlora
 from raytrain.strategies.hf_files import SAFETENSORS_DTYPES
 
 # The floating dtypes a weight file's header may name, read as rows (the names are the writer's).
@@ -119,6 +119,11 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
     folder = safetensors_folder(spec)
     files = WeightFiles(folder) if folder else None
     key_in_file = file_keys(model, files.entries.keys() if files else ())  # the model's name -> the file's
+    # An MoE's experts, one weight an expert in the files (the hub's layout), fused in the model: each
+    # rank reads its own experts' weights into its shard (`read_fused`), never the whole layer.
+    parts = moe.file_parts(files.entries.keys()) if files else {}
+    fused = {k: p for k, p in by_key.items() if k not in key_in_file and k in parts}
+    by_key = {k: p for k, p in by_key.items() if k not in fused}
     how = "sharded" if key_in_file and (by_key.keys() | quantized.keys()) <= key_in_file.keys() else "rank0"
     if quantized and how != "sharded":
         raise JobError(
@@ -133,6 +138,7 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
             modeling.DTYPES[spec.model.dtype],
         )
         qlora.fill(quantized, lambda key, first, into: files.read_rows(key_in_file[key], first, into.shape[0], into))
+        read_fused(files, fused, parts, modeling.DTYPES[spec.model.dtype])
     else:
         broadcast_from_rank0(spec, model)
     for name, p in model.named_parameters():
@@ -140,6 +146,24 @@ def fill(spec: JobSpec, model: torch.nn.Module, adapters: dict[str, torch.Tensor
             copy_full(p, new[name] if name in new else adapters[name])
     init_dora_magnitudes(model)
     return how
+
+
+@torch.no_grad()
+def read_fused(files: WeightFiles, targets: dict[str, torch.Tensor], parts: dict, load_dtype: torch.dtype) -> None:
+    """Fill each fused expert parameter's shard ([experts, rows, cols], FSDP2's Shard(0): whole experts a
+    rank, ceil(E/W) of them, the last ranks' fewer or none) from the files' per-expert weights (moe.file_parts),
+    each read through `model.dtype` as from_pretrained rounds it, then cast to the shard's dtype."""
+    for name, p in targets.items():
+        shard, mesh = local(p), getattr(p, "device_mesh", None)
+        first = mesh.get_coordinate()[-1] * -(-p.shape[0] // mesh.size(mesh.ndim - 1)) if mesh is not None else 0
+        for i in range(shard.shape[0]):
+            row = 0
+            for key in parts[name][first + i]:
+                shape = files.entries[key][1]["shape"]
+                staged = torch.empty(shape, dtype=load_dtype)
+                files.read_rows(key, 0, shape[0], staged)
+                shard[i, row : row + shape[0]].copy_(staged)
+                row += shape[0]
 
 
 @torch.no_grad()
@@ -210,7 +234,10 @@ def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
     named = dict(model.named_parameters())  # tied weights once
     new = modeling.new_weights(spec, model)  # in no file: a reward model's score head
     key_in_file = file_keys(model, files.entries.keys() if files else ())
+    parts = moe.file_parts(files.entries.keys()) if files else {}  # an MoE's experts, one weight an expert
     base = {n: modeling.base_name(n) for n, p in named.items() if "lora_" not in n and n not in new}
+    fused = {n: k for n, k in base.items() if k not in key_in_file and k in parts}
+    base = {n: k for n, k in base.items() if n not in fused}
     if files is None or not set(base.values()) <= key_in_file.keys():
         return ""
     base = {n: key_in_file[k] for n, k in base.items()}
@@ -218,13 +245,16 @@ def fill_partitioned(spec: JobSpec, model: torch.nn.Module) -> str:
     with torch.no_grad():
         for prefix, module in model.named_modules():
             own = {f"{prefix}.{n}" if prefix else n: p for n, p in module.named_parameters(recurse=False)}
-            own = {n: p for n, p in own.items() if n in base and id(p) not in seen}
+            own = {n: p for n, p in own.items() if (n in base or n in fused) and id(p) not in seen}
             seen.update(id(p) for p in own.values())
             if own:
                 with deepspeed.zero.GatheredParameters(list(own.values()), modifier_rank=0):
                     if rank == 0:
                         for n, p in own.items():
-                            files.read_rows(base[n], 0, p.shape[0], p.data)
+                            if n in fused:  # one layer's experts whole on rank 0, as every module is here
+                                read_fused(files, {n: p.data}, {n: parts[fused[n]]}, p.dtype)
+                            else:
+                                files.read_rows(base[n], 0, p.shape[0], p.data)
         for n, buf in model.state_dict(keep_vars=True).items():  # persistent buffers, every rank
             if not isinstance(buf, torch.nn.Parameter) and modeling.base_name(n) in key_in_file:
                 files.read_rows(key_in_file[modeling.base_name(n)], 0, buf.shape[0], buf)

@@ -60,6 +60,8 @@ class Report:
             **self.flops.metrics(tokens_per_s, world),
             **objective.finish(dict(zip(objective.metrics, result.means))),
         }
+        if len(result.means) > len(objective.metrics):  # the router's balancing loss (train_step appends it)
+            out["aux_loss"] = result.means[len(objective.metrics)]
         if not result.applied:
             out["update_skipped"] = 1.0
         return out
@@ -71,6 +73,7 @@ class Report:
         extra = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
         extra += f" | eval {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
         extra += "".join(f" | {label} {metrics[name]:.3f}" for label, name in objective.shown if name in metrics)
+        extra += f" | aux {metrics['aux_loss']:.3f}" if "aux_loss" in metrics else ""
         print(
             f"[raytrain] step {step}/{max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | grad "
             f"{metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s{extra} | data "

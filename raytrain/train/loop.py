@@ -104,6 +104,7 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     overlapping)."""
     device, mesh = strategy.device, strategy.layout
     results, units, scale = [], None, None
+    coef = strategy.router_aux_coef  # an MoE's balancing loss (objectives/router.py)
     # GRPO's num_iterations: one rollout, then that many updates on its completions (TRL's mu). Each
     # update is one pass over the micro-batches; the last ends the step, the unit a checkpoint holds.
     for iteration in range(objective.iterations):
@@ -113,17 +114,27 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
         with strategy.gathered() if objective.gathers_model else contextlib.nullcontext():
             if iteration == 0:
                 objective.begin(strategy, micro_batches)  # of the whole batch: KTO's KL, GRPO's rollouts
-                units = objectives.to_device([sum(map(objective.units, micro_batches))], device)
-                torch.distributed.all_reduce(units)  # the global batch's units, counted by each of a row's ranks
-                units = (units / mesh.row_ranks).clamp(min=1)
+                counts = [sum(map(objective.units, micro_batches))]
+                if coef:  # the balancing loss's units: the global batch's real tokens
+                    counts.append(sum(objectives.aux_tokens(strategy, mb) for mb in micro_batches))
+                totals = objectives.to_device(counts, device)
+                torch.distributed.all_reduce(totals)  # the global batch's units, counted by each of a row's ranks
+                totals = (totals / mesh.row_ranks).clamp(min=1)
+                units = totals[:1]
                 # Gradients are averaged over the data- and sequence-parallel ranks (a sequence's parts
                 # add up; its tp ranks compute the same loss): this makes the step's gradient a sum / units.
                 scale = mesh.gradient_ranks / units
-            sums = torch.zeros(1 + len(objective.metrics), dtype=torch.float64, device=device)
+                aux_scale = mesh.gradient_ranks / totals[1:] if coef else None
+            sums = torch.zeros(1 + len(objective.metrics) + bool(coef), dtype=torch.float64, device=device)
             for i, mb in enumerate(micro_batches):
                 loss, stats = objective(strategy, mb)
-                strategy.backward(loss * scale.to(loss.dtype), sync=i == len(micro_batches) - 1)
-                sums += torch.stack([t.detach().double() for t in (loss, *stats)])
+                total = loss * scale.to(loss.dtype)
+                if coef:  # Σ T_r·aux_r of this micro-batch's sequences, over the global batch's real tokens
+                    aux = objectives.staged(strategy, mb).get("aux", torch.zeros((), device=device))
+                    total = total + (coef * aux * aux_scale).to(total.dtype).reshape(())
+                    stats = [*stats, aux * units / totals[1]]  # reported as a mean over those tokens
+                strategy.backward(total, sync=i == len(micro_batches) - 1)
+                sums += torch.stack([t.detach().double().reshape(()) for t in (loss, *stats)])
                 objectives.unstage(mb)
                 if i + 1 < len(micro_batches):  # the next one's copies queue behind this backward
                     objectives.staged(strategy, micro_batches[i + 1])

@@ -83,7 +83,10 @@ def _train(
     state.world_size, state.run_id = world, config["run_id"]
     logger = StepLogger(spec, config["run_id"]) if rank == 0 else None
     attempt = 0  # rank 0 learns it from the control actor
-    if rank == 0:
+    if rank == 0:  # what trains, per group (attention, dense MLP, experts, router, ...), as peft built it
+        trains = strategy.adapter_line()
+        print(f"[raytrain] trains: {trains}", file=sys.stdout, flush=True)
+        logger.set_tags({"raytrain.adapters": trains})
         if (
             resumed_from
         ):  # the restored checkpoint's steps (and the backlog's), if the last attempt died before logging them

@@ -27,10 +27,11 @@ from pathlib import Path
 
 from raytrain.job import deepspeed_config, masks, nf4_layout, strategies
 from raytrain.job.grpo import ENGINE_RUNTIME_CPU_GIB, engine_kv_bytes, reward_model_base, reward_model_bytes
+from raytrain.job.implementations import effective_attention
 from raytrain.job.plan import RunPlan, frozen_head_apart, rank_tokens, splits_vocabulary
 from raytrain.job.spec import JobSpec
+from raytrain.model import targets
 from raytrain.model.facts import DTYPE_BYTES, ModelFacts, read_facts
-from raytrain.model.targets import lora_targets
 
 GiB = 2**30
 
@@ -259,15 +260,22 @@ RUNTIME_CPU = Term("runtime (the worker process: Python, torch, Ray) ≈", "", 0
 def trainable_params(spec: JobSpec, facts: ModelFacts) -> int:
     if spec.training.finetune == "full":
         return facts.n_params
-    targets = _lora_targets(spec, facts)
-    dora = facts.magnitude_params(targets) if spec.training.lora.use_dora else 0
-    return facts.lora_params(targets, spec.training.lora.rank) + dora
+    return sum(c[4] for c in lora_counts(spec, facts))
+
+
+def lora_counts(spec: JobSpec, facts: ModelFacts) -> list:
+    """What peft creates for the job's targets on this model (targets.lora_counts' rows)."""
+    return targets.lora_counts(
+        adapters(spec, facts), spec.training.lora.rank, facts.shapes, dora=spec.training.lora.use_dora
+    )
 
 
 def quantized_shapes(spec: JobSpec, facts: ModelFacts) -> dict[str, tuple[int, ...]]:
     """The (out, in) weights QLoRA stores in NF4: the LoRA-adapted linear layers (not embeddings)."""
     embeddings = {n[: -len(".weight")] for n, s in facts.shapes.items() if "embed" in n or "wte" in n}
-    return {m: facts.modules[m] for t in _lora_targets(spec, facts) for m in facts.matching(t) if m not in embeddings}
+    return {
+        m: facts.modules[m] for t in adapters(spec, facts).modules for m in facts.matching(t) if m not in embeddings
+    }
 
 
 def checkpoint_bytes(spec: JobSpec, facts: ModelFacts) -> int:
@@ -293,7 +301,8 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     # the 34 (Korthikanti et al. 2022, without sequence-parallel norms: 10 + 24/t).
     local = s // sp
     tokens = f"{b}·{s}/{sp}·{d}" if sp > 1 else f"{b}·{s}·{d}"
-    eager = spec.model.attn_implementation == "eager"
+    impl = effective_attention(spec, facts.config)  # `auto` as the workers resolve it
+    eager = impl == "eager"
     quad = 5 * heads * s / d if eager else 0  # sdpa/flash never store s×s per head
     per = 10 + (24 + quad) / tp
     layer = b * local * d * per * c / 2
@@ -309,7 +318,6 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     terms = [act]
     # The masks attention is given (masks.py, the rule the model path follows): whole rows' b·s²
     # under sequence parallelism too. Rows pack only in SFT with data.pack; padding is no document.
-    impl = spec.model.attn_implementation
     # GPU workers in 16 bits run sdpa on torch's varlen kernel (kernels.py), which takes no mask
     varlen = masks.sdpa_varlen(impl, spec.scaling.use_gpu and c == 2, facts.config)
     built = masks.mask_windows(impl, spec.packed, masks.windows(facts.config, s), varlen)
@@ -352,8 +360,9 @@ def rollout_terms(spec: JobSpec, facts: ModelFacts, step: list[Term], b: int, s:
     ]
 
 
-def _lora_targets(spec: JobSpec, facts: ModelFacts) -> list[str]:
-    return lora_targets(spec, facts.modules)
+def adapters(spec: JobSpec, facts: ModelFacts) -> targets.Adapters:
+    """The job's LoRA targets on this model, as the workers decide them (targets.decide)."""
+    return targets.decide(spec, facts.modules, facts.shapes, facts.config)
 
 
 # ---------------------------------------------------------------- the smallest change that fits

@@ -21,10 +21,11 @@ from pydantic import BaseModel, ValidationError
 from raytrain import allocator
 from raytrain.job import nf4_layout
 from raytrain.job.grpo import engine_model_problems, vllm_python
+from raytrain.job.implementations import AUTO, attention_problem, choose_attention, source_flags
 from raytrain.job.plan import RunPlan, model_parallel_problems
 from raytrain.job.spec import JobSpec, apply_overrides
+from raytrain.model import moe, targets
 from raytrain.model.facts import ModelFacts, read_facts
-from raytrain.model.targets import lora_targets
 from raytrain.rundir import storage
 from raytrain.validate import memory, probes
 from raytrain.validate.problems import (
@@ -335,6 +336,7 @@ def model_problems(spec: JobSpec, broken: set[str]) -> list[Problem]:
                 "model",
             )
         )
+    out += moe_and_attention_problems(spec, facts, broken)
     if "training" not in broken and spec.training.adapters and facts.exact_names:
         out += lora_problems(spec, facts)
     if not broken & {"training", "scaling"} and spec.training.finetune == "qlora" and facts.exact_names:
@@ -410,31 +412,74 @@ def qlora_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
 
 
 def lora_problems(spec: JobSpec, facts: ModelFacts) -> list[Problem]:
+    """The job's LoRA targets on this model (targets.decide, the workers' rule): each target that names
+    nothing, each option peft refuses with experts adapted, and the audit (a note) of what is adapted."""
+    chosen = memory.adapters(spec, facts)
     leaves = sorted({m.rsplit(".", 1)[-1] for m in facts.modules})
-    targets = spec.training.lora.target_modules
-    if targets is None:
-        if lora_targets(spec, facts.modules):
-            return []
-        return [
+    params = sorted({n.rsplit(".", 1)[-1] for n, s in facts.shapes.items() if len(s) == 3})
+    has = f"its linear layers and embeddings: {', '.join(leaves)}" + (
+        f"; its 3-D (expert) parameters: {', '.join(params)}" if params else ""
+    )
+    out = [
+        Problem(field, value, why, "model") for field, value, why in targets.expert_problems(spec, chosen, facts.shapes)
+    ]
+    lora = spec.training.lora
+    if lora.target_modules is None and not chosen.modules and not chosen.parameters:
+        return out + [
             Problem(
                 "training.lora.target_modules",
                 "",
-                "none of raytrain's default LoRA targets are in this model; "
-                f"list some of its layers: {', '.join(leaves)}",
+                "none of raytrain's default LoRA targets are in this model; list some of its layers: "
+                + ", ".join(leaves),
                 "model",
             )
         ]
-    return [
-        Problem(
-            "training.lora.target_modules",
-            repr(t),
-            f"no module {t!r} in this model; {did_you_mean(t, leaves)}"
-            f"its linear layers and embeddings: {', '.join(leaves)}",
-            "model",
+    for t in targets.unmatched(chosen, facts.modules, facts.shapes):
+        field = (
+            "training.lora.target_modules" if t in (lora.target_modules or []) else "training.lora.target_parameters"
         )
-        for t in targets
-        if not facts.matching(t)
-    ]
+        names = leaves if field.endswith("modules") else sorted({n.rsplit(".", 1)[-1] for n in facts.shapes})
+        out.append(
+            Problem(
+                field,
+                repr(t),
+                f"no {field.rsplit('_', 1)[-1][:-1]} {t!r} in this model; {did_you_mean(t, names)}{has}",
+                "model",
+            )
+        )
+    if not out:
+        rewritten = (
+            f" (peft 0.21 turns target_modules {', '.join(chosen.rewritten)} into parameters on this family)"
+            if chosen.rewritten
+            else ""
+        )
+        audit = targets.audit(memory.lora_counts(spec, facts), facts.shapes, full=False)
+        if spec.training.finetune == "qlora" and chosen.parameters:
+            rewritten += f" (qlora: NF4 for the adapted linear layers; {', '.join(chosen.parameters)} stay as loaded)"
+        out.append(Problem("training.lora", "", f"adapters: {audit}{rewritten}", "model", NOTE))
+    return out
+
+
+def moe_and_attention_problems(spec: JobSpec, facts: ModelFacts, broken: set[str]) -> list[Problem]:
+    """The model class's attention against model.attn_implementation (job/implementations.py), and the
+    router's balancing loss against a model that has no router."""
+    out, config = [], facts.config
+    flags, requested = source_flags(config), spec.model.attn_implementation
+    if flags is not None and "model" not in broken:
+        problem = attention_problem(flags, requested)
+        if problem:
+            out.append(Problem("model.attn_implementation", requested, problem, "model"))
+        elif requested == AUTO:
+            chosen, why = choose_attention(flags, "cuda" if spec.scaling.use_gpu else "cpu", RunPlan.of(spec).bf16)
+            if chosen != "sdpa":  # sdpa is what a job without the field ran before: said only when it is not
+                out.append(Problem("model.attn_implementation", AUTO, f"{chosen} ({why})", "model", NOTE))
+    if "training" not in broken:
+        problem = moe.router_aux_problem(spec.training.router_aux_loss_coef, config)
+        if problem:
+            out.append(
+                Problem("training.router_aux_loss_coef", f"{spec.training.router_aux_loss_coef:g}", problem, "model")
+            )
+    return out
 
 
 def tokenizer_problems(spec: JobSpec, folder: Path, broken: set[str]) -> list[Problem]:
