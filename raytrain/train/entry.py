@@ -29,6 +29,7 @@ SETUP_HOOK = "raytrain.train.entry.setup_worker"  # the workers' process hook, b
 
 
 def _run_worker(config: dict) -> None:
+    await_preimport()
     from raytrain.train import worker  # torch and the rest of a step: in the worker process only
 
     worker.train_func(config)
@@ -60,7 +61,9 @@ def setup_worker() -> None:
     actors, the rendezvous, the process group), one after the other, where most of that setup is
     waiting on other processes."""
     preemption.install_sigterm_handler(float(os.environ.get(GRACE_ENV, "120")))  # host: an environment value
-    threading.Thread(target=_preimport, name="raytrain-preimport", daemon=True).start()
+    global _preimporting
+    _preimporting = threading.Thread(target=_preimport, name="raytrain-preimport", daemon=True)
+    _preimporting.start()
 
 
 # What every train worker imports before its first step, slowest last (measured on a CPU worker:
@@ -68,12 +71,27 @@ def setup_worker() -> None:
 PREIMPORT = ("torch", "raytrain.train.worker", "transformers.modeling_utils", "peft")
 
 
+_preimporting: threading.Thread | None = None
+
+
 def _preimport() -> None:
+    """Import PREIMPORT, while Ray Train sets the group up. The train function waits for it before it
+    imports anything of a step: two threads importing transformers at once can each hold a module the
+    other needs (its lazy `__getattr__` imports submodules), and Python's import-deadlock detection then
+    hands one of them a partly initialised module (CI at stop 65: `cannot import name 'AutoConfig' from
+    'transformers'`, twice before the first step, in 4 jobs of 700)."""
     for name in PREIMPORT:
         try:
             importlib.import_module(name)
         except Exception:  # the main thread's own import of it will say what is wrong
             return
+
+
+def await_preimport() -> None:
+    """Wait for `_preimport`, in a worker, before importing anything it imports (torch included: Ray
+    Train's process-group steps import it, process_group.TorchProcessGroup waits first)."""
+    if _preimporting is not None:
+        _preimporting.join()
 
 
 def with_secrets(train_func):

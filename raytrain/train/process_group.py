@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ray.train.backend import Backend, BackendConfig
 
 from raytrain import private_apis
+from raytrain.train import entry
 
 
 class TrainFuncContext:
@@ -62,6 +63,7 @@ class TorchProcessGroup(Backend):
     def on_start(self, worker_group, backend_config: TorchBackend) -> None:
         import ray
 
+        worker_group.execute(entry.await_preimport)  # Ray's steps import torch: never beside the preimport
         addr, port = worker_group.execute_single(0, private_apis.worker_address)
         worker_group.execute(_set_master, addr=addr, port=port)
         worker_group.execute(private_apis.set_torch_distributed_env_vars)
