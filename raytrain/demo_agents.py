@@ -89,7 +89,7 @@ def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
     rows = []
     for _ in range(n):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append({"prompt": [{"role": "user", "content": f"what is {a} + {b}?"}], "solution": str(a + b)})
+        rows.append({"prompt": [{"role": "user", "content": f'what is "{a} + {b}"?'}], "solution": str(a + b)})
     return rows
 
 
@@ -117,7 +117,7 @@ def _episodes(rng: random.Random, n: int) -> list[tuple[list[dict], str]]:
             out.append(
                 (
                     [
-                        {"role": "user", "content": f"what is {a} + {b}?"},
+                        {"role": "user", "content": f'what is "{a} + {b}"?'},
                         _call("calculator", expression=expression),
                         {"role": "tool", "name": "calculator", "content": result},
                         {"role": "assistant", "content": result},

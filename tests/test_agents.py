@@ -25,6 +25,7 @@ from raytrain import demo_agents
 from raytrain.data import IGNORE
 from raytrain.job.grpo import GRPOSpec
 from raytrain.model import chat_templates as ct
+from raytrain.objectives.grpo_batch import training_rows
 from raytrain.rl.episodes import Episode, metrics, play, turn_key
 from raytrain.rl.losses import summed_loss, token_terms
 from raytrain.rl.tool_host import Hosts
@@ -289,8 +290,8 @@ def test_the_loss_with_tool_results_masked_equals_trls(assets, tmp_path, tok, lo
     g = grpo.g
     mb = {}
     n = len(episodes)
-    grpo._as_training_rows(
-        mb, [prompt] * n, [e.completion for e in episodes], [1.2, -0.4, 0.7], n, None, [e.mask for e in episodes]
+    training_rows(
+        grpo, mb, [prompt] * n, [e.completion for e in episodes], [1.2, -0.4, 0.7], n, None, [e.mask for e in episodes]
     )
     targets = mb["labels"][:, 1:]
     mask = (targets != IGNORE).double()
@@ -337,7 +338,7 @@ def test_a_truncated_completion_is_left_out_when_asked(assets, tmp_path, tok):
     prompt = [5, 6, 7]
     ended, cut = [9, 10, tok.eos_token_id], [9, 10, 11]
     mb = {}
-    grpo._as_training_rows(mb, [prompt, prompt], [ended, cut], [1.0, -1.0], 2, None, [[1, 0, 1], [1, 1, 1]])
+    training_rows(grpo, mb, [prompt, prompt], [ended, cut], [1.0, -1.0], 2, None, [[1, 0, 1], [1, 1, 1]])
     labels = mb["labels"]
     assert labels[0, 3:6].tolist() == [9, IGNORE, tok.eos_token_id] and (labels[1] == IGNORE).all()
     assert mb["_units"] == 2  # dapo: the labelled tokens; the truncated completion still counts in the rewards

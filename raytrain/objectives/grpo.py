@@ -32,10 +32,10 @@ from raytrain.job.grpo import reward_model_bytes
 from raytrain.job.spec import JobSpec
 from raytrain.model import attention
 from raytrain.objectives.base import Objective
+from raytrain.objectives.grpo_batch import rollout_metrics, sample_rows, training_rows
 from raytrain.objectives.tokens import Hidden, chunked_cross_entropy, forward
 from raytrain.rl import rewards as rewards_module
-from raytrain.rl.episodes import metrics as tool_metrics
-from raytrain.rl.losses import advantages, importance_ratio, nanstd, summed_loss, token_terms, units_of
+from raytrain.rl.losses import advantages, importance_ratio, summed_loss, token_terms
 from raytrain.rl.sampling import completion_key, rollout
 
 
@@ -120,7 +120,56 @@ class GRPO(Objective):
                 completion_key(self.spec.training.seed, self.step, r, k) for r in ids for k in range(g.num_generations)
             ] or [0] * g.num_generations
             asks.append((prompts, columns, ids, asked, keys))
-        t0, engine_logps, host, episodes, tools_s = time.perf_counter(), None, {}, None, 0.0
+        host = {}
+        asks, outs, engine_logps, episodes, gen_s, tools_s = self._sample(strategy, asks, eos, host)
+        generated = sum(len(c) for cs in outs for c in cs)
+        made, t0 = [], time.perf_counter()
+        for k, (mb, (prompts, columns, ids, asked, _), completions) in enumerate(zip(micro_batches, asks, outs)):
+            mine = episodes[k] if episodes is not None else None
+            scores = self._score(prompts, columns, completions, ids, mine) if prompts else []
+            made.append((mb, asked, completions, scores))  # scores: the real completions' (the first ones)
+        reward_s = time.perf_counter() - t0
+        local = []
+        for k, (_, _, cs, ss) in enumerate(made):
+            for i, (s, c) in enumerate(zip(ss, cs)):
+                e = episodes[k][i] if episodes is not None else None
+                ended = c[-1] in eos if c else False
+                local.append((s, sum(e.mask) if e else len(c), ended, *((e.calls, e.failures, e.turns) if e else ())))
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, local)  # small: a few floats a completion
+        mine = sum(len(x) for x in everyone[: torch.distributed.get_rank()])
+        flat = [x for part in everyone for x in part]
+        scores = torch.tensor([x[0] for x in flat], dtype=torch.float64).view(len(flat), len(self.rewards))
+        weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
+        adv, summed, zero_std = advantages(scores, weights, g.num_generations, g.scale_rewards)
+        self.host = rollout_metrics(self.rewards, scores, summed, zero_std, flat, gen_s, reward_s, generated)
+        if episodes is not None:
+            self.host.update(self.agents.finish(episodes, [x[3:] for x in flat], tools_s))
+        self.host.update(host)
+        at = mine
+        for k, (mb, asked, completions, ss) in enumerate(made):
+            count = len(ss)
+            mine_adv = adv[at : at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
+            at += count
+            masks = [e.mask for e in episodes[k]] if episodes is not None else None
+            training_rows(
+                self,
+                mb,
+                asked,
+                completions,
+                mine_adv,
+                count,
+                engine_logps[k] if engine_logps is not None else None,
+                masks,
+            )
+        self.samples = sample_rows(tok, g, self.step, self.rewards, made)
+        self.host["time/rollout_s"] = time.perf_counter() - started
+
+    def _sample(self, strategy, asks, eos: set[int], host: dict):
+        """The step's completions, by the engine, the policy itself, or as episodes (tools): (the asks,
+        with each episode's own prompt; completions; the engine's log-probs; episodes; seconds)."""
+        g, tok = self.g, self.tokenizer
+        t0, engine_logps, episodes, tools_s = time.perf_counter(), None, None, 0.0
         if g.engine == "vllm":  # one request for the rank's whole step, after the sync of this step's weights
             if self.engine is None:
                 from raytrain.rl.engine import VLLMEngine
@@ -151,43 +200,7 @@ class GRPO(Objective):
             ]
         if episodes is None:
             gen_s = time.perf_counter() - t0
-        generated = sum(len(c) for cs in outs for c in cs)
-        made, t0 = [], time.perf_counter()
-        for k, (mb, (prompts, columns, ids, asked, _), completions) in enumerate(zip(micro_batches, asks, outs)):
-            mine = episodes[k] if episodes is not None else None
-            scores = self._score(prompts, columns, completions, ids, mine) if prompts else []
-            made.append((mb, asked, completions, scores))  # scores: the real completions' (the first ones)
-        reward_s = time.perf_counter() - t0
-        local = []
-        for k, (_, _, cs, ss) in enumerate(made):
-            for i, (s, c) in enumerate(zip(ss, cs)):
-                e = episodes[k][i] if episodes is not None else None
-                ended = c[-1] in eos if c else False
-                local.append((s, sum(e.mask) if e else len(c), ended, *((e.calls, e.failures, e.turns) if e else ())))
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, local)  # small: a few floats a completion
-        mine = sum(len(x) for x in everyone[: torch.distributed.get_rank()])
-        flat = [x for part in everyone for x in part]
-        scores = torch.tensor([x[0] for x in flat], dtype=torch.float64).view(len(flat), len(self.rewards))
-        weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
-        adv, summed, zero_std = advantages(scores, weights, g.num_generations, g.scale_rewards)
-        self._metrics(scores, summed, zero_std, flat, gen_s, reward_s, generated)
-        if episodes is not None:
-            self.host.update({**tool_metrics([x[3:] for x in flat]), "time/tools_s": tools_s})
-            self.host["tools/restarts"] = float(self.agents.hosts.restarts)  # host: a count
-            self.agents.end([e for mb in episodes for e in mb])
-        self.host.update(host)
-        at = mine
-        for k, (mb, asked, completions, ss) in enumerate(made):
-            count = len(ss)
-            mine_adv = adv[at : at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
-            at += count
-            masks = [e.mask for e in episodes[k]] if episodes is not None else None
-            self._as_training_rows(
-                mb, asked, completions, mine_adv, count, engine_logps[k] if engine_logps is not None else None, masks
-            )
-        self._keep_samples(made)
-        self.host["time/rollout_s"] = time.perf_counter() - started
+        return asks, outs, engine_logps, episodes, gen_s, tools_s
 
     def _score(self, prompts, columns, completions, ids, episodes=None):
         g, tok = self.g, self.tokenizer
@@ -206,76 +219,6 @@ class GRPO(Objective):
             return scores
         env = self.agents.env_scores(episodes)  # the environments' own rewards, after the others
         return [s + v for s, v in zip(scores, env)] if plain else env
-
-    def _metrics(self, scores, summed, zero_std, flat, gen_s, reward_s, generated) -> None:
-        lengths = torch.tensor([x[1] for x in flat], dtype=torch.float64)  # the model's tokens (TRL's tool_mask)
-        ended = torch.tensor([x[2] for x in flat], dtype=torch.bool)
-        host = {
-            f"rewards/{r.name}/mean": torch.nanmean(scores[:, i]).item() for i, r in enumerate(self.rewards)
-        }  # host: CPU
-        host.update(
-            {f"rewards/{r.name}/std": nanstd(scores[:, i]).item() for i, r in enumerate(self.rewards)}
-        )  # host: CPU
-        host.update(
-            {
-                "reward": torch.nanmean(summed).item(),
-                "reward_std": nanstd(summed).item(),  # host: CPU tensors
-                "frac_reward_zero_std": zero_std.double().mean().item(),  # host: CPU tensor
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": lengths.min().item(),  # host: CPU
-                "completions/max_length": lengths.max().item(),  # host: CPU tensor
-                "completions/clipped_ratio": 1 - ended.double().mean().item(),  # host: CPU tensor
-                "completions/mean_terminated_length": lengths[ended].mean().item() if ended.any() else 0.0,  # host: CPU
-                "time/generation_s": gen_s,
-                "time/reward_s": reward_s,
-                "generation_tokens_per_s": generated / gen_s if gen_s else 0.0,
-            }
-        )
-        self.host = host
-
-    def _as_training_rows(
-        self, mb: dict, asked, completions, adv: list[float], real: int, engine_logps, masks=None
-    ) -> None:
-        """Prompt + completion rows, the completion labelled where the model wrote it (TRL's tool_mask)
-        unless `mask_truncated_completions` leaves a completion that never ended out."""
-        n, ends = self.spec.data.seq_len, self.ends
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(asked), n), pad, dtype=torch.long)
-        labels = torch.full((len(asked), n), IGNORE, dtype=torch.long)
-        sampled = torch.zeros((len(asked), n), dtype=torch.float32)  # the engine's log-probs, where labelled
-        for i, (p, c) in enumerate(zip(asked, completions)):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            if i < real and not (self.g.mask_truncated_completions and (not c or c[-1] not in ends)):
-                labels[i, len(p) : len(p) + len(c)] = torch.tensor(
-                    c if masks is None else [t if m else IGNORE for t, m in zip(c, masks[i])]
-                )
-                if engine_logps is not None:
-                    sampled[i, len(p) : len(p) + len(c)] = torch.tensor(engine_logps[i], dtype=torch.float32)
-        mb.clear()
-        mb.update(
-            input_ids=ids,
-            labels=labels,
-            position_ids=torch.arange(n)[None].repeat(len(asked), 1),
-            advantages=torch.tensor(adv, dtype=torch.float32),
-        )
-        if engine_logps is not None:
-            mb["_sampling_logps"] = sampled[:, 1:]  # aligned as the targets are (position t scores label t + 1)
-        tokens = int((labels != IGNORE).sum())  # host: built on the host
-        mb["_units"] = units_of(self.g.loss_type, real, tokens, self.g.max_completion_length)
-
-    def _keep_samples(self, made) -> None:
-        tok, out = self.tokenizer, []
-        for mb, asked, completions, scores in made:
-            for p, c, s in list(zip(asked, completions, scores))[: max(0, self.g.samples_per_checkpoint - len(out))]:
-                out.append(
-                    {
-                        "step": self.step + 1,
-                        "prompt": tok.decode(p),
-                        "completion": tok.decode(c, skip_special_tokens=True),
-                        **{f"reward/{r.name}": v for r, v in zip(self.rewards, s)},
-                    }
-                )
-        self.samples = out
 
     def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
         g = self.g

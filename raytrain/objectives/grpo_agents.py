@@ -18,7 +18,7 @@ import torch
 
 from raytrain.errors import JobError
 from raytrain.model.chat_templates import TemplateProblem, episode_template, render
-from raytrain.rl.episodes import Episode, play
+from raytrain.rl.episodes import Episode, metrics, play
 from raytrain.rl.sampling import rollout
 from raytrain.rl.tool_host import Hosts
 
@@ -33,6 +33,7 @@ class Agents:
         self.hosts = Hosts(spec)
         # TRL: an environment class with get_reward is a reward named after it, weight 1
         self.env_rewards = sorted({e["class"] for e in self.hosts.environments.values() if e["reward"]})
+        self.restarts = 0  # the tool processes' restarts before this step
 
     def close(self) -> None:
         self.hosts.close()
@@ -118,9 +119,13 @@ class Agents:
             out.append([math.nan if cls != name or value is None else value for name in self.env_rewards])
         return out
 
-    def end(self, episodes: list[Episode]) -> None:
+    def finish(self, episodes: list[list[Episode]], everyone: list[tuple], tools_s: float) -> dict:
+        """The step's tool metrics over the global batch (`everyone`: each episode's calls, failures,
+        turns); its environments back to their pools."""
         if self.g.environments:
-            self.hosts.end(episodes)
+            self.hosts.end([e for mb in episodes for e in mb])
+        restarts, self.restarts = self.hosts.restarts - self.restarts, self.hosts.restarts
+        return {**metrics(everyone), "time/tools_s": tools_s, "tools/restarts": float(restarts)}  # host: a count
 
 
 def _agreed(n: int, device) -> int:
