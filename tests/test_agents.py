@@ -426,3 +426,153 @@ def test_the_tool_process_survives_a_hang_and_a_crash_and_rebuilds_its_episodes(
         hosts.end([e])
     finally:
         hosts.close()
+
+
+# ---------------------------------------------------------------- validate
+def tools_job(assets: Path, tmp: Path, **over) -> Path:
+    from conftest import deep_merge
+
+    raw = {
+        "name": "t",
+        "model": {"path": str(assets / "model-tools")},
+        "data": {"path": str(assets / "arithmetic.jsonl"), "format": "prompt", "seq_len": 96},
+        "training": {
+            "objective": "grpo",
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "max_steps": 2,
+            "grpo": {
+                "num_generations": 2,
+                "max_completion_length": 48,
+                "tools": [CALC],
+                "rewards": [{"builtin": "accuracy", "column": "solution"}],
+            },
+        },
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"storage_path": str(tmp / "runs")},
+        "tracking": {"experiment": "tests"},
+    }
+    path = tmp / "job.yaml"
+    path.write_text(json.dumps(deep_merge(raw, over)))
+    return path
+
+
+def test_validate_refuses_what_cannot_run_and_names_what_is_not_promised(assets, tmp_path, tok, monkeypatch):
+    import shutil
+
+    from raytrain.validate import preflight
+
+    monkeypatch.chdir(tmp_path)
+
+    def report(**over):
+        out = preflight.check(str(tools_job(assets, tmp_path, **over)))
+        return [(p.field, p.severity, p.message) for p in out.problems]
+
+    fine = report(training={"grpo": {"nondeterministic_tools": ["calculator"]}})
+    assert not [p for p in fine if p[1] == "error"], fine
+    assert any(f == "training.grpo.tools" and "conformance" in m for f, _, m in fine)
+    assert any(f == "training.grpo.nondeterministic_tools" and "not promised" in m for f, _, m in fine)
+
+    broken = tmp_path / "rewriting-tokenizer"  # a template whose earlier assistant turns change
+    shutil.copytree(assets / "model-tools", broken)
+    (broken / "chat_template.jinja").write_text(rewrites_old_turns(tok))
+    [(field, _, message)] = [p for p in report(model={"tokenizer": str(broken)}) if p[1] == "error"]
+    assert field == "training.grpo.tools" and "appending turn 3 (tool) changes how turn 2 (assistant)" in message
+
+    (tmp_path / "my_tools.py").write_text("def add(a: int, b: int) -> int:\n    return a + b\n")
+    errors = [
+        p
+        for p in report(training={"grpo": {"tools": ["no_such_module:f", "my_tools:sub", "my_tools:add"]}})
+        if p[1] == "error"
+    ]
+    assert [(f, m.split(":")[0].split(" here")[0]) for f, _, m in errors] == [
+        ("training.grpo.tools[0]", "no module 'no_such_module'"),
+        ("training.grpo.tools[1]", "my_tools defines no function 'sub'"),
+        ("training.grpo.tools[2]", "add has no docstring"),
+    ], errors
+
+    sft = report(training={"objective": "sft"}, data={"format": "chat", "path": str(assets / "tool-sft.jsonl")})
+    assert [(f, m.split(":")[0]) for f, s, m in sft if s == "error"] == [
+        (
+            "training.grpo.tools",
+            "tools and environments run in GRPO's rollouts (episodes of several turns), and training.objective is sft",
+        )
+    ], sft
+
+
+def test_environment_actors_outlive_a_timeout_and_every_rank_finds_its_episodes_again(ray_address, tmp_path):
+    """Two workers' pools (ranks) over one actor: a call that overruns kills the actor; Ray starts it
+    again; each rank, seeing a new incarnation, replays its own episodes there before its next call."""
+    import ray
+
+    from raytrain.job.agents import ACTOR_NAMESPACE, actor_prefix
+    from raytrain.rl.env_actors import ActorPool
+    from raytrain.rl.tool_host import Lost
+
+    env = {None: "raytrain.demo_agents:GuessingGame"}
+    rank0, rank1 = (ActorPool(str(tmp_path), 1, [], env, 60.0) for _ in range(2))
+    try:
+        assert rank0.pids() == rank1.pids()  # one actor, found by name
+        mine, theirs = Episode("0/0/0/1/0", 8, "", [], []), Episode("0/0/0/2/0", 9, "", [], [])
+        rank0.ask({"op": "reset", "episode": mine.id, "env": "", "row": {"secret": 7}, "key": 8}, key=8)
+        rank1.ask({"op": "reset", "episode": theirs.id, "env": "", "row": {"secret": 2}, "key": 9}, key=9)
+
+        def guess(pool, e, n):
+            request = {"op": "call", "episode": e.id, "name": "guess", "arguments": {"number": n}, "key": e.key}
+            return pool.ask(request, key=e.key)["content"]
+
+        assert guess(rank0, mine, 5) == "higher" and guess(rank1, theirs, 5) == "lower"
+        before = rank0.pids()
+        rank0.timeout_s = 1e-4
+        with pytest.raises(Lost, match="tool_timeout_s"):
+            guess(rank0, mine, 6)
+        rank0.timeout_s = 60.0
+        assert rank0.pids() != before and rank0.restarts == 1  # a fresh actor, under the same name
+        assert guess(rank0, mine, 7) == "correct" and guess(rank1, theirs, 2) == "correct"
+        rewards = [
+            p.ask({"op": "rewards", "episodes": [e.id]}, key=e.key)["rewards"][0]
+            for p, e in ((rank0, mine), (rank1, theirs))
+        ]
+        assert rewards == [0.75, 0.75]  # second tries each: the lost guess undone, the earlier one replayed
+    finally:
+        for i in range(1):
+            ray.kill(ray.get_actor(f"{actor_prefix(str(tmp_path))}{i}", namespace=ACTOR_NAMESPACE))
+
+
+def test_rows_are_routed_to_their_environment_and_render_its_tools(assets, tmp_path, tok, monkeypatch):
+    from raytrain.errors import JobError
+    from raytrain.objectives.grpo_agents import Agents
+
+    (tmp_path / "agent_tools.py").write_text(USER_TOOLS)
+    monkeypatch.chdir(tmp_path)
+    grpo = objective(
+        assets,
+        tmp_path,
+        tok,
+        tools=[],
+        environment={"game": "raytrain.demo_agents:GuessingGame", "count": "agent_tools:Counter"},
+        rewards=[],
+    )
+    agents = Agents(grpo.spec, tok)
+    try:
+        assert agents.env_rewards == ["Counter", "GuessingGame"]  # TRL: one reward column a rewarding class
+        user = [{"role": "user", "content": "play"}]
+        columns = [
+            {"prompt": user, "environment": "game", "secret": 3},
+            {"prompt": user, "environment": "count", "start": 4},
+        ]
+        asks = [([[1], [1]], columns, [(0, 0, 0), (0, 0, 1)], None, [10, 11, 12, 13])]
+        (made,) = agents.episodes(0, asks)
+        assert [e.env for e in made] == ["game", "game", "count", "count"] and [e.key for e in made] == [10, 11, 12, 13]
+        assert [s["function"]["name"] for s in made[0].tools] == ["guess"]
+        assert [s["function"]["name"] for s in made[2].tools] == ["add"]
+        game = tok.decode(made[0].prompt)
+        assert "tools: guess(number)" in game and "play (from 1 to 9)" in game  # reset's observation appended
+        assert "tools: add(k)" in tok.decode(made[2].prompt) and "play from 4" in tok.decode(made[2].prompt)
+        scores = agents.env_scores(made)
+        assert [math.isnan(x) for s in scores for x in s] == [True, False, True, False, False, True, False, True]
+        assert scores[2][0] == 4 + 12  # Counter's reward: its count plus its episode's key
+        with pytest.raises(JobError, match="'elsewhere', not one of"):
+            agents.episodes(0, [([[1]], [{"prompt": user, "environment": "elsewhere"}], [(0, 0, 2)], None, [1, 2])])
+    finally:
+        agents.close()

@@ -83,10 +83,10 @@ class ActorPool:
             answer = ray.get(self.handles[i].ask.remote(request), timeout=timeout or self.timeout_s)
         except GetTimeoutError:
             ray.kill(self.handles[i], no_restart=False)  # Ray starts it again; the next ask replays
-            self.seen[i], self.restarts = "killed", self.restarts + 1
+            self._back(i)
             raise Lost(f"the call took longer than training.grpo.tool_timeout_s={self.timeout_s:g} s") from None
         except RayActorError as exc:
-            self.seen[i], self.restarts = "lost", self.restarts + 1
+            self._back(i)
             raise Lost(f"the environment actor died during the call ({type(exc).__name__})") from None
         if "fatal" in answer:
             raise JobError(answer["fatal"])
@@ -100,6 +100,20 @@ class ActorPool:
         self.seen[i] = answer["incarnation"]
         self.kept[i].keep(request)
         return answer
+
+    def _back(self, i: int) -> None:
+        """Wait for Ray to have started actor i again (a request sent meanwhile would fail)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        self.seen[i], self.restarts = "restarted", self.restarts + 1
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.handles[i].ask.remote({"op": "ping"}), timeout=30)
+                return
+            except (RayActorError, GetTimeoutError):
+                time.sleep(0.5)
 
     def ask(self, request: dict, timeout: float | None = None, key: int = 0) -> dict:
         if request["op"] == "end":  # an episode ends on the actor it lives on

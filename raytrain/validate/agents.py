@@ -128,7 +128,8 @@ def template_problems(spec: JobSpec) -> list[Problem]:
                 "",
                 "template conformance: a probe episode's tokens built turn by turn equal the template's rendering"
                 + (" (and are what the vLLM engine is sent)" if spec.training.grpo.engine == "vllm" else "")
-                + f"; a one-tool schema adds {extra} tokens to each prompt, within data.seq_len",
+                + f"; a tool's schema adds about {extra} tokens to each prompt (data.seq_len holds them beside "
+                "the prompt and max_completion_length)",
                 "model",
                 NOTE,
             )
