@@ -143,7 +143,15 @@ def make_tokenizer(out: Path, vocab_size: int = 384):
 
 
 def make_model(
-    out: Path, vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0, heads: int = 4, kv_heads: int = 2
+    out: Path,
+    vocab_size: int,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+    eos: int = 0,
+    pad: int = 0,
 ) -> None:
     """A tiny Llama whose output layer is its input embedding, as in the small models most users
     start from (SmolLM2, Qwen2.5 0.5B-3B, Llama 3.2 1B/3B, Gemma): the quickstart meets what they do."""
@@ -159,8 +167,8 @@ def make_model(
         num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        eos_token_id=0,
-        pad_token_id=0,
+        eos_token_id=eos,
+        pad_token_id=pad,
         bos_token_id=None,
     )
     torch.manual_seed(seed)
@@ -170,9 +178,13 @@ def make_model(
 def make_all(root: str | Path, rows: int = 4000) -> Path:
     """root/model (model + tokenizer), root/model-hd64 (the same tokenizer, head_dim 64: what vLLM's CPU
     attention takes, for engine: vllm), root/text.jsonl, root/chat.jsonl, root/pairs.jsonl, root/kto.jsonl,
-    root/prompts.jsonl; idempotent."""
+    root/prompts.jsonl, and an agent's (demo_agents.make_all: root/model-tools, root/arithmetic.jsonl,
+    root/games.jsonl, root/tool-sft.jsonl); idempotent."""
+    from raytrain import demo_agents
+
     root = Path(root)
     if (root / "model-hd64" / "config.json").exists() and (root / "prompts.jsonl").exists():
+        demo_agents.make_all(root, rows)
         return root
     tok = make_tokenizer(root / "model")
     make_model(root / "model", vocab_size=len(tok))
@@ -183,6 +195,7 @@ def make_all(root: str | Path, rows: int = 4000) -> Path:
     write_jsonl(root / "pairs.jsonl", preference_rows(rows // 4))
     write_jsonl(root / "kto.jsonl", kto_rows(rows // 4, seed=1))
     write_jsonl(root / "prompts.jsonl", prompt_rows(rows // 8, seed=2))
+    demo_agents.make_all(root, rows)
     return root
 
 

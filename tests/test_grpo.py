@@ -37,9 +37,11 @@ B, T = 6, 7
 LENGTHS = [7, 3, 5, 1, 6, 2]  # varied: grpo's per-completion mean and the token means differ
 
 
-def trl_loss(logps, mask, old, ref, adv, g, is_ratio=None):
+def trl_loss(logps, mask, old, ref, adv, g, is_ratio=None, tool_mask=None, max_completion_length=T):
     """TRL's GRPOTrainer._compute_loss on one micro-batch, one process (its gathers are the identity),
-    the policy's log-probs given (the model's forward is not what is compared), `g` a GRPOSpec."""
+    the policy's log-probs given (the model's forward is not what is compared), `g` a GRPOSpec;
+    `tool_mask` (TRL's, multi-turn): 0 on tool-result tokens."""
+    n, width = logps.shape
     from trl import GRPOTrainer
 
     accelerator = SimpleNamespace(
@@ -60,7 +62,7 @@ def trl_loss(logps, mask, old, ref, adv, g, is_ratio=None):
         loss_type=g.loss_type,
         use_vllm=is_ratio is not None,
         vllm_importance_sampling_correction=is_ratio is not None,
-        max_completion_length=T,
+        max_completion_length=max_completion_length,
         current_gradient_accumulation_steps=1,
         _entropy_bonus_enabled=False,
         aux_loss_enabled=False,
@@ -75,15 +77,18 @@ def trl_loss(logps, mask, old, ref, adv, g, is_ratio=None):
             sapo_temperature_neg=g.sapo_temperature_neg,
         ),
     )
+    loss_mask = mask if tool_mask is None else mask * tool_mask
     inputs = {
-        "prompt_ids": torch.ones(B, 2, dtype=torch.long),
-        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-        "completion_ids": torch.ones(B, T, dtype=torch.long),
+        "prompt_ids": torch.ones(n, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(n, 2, dtype=torch.long),
+        "completion_ids": torch.ones(n, width, dtype=torch.long),
         "completion_mask": mask.long(),
         "advantages": adv,
         "old_per_token_logps": old,
-        "num_items_in_batch": mask.sum(),
+        "num_items_in_batch": loss_mask.sum(),  # TRL's: completion_mask x tool_mask, summed
     }
+    if tool_mask is not None:
+        inputs["tool_mask"] = tool_mask.long()
     if g.beta:
         inputs["ref_per_token_logps"] = ref
     if is_ratio is not None:

@@ -31,6 +31,10 @@ JOBS = sorted((REPO / "jobs").glob("*.yaml"))
 def workdir(assets, tmp_path) -> Path:
     (tmp_path / ".raytrain").mkdir()
     (tmp_path / ".raytrain" / "quickstart").symlink_to(assets)
+    # jobs/grpo-tools.yaml starts from jobs/grpo-tools-sft.yaml's export: here the model that job starts
+    # from stands in for it (the same architecture, tokenizer and chat template; test_rl_agents.py runs both)
+    (tmp_path / "runs" / "grpo-tools-sft").mkdir(parents=True)
+    (tmp_path / "runs" / "grpo-tools-sft" / "final_model").symlink_to(assets / "model-tools")
     return tmp_path
 
 

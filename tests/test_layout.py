@@ -14,7 +14,13 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raytrain"
-LEAVES = {"errors", "private_apis", "demo_assets", "allocator"}  # import nothing of raytrain at module level
+LEAVES = {
+    "errors",
+    "private_apis",
+    "demo_assets",
+    "demo_agents",
+    "allocator",
+}  # import nothing of raytrain at module level
 ENTRY_POINTS = {"__init__", "__main__", "cli"}
 # Each room and the rooms below it that it may import (at module level or inside a function).
 BELOW = {
@@ -46,6 +52,7 @@ TORCH_FREE = (
     "raytrain.model.hub",
     "raytrain.model.facts",
     "raytrain.model.targets",
+    "raytrain.model.chat_templates",
     "raytrain.train.entry",
     "raytrain.train.preemption",
     "raytrain.train.process_group",

@@ -32,20 +32,23 @@ WHOLE = {
     "quickstart.yaml": "test_spine.py runs `raytrain quickstart`",
     "grpo-demo.yaml": "test_rl.py runs it",
     "grpo-vllm.yaml": "test_vllm.py runs it",
+    "grpo-tools-sft.yaml": "test_rl_agents.py runs it (its SFT fixture)",
+    "grpo-tools.yaml": "test_rl_agents.py runs it",
 }
 JOBS = sorted(p for p in (REPO / "jobs").glob("*.yaml") if p.name not in WHOLE)
 WORLD = 4
 
 
-def tiny_model(hub_id: str, assets: Path, out: Path) -> Path:
+def tiny_model(hub_id: str, assets: Path, out: Path, tokenizer: str = "model") -> Path:
     """The hub model's architecture at toy size: its config.json with 2 layers, head_dim 16, the same
-    query-to-KV-head ratio (at most 4), the demo tokenizer's vocabulary; saved in the job's dtype."""
+    query-to-KV-head ratio (at most 4), a demo tokenizer's vocabulary (`tokenizer`: the agent's,
+    whose chat template renders tools, for a job with tools); saved in the job's dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     published = dict(KNOWN_CONFIGS[hub_id])
     ratio = min(4, published["num_attention_heads"] // published["num_key_value_heads"])
     heads, kv = 2 * ratio, 2
-    vocab = json.loads((assets / "model" / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((assets / tokenizer / "config.json").read_text())["vocab_size"]
     small = {
         **published,
         "num_hidden_layers": 2,
@@ -55,12 +58,13 @@ def tiny_model(hub_id: str, assets: Path, out: Path) -> Path:
         "intermediate_size": 56 * heads,
         "vocab_size": vocab,
         "max_position_embeddings": 4096,
+        **({"head_dim": 16} if "head_dim" in published else {}),
     }
     small.pop("architectures", None)
     config = AutoConfig.for_model(small.pop("model_type"), **small)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(str(out))
-    for f in (assets / "model").iterdir():
+    for f in (assets / tokenizer).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             (out / f.name).write_bytes(f.read_bytes())
     return out
@@ -120,27 +124,30 @@ def demo_data(assets: Path, fmt: str, preference: bool, tmp: Path, kto: bool = F
 def miniature(job: Path, assets: Path, tmp: Path) -> dict:
     raw = yaml.safe_load(job.read_text())
     hub_id = raw["model"]["path"]
-    raw["model"]["path"] = str(
-        tiny_model(hub_id, assets, tmp / "model") if hub_id in KNOWN_CONFIGS else assets / "model"
-    )
     d, t, s = raw["data"], raw.setdefault("training", {}), raw.setdefault("scaling", {})
+    tools = bool((t.get("grpo") or {}).get("tools") or (t.get("grpo") or {}).get("environment"))
+    tokenizer = "model-tools" if tools else "model"  # a tokenizer whose template renders tools (the demo's)
+    raw["model"]["path"] = str(
+        tiny_model(hub_id, assets, tmp / "model", tokenizer) if hub_id in KNOWN_CONFIGS else assets / tokenizer
+    )
     preference, kto = t.get("objective", "sft") != "sft", t.get("objective") == "kto"
     for source in d.get("sources") or [d]:
         fmt = source.get("format") or d.get("format", "text")
-        source["path"] = str(
-            assets / "prompts.jsonl" if fmt == "prompt" else demo_data(assets, fmt, preference, tmp, kto)
-        )
+        prompts = assets / ("arithmetic.jsonl" if tools else "prompts.jsonl")  # tools: conversational prompts
+        source["path"] = str(prompts if fmt == "prompt" else demo_data(assets, fmt, preference, tmp, kto))
     if (d.get("eval") or {}).get("path"):
         d["eval"]["path"] = str(demo_data(assets, d.get("format", "text"), preference, tmp, kto))
     if d.get("eval"):
         d["eval"]["every_n_steps"] = 2
     group = s.get("sequence_parallel", 1) * s.get("tensor_parallel", 1)
     d["seq_len"] = min(d.get("seq_len", 512), 128) // group * group
-    if "grpo" in t:  # GRPO: completions that fit the shorter rows, beside the demo prompts
+    if "grpo" in t:  # GRPO: completions that fit the shorter rows, beside the demo prompts (a tool call: 48)
         t["grpo"].update(
-            max_completion_length=min(t["grpo"]["max_completion_length"], 16),
+            max_completion_length=min(t["grpo"]["max_completion_length"], 48 if tools else 16),
             num_generations=min(t["grpo"]["num_generations"], 4),
         )
+        if t["grpo"].get("engine") == "vllm":  # the miniature trains through the worker's path without an engine
+            t["grpo"] = {k: v for k, v in t["grpo"].items() if not k.startswith("vllm_")} | {"engine": "hf"}
     dp = WORLD // group
     t.update(global_batch_size=dp * t.get("micro_batch_size", 4) * 2, max_steps=2)  # 2 micro-batches a rank
     for key in ("num_workers", "min_workers", "max_workers", "cpus_per_worker", "accelerator_memory_gb", "use_gpu"):

@@ -135,7 +135,12 @@ def _planned(spec: JobSpec, data: DataSpec, unit_bytes: int = UNIT_BYTES) -> tup
         sources = list_sources(fs, root)
     except FileNotFoundError as exc:
         raise JobError(str(exc)) from None
-    kind = [spec.row_kind, spec.training.grpo.max_completion_length] if spec.rl else spec.row_kind  # a prompt's room
+    g = spec.training.grpo  # a prompt's room, and whether it must be messages (tools)
+    kind = (
+        [spec.row_kind, g.max_completion_length] + (["conversational"] if g.agents else [])
+        if spec.rl
+        else spec.row_kind
+    )
     key = store_key(data, sources, tokenizer_fingerprint(spec), unit_bytes, kind)
     return key, f"{datasets_root(spec)}/{key}", fs, sources
 
@@ -241,7 +246,11 @@ def prepare_unit(item: dict, fs, out_fs, out_path: str, spec: dict, data: dict, 
     if one_core:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at each call: else a thread per core of the node
     encode = (
-        partial(encode_prompts, completion_room=job.training.grpo.max_completion_length)
+        partial(
+            encode_prompts,
+            completion_room=job.training.grpo.max_completion_length,
+            conversational=job.training.grpo.agents,
+        )
         if job.rl
         else encode_unpaired
         if job.unpaired

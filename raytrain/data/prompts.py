@@ -81,14 +81,19 @@ def stored_columns(columns: dict) -> list[int]:
     return list(json.dumps(columns, ensure_ascii=False, separators=(",", ":")).encode())
 
 
-def encode_prompts(tok, data: DataSpec, rows: list, completion_room: int) -> list:
+def encode_prompts(tok, data: DataSpec, rows: list, completion_room: int, conversational: bool = False) -> list:
     """Each row's (prompt, columns) sequences as the store keeps them, or the ValueError saying why
-    it is unusable. `completion_room`: the tokens a completion may take (max_completion_length)."""
+    it is unusable. `completion_room`: the tokens a completion may take (max_completion_length);
+    `conversational`: only a list of messages will do (tools: the template renders them beside it)."""
     out = []
     texts, where = [], []
     for i, row in enumerate(rows):
         try:
             prompt, columns = to_prompt(data, row)
+            if conversational and not isinstance(prompt, list):
+                raise ValueError(
+                    "the prompt is plain text: tools need a list of messages (the chat template renders both)"
+                )
             if isinstance(prompt, list):
                 try:
                     prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)

@@ -16,6 +16,7 @@ from raytrain.driver import control
 from raytrain.driver.trainer import build_trainer
 from raytrain.driver.worker_env import controller_env, relay_secrets
 from raytrain.errors import JobError, forward_worker_stdout_only, user_message
+from raytrain.job.agents import ACTOR_NAMESPACE, actor_prefix
 from raytrain.job.spec import JobSpec
 from raytrain.model import hub
 from raytrain.rundir import checkpoints, lease, metrics_backlog, signing
@@ -281,5 +282,23 @@ def _close(spec: JobSpec, run_id: str, held, status: str, tags: dict | None = No
     except JobError:  # a refused checkpoint was said where it was met; its steps stay unwritten
         latest = None
     mlflow_run.close_run(spec, run_id, status, tags or {}, goodput, metrics_backlog.unwritten(spec.run_dir, latest))
+    _remove_environment_actors(spec)
     control.release(spec.run_dir, held)
     return goodput
+
+
+def _remove_environment_actors(spec: JobSpec) -> None:
+    """The run's environment actors (training.grpo.environment_workers) outlive its workers by design
+    (rl/env_actors.py): they end with the run."""
+    import ray
+
+    g = spec.training.grpo
+    if not (spec.rl and g.environment_workers):
+        return
+    prefix = actor_prefix(spec.run_dir)
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == ACTOR_NAMESPACE and actor["name"].startswith(prefix):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=ACTOR_NAMESPACE))
+            except ValueError:  # gone already
+                pass

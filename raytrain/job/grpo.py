@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raytrain import private_apis
+from raytrain.job.agents import AgentFields, agent_problems
 from raytrain.job.masks import attention_shape
 from raytrain.job.section import Section
 
@@ -101,11 +102,15 @@ def reward_model_bytes(spec, bf16: bool) -> int:
     return 2 if spec.scaling.use_gpu and bf16 else 4
 
 
-class GRPOSpec(Section):
+class GRPOSpec(AgentFields):  # tools and environments: job/agents.py
     num_generations: int = Field(8, ge=2)
     """Completions sampled for each prompt (a group); their rewards are normalized within the group."""
     max_completion_length: int = Field(256, gt=0)
-    """Most tokens a completion has; a prompt longer than data.seq_len minus this is a bad row."""
+    """Most tokens a completion has, all its turns together (tool results included); a prompt longer than
+    data.seq_len minus this is a bad row."""
+    mask_truncated_completions: bool = False
+    """Leave completions that reached max_completion_length without an end token out of the loss (TRL's name): their
+    tokens are zeroed in the loss mask, tool results' included; they still count in the group's rewards."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trained log-probabilities use the same (TRL's)."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -181,6 +186,12 @@ def grpo_problems(spec) -> list[str]:
                 f"data.format: prompt is GRPO's (prompts the workers complete), and training.objective is "
                 f"{t.objective}: set training.objective: grpo, or a format with responses to train on"
             ]
+        if t.grpo is not None and t.grpo.agents:
+            field = "training.grpo.tools" if t.grpo.tools else "training.grpo.environment"
+            return [
+                f"{field}: tools and environments run in GRPO's rollouts (episodes of several turns), and "
+                f"training.objective is {t.objective}: set training.objective: grpo, or remove {field}"
+            ]
         if t.grpo is not None:
             fields = ", ".join(f"training.grpo.{f}" for f in sorted(t.grpo.model_fields_set)) or "training.grpo: {}"
             return [
@@ -188,7 +199,7 @@ def grpo_problems(spec) -> list[str]:
             ]
         return []
     g = t.grpo
-    if g is None or not g.rewards:
+    if g is None or not (g.rewards or g.environment):  # an environment's get_reward is a reward
         return ["training.objective: grpo needs training.grpo.rewards (e.g. [{builtin: accuracy, column: solution}])"]
     problems = []
     if "text" in formats:  # alpaca / sharegpt / chat rows: the last assistant turn is the reference `answer`
@@ -252,6 +263,7 @@ def grpo_problems(spec) -> list[str]:
             "(it would be epsilon, 0.2, below a ratio of 1): set training.grpo.epsilon_high (CISPO's "
             "paper and TRL recommend 5.0)"
         )
+    problems += agent_problems(spec)
     labels = [r.label for r in g.rewards]
     if len(set(labels)) < len(labels):
         problems.append(f"training.grpo.rewards: two rewards are named alike ({labels}): give one a `name`")

@@ -27,14 +27,16 @@ import torch.nn.functional as F
 
 from raytrain.data import IGNORE
 from raytrain.data.prompts import columns_of
+from raytrain.errors import JobError
 from raytrain.job.grpo import reward_model_bytes
 from raytrain.job.plan import RunPlan
 from raytrain.job.spec import JobSpec
 from raytrain.model import attention
 from raytrain.objectives.base import Objective
+from raytrain.objectives.grpo_batch import rollout_metrics, sample_rows, training_rows
 from raytrain.objectives.tokens import Hidden, chunked_cross_entropy, forward
 from raytrain.rl import rewards as rewards_module
-from raytrain.rl.losses import advantages, importance_ratio, nanstd, summed_loss, token_terms, units_of
+from raytrain.rl.losses import advantages, importance_ratio, summed_loss, token_terms
 from raytrain.rl.sampling import completion_key, rollout
 
 
@@ -62,6 +64,7 @@ class GRPO(Objective):
         self.host: dict[str, float] = {}  # this step's reward and completion metrics (the same on every rank)
         self.samples: list[dict] = []  # a few (prompt, completion, reward) of this rank's last step
         self.engine = None  # engine: vllm's (rl/engine.py), started at the first rollout
+        self.agents = None  # tools and environments (grpo_agents.py), where the job has them
 
     def at(self, step: int, rows: list[tuple[int, int, int]]) -> None:
         """The step about to run and this rank's rows (source, epoch, row), in micro-batch order."""
@@ -85,12 +88,23 @@ class GRPO(Objective):
             self.rewards = [
                 rewards_module.Reward(r, self.g.max_completion_length, device, dtype) for r in self.g.rewards
             ]
+            if self.g.agents:
+                from raytrain.objectives.grpo_agents import Agents
+
+                self.agents = Agents(self.spec, self.tokenizer)
+                atexit.register(self.agents.close)
+                self.rewards += [rewards_module.EnvironmentReward(name) for name in self.agents.env_rewards]
+                if not self.rewards:
+                    raise JobError(
+                        "training.grpo: no reward: give training.grpo.rewards, or an environment with get_reward"
+                    )
 
     def begin(self, strategy, micro_batches: list[dict]) -> None:
         """Roll out, score and normalize the whole step's completions; turn each micro-batch into them."""
         self._setup(strategy.device)
         g, tok, started = self.g, self.tokenizer, time.perf_counter()
         eos = {tok.eos_token_id} | set(_ids(getattr(strategy.hf_model.generation_config, "eos_token_id", None)))
+        self.ends = eos | {tok.pad_token_id}  # TRL's: a completion ending otherwise was truncated
         rows = iter(self.rows)
         asks = []  # per micro-batch: (its prompts, their columns, their rows, the prompts asked, their keys)
         for mb in micro_batches:
@@ -108,7 +122,56 @@ class GRPO(Objective):
                 completion_key(self.spec.training.seed, self.step, r, k) for r in ids for k in range(g.num_generations)
             ] or [0] * g.num_generations
             asks.append((prompts, columns, ids, asked, keys))
-        t0, engine_logps, host = time.perf_counter(), None, {}
+        host = {}
+        asks, outs, engine_logps, episodes, gen_s, tools_s = self._sample(strategy, asks, eos, host)
+        generated = sum(len(c) for cs in outs for c in cs)
+        made, t0 = [], time.perf_counter()
+        for k, (mb, (prompts, columns, ids, asked, _), completions) in enumerate(zip(micro_batches, asks, outs)):
+            mine = episodes[k] if episodes is not None else None
+            scores = self._score(prompts, columns, completions, ids, mine) if prompts else []
+            made.append((mb, asked, completions, scores))  # scores: the real completions' (the first ones)
+        reward_s = time.perf_counter() - t0
+        local = []
+        for k, (_, _, cs, ss) in enumerate(made):
+            for i, (s, c) in enumerate(zip(ss, cs)):
+                e = episodes[k][i] if episodes is not None else None
+                ended = c[-1] in eos if c else False
+                local.append((s, sum(e.mask) if e else len(c), ended, *((e.calls, e.failures, e.turns) if e else ())))
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, local)  # small: a few floats a completion
+        mine = sum(len(x) for x in everyone[: torch.distributed.get_rank()])
+        flat = [x for part in everyone for x in part]
+        scores = torch.tensor([x[0] for x in flat], dtype=torch.float64).view(len(flat), len(self.rewards))
+        weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
+        adv, summed, zero_std = advantages(scores, weights, g.num_generations, g.scale_rewards)
+        self.host = rollout_metrics(self.rewards, scores, summed, zero_std, flat, gen_s, reward_s, generated)
+        if episodes is not None:
+            self.host.update(self.agents.finish(episodes, [x[3:] for x in flat], tools_s))
+        self.host.update(host)
+        at = mine
+        for k, (mb, asked, completions, ss) in enumerate(made):
+            count = len(ss)
+            mine_adv = adv[at : at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
+            at += count
+            masks = [e.mask for e in episodes[k]] if episodes is not None else None
+            training_rows(
+                self,
+                mb,
+                asked,
+                completions,
+                mine_adv,
+                count,
+                engine_logps[k] if engine_logps is not None else None,
+                masks,
+            )
+        self.samples = sample_rows(tok, g, self.step, self.rewards, made)
+        self.host["time/rollout_s"] = time.perf_counter() - started
+
+    def _sample(self, strategy, asks, eos: set[int], host: dict):
+        """The step's completions, by the engine, the policy itself, or as episodes (tools): (the asks,
+        with each episode's own prompt; completions; the engine's log-probs; episodes; seconds)."""
+        g, tok = self.g, self.tokenizer
+        t0, engine_logps, episodes, tools_s = time.perf_counter(), None, None, 0.0
         if g.engine == "vllm":  # one request for the rank's whole step, after the sync of this step's weights
             if self.engine is None:
                 from raytrain.rl.engine import VLLMEngine
@@ -120,6 +183,14 @@ class GRPO(Objective):
                 host["vllm/start_s"] = self.engine.start_s
             host["vllm/sync_mb"], host["vllm/sync_s"] = self.engine.sync(strategy)
             t0 = time.perf_counter()
+        if self.agents is not None:  # episodes of several turns: each turn batched across the rank's episodes
+            episodes, seconds = self.agents.rollout(strategy, self.step, asks, eos, self.engine)
+            outs = [[e.completion for e in mb] or [[tok.pad_token_id]] * g.num_generations for mb in episodes]
+            if self.engine is not None:
+                engine_logps = [[e.logps for e in mb] or [[0.0]] * g.num_generations for mb in episodes]
+            asks = [a[:3] + ([e.prompt for e in mb] or a[3], a[4]) for a, mb in zip(asks, episodes)]
+            gen_s, tools_s = seconds["generation"], seconds["tools"]
+        elif g.engine == "vllm":
             flat, logps = self.engine.generate([p for a in asks for p in a[3]], [k for a in asks for k in a[4]], eos)
             at, outs, engine_logps = 0, [], []
             for a in asks:
@@ -131,106 +202,27 @@ class GRPO(Objective):
                 rollout(strategy, a[3], a[4], g.max_completion_length, g.temperature, g.top_p, eos, tok.pad_token_id)
                 for a in asks
             ]
-        gen_s = time.perf_counter() - t0
-        generated = sum(len(c) for cs in outs for c in cs)
-        made, t0 = [], time.perf_counter()
-        for mb, (prompts, columns, ids, asked, _), completions in zip(micro_batches, asks, outs):
-            scores = self._score(prompts, columns, completions, ids) if prompts else []
-            made.append((mb, asked, completions, scores))  # scores: the real completions' (the first ones)
-        reward_s = time.perf_counter() - t0
-        local = [(s, len(c), c[-1] in eos if c else False) for _, _, cs, ss in made for s, c in zip(ss, cs)]
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, local)  # small: a few floats a completion
-        mine = sum(len(x) for x in everyone[: torch.distributed.get_rank()])
-        flat = [x for part in everyone for x in part]
-        scores = torch.tensor([s for s, _, _ in flat], dtype=torch.float64).view(len(flat), len(self.rewards))
-        weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
-        adv, summed, zero_std = advantages(scores, weights, g.num_generations, g.scale_rewards)
-        self._metrics(scores, summed, zero_std, flat, gen_s, reward_s, generated)
-        self.host.update(host)
-        at = mine
-        for k, (mb, asked, completions, ss) in enumerate(made):
-            count = len(ss)
-            mine_adv = adv[at : at + count].tolist() + [0.0] * (len(asked) - count)  # host: tiny
-            at += count
-            self._as_training_rows(
-                mb, asked, completions, mine_adv, count, engine_logps[k] if engine_logps is not None else None
-            )
-        self._keep_samples(made)
-        self.host["time/rollout_s"] = time.perf_counter() - started
+        if episodes is None:
+            gen_s = time.perf_counter() - t0
+        return asks, outs, engine_logps, episodes, gen_s, tools_s
 
-    def _score(self, prompts, columns, completions, ids):
+    def _score(self, prompts, columns, completions, ids, episodes=None):
         g, tok = self.g, self.tokenizer
-        texts = tok.batch_decode(completions, skip_special_tokens=True)
         conversational = isinstance(columns[0]["prompt"], list)
         given = [c["prompt"] for c in columns for _ in range(g.num_generations)]
-        if conversational:  # TRL's shape: the completion as one assistant message
-            texts = [[{"role": "assistant", "content": t}] for t in texts]
+        if episodes is not None:  # TRL's shape of an episode: its assistant and tool messages
+            texts = [e.messages for e in episodes]
+        else:
+            texts = tok.batch_decode(completions, skip_special_tokens=True)
+            if conversational:  # TRL's shape: the completion as one assistant message
+                texts = [[{"role": "assistant", "content": t}] for t in texts]
         cols = {k: [c.get(k) for c in columns for _ in range(g.num_generations)] for k in columns[0] if k != "prompt"}
-        return rewards_module.score(self.rewards, given, texts, completions, cols, ids)
-
-    def _metrics(self, scores, summed, zero_std, flat, gen_s, reward_s, generated) -> None:
-        lengths = torch.tensor([n for _, n, _ in flat], dtype=torch.float64)
-        ended = torch.tensor([e for _, _, e in flat], dtype=torch.bool)
-        means = [torch.nanmean(scores[:, i]).item() for i in range(len(self.rewards))]  # host: CPU tensors
-        stds = [nanstd(scores[:, i]).item() for i in range(len(self.rewards))]  # host: CPU tensors
-        host = {f"rewards/{r.name}/mean": m for r, m in zip(self.rewards, means)}
-        host.update({f"rewards/{r.name}/std": sd for r, sd in zip(self.rewards, stds)})
-        host.update(
-            {
-                "reward": torch.nanmean(summed).item(),  # host: CPU tensors
-                "reward_std": nanstd(summed).item(),  # host: CPU tensors
-                "frac_reward_zero_std": zero_std.double().mean().item(),  # host: CPU tensor
-                "completions/mean_length": lengths.mean().item(),  # host: CPU tensors and Python numbers
-                "completions/min_length": lengths.min().item(),  # host: CPU
-                "completions/max_length": lengths.max().item(),  # host: CPU tensor
-                "completions/clipped_ratio": 1 - ended.double().mean().item(),  # host: CPU tensor
-                "completions/mean_terminated_length": lengths[ended].mean().item() if ended.any() else 0.0,  # host: CPU
-                "time/generation_s": gen_s,
-                "time/reward_s": reward_s,
-                "generation_tokens_per_s": generated / gen_s if gen_s else 0.0,
-            }
-        )
-        self.host = host
-
-    def _as_training_rows(self, mb: dict, asked, completions, adv: list[float], real: int, engine_logps) -> None:
-        n = self.spec.data.seq_len
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(asked), n), pad, dtype=torch.long)
-        labels = torch.full((len(asked), n), IGNORE, dtype=torch.long)
-        sampled = torch.zeros((len(asked), n), dtype=torch.float32)  # the engine's log-probs, where labelled
-        for i, (p, c) in enumerate(zip(asked, completions)):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            if i < real:
-                labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-                if engine_logps is not None:
-                    sampled[i, len(p) : len(p) + len(c)] = torch.tensor(engine_logps[i], dtype=torch.float32)
-        mb.clear()
-        mb.update(
-            input_ids=ids,
-            labels=labels,
-            position_ids=torch.arange(n)[None].repeat(len(asked), 1),
-            advantages=torch.tensor(adv, dtype=torch.float32),
-            pad_id=pad,
-        )
-        if engine_logps is not None:
-            mb["_sampling_logps"] = sampled[:, 1:]  # aligned as the targets are (position t scores label t + 1)
-        tokens = int((labels != IGNORE).sum())  # host: built on the host
-        mb["_units"] = units_of(self.g.loss_type, real, tokens, self.g.max_completion_length)
-
-    def _keep_samples(self, made) -> None:
-        tok, out = self.tokenizer, []
-        for mb, asked, completions, scores in made:
-            for p, c, s in list(zip(asked, completions, scores))[: max(0, self.g.samples_per_checkpoint - len(out))]:
-                out.append(
-                    {
-                        "step": self.step + 1,
-                        "prompt": tok.decode(p),
-                        "completion": tok.decode(c, skip_special_tokens=True),
-                        **{f"reward/{r.name}": v for r, v in zip(self.rewards, s)},
-                    }
-                )
-        self.samples = out
+        plain = [r for r in self.rewards if not isinstance(r, rewards_module.EnvironmentReward)]
+        scores = rewards_module.score(plain, given, texts, completions, cols, ids)
+        if episodes is None or len(plain) == len(self.rewards):
+            return scores
+        env = self.agents.env_scores(episodes)  # the environments' own rewards, after the others
+        return [s + v for s, v in zip(scores, env)] if plain else env
 
     def __call__(self, strategy, mb: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
         g = self.g

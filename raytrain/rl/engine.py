@@ -164,16 +164,21 @@ class VLLMEngine:
         engine_process.bound_log(self.log_path)
         return out
 
-    def generate(self, prompts: list[list[int]], keys: list[int], eos: set[int]) -> tuple[list, list]:
-        """Each prompt's completion (up to and including its first end token) and the engine's
+    def generate(
+        self, prompts: list[list[int]], keys: list[int], eos: set[int], budgets: list[int] | None = None
+    ) -> tuple[list, list]:
+        """Each prompt's completion (up to and including its first end token, at most its budget:
+        max_completion_length, or an episode's later turn's remainder) and the engine's
         log-probability of each sampled token (of logits / temperature, top_p applied: TRL's)."""
         g = self.spec.training.grpo
+        if not prompts:
+            return [], []
         out = self._ask(
             {
                 "op": "generate",
                 "prompts": prompts,
                 "keys": keys,
-                "max_tokens": g.max_completion_length,
+                "max_tokens": budgets or [g.max_completion_length] * len(prompts),
                 "temperature": g.temperature,
                 "top_p": g.top_p,
                 "eos": sorted(eos),

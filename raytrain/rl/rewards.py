@@ -64,8 +64,11 @@ def same_answer(a: str | None, b: str | None) -> bool:
 
 
 def text_of(completion) -> str:
-    """A completion as text: TRL gives conversational prompts' completions as [{role, content}]."""
-    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+    """A completion as text: TRL gives conversational prompts' completions as [{role, content}]; an
+    episode's (tools) as its assistant and tool messages, of which only the model's own words count."""
+    if isinstance(completion, str):
+        return completion
+    return "\n".join(m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant")
 
 
 class Reward:
@@ -130,6 +133,14 @@ class Reward:
             raise RewardError(
                 f"reward function {s.function} returned {str(out)[:80]}: each value must be a number or None"
             ) from None
+
+
+class EnvironmentReward:
+    """An environment's own `get_reward`, a reward named after its class with weight 1 (TRL's); its
+    values come from the episodes' environments (objectives/grpo_agents.py), not from a call here."""
+
+    def __init__(self, name: str):
+        self.name, self.weight, self.spec = name, 1.0, None
 
 
 def _import(target: str):

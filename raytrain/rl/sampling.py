@@ -84,9 +84,12 @@ def rollout(
     top_p: float,
     eos: set[int],
     pad: int,
+    budgets: list[int] | None = None,
 ) -> list[list[int]]:
     """Each prompt's completion (its tokens up to and including the first end token, at most
-    `max_tokens`), sampled by the strategy's model (gathered once: `strategy.gathered`)."""
+    `max_tokens`, or its own budget where `budgets` gives one: an episode's later turn), sampled by
+    the strategy's model (gathered once: `strategy.gathered`). `max_tokens` bounds the loop on every
+    rank alike (the ranks agree on its end); a row at its budget ends as at an end token."""
     device, model = strategy.device, strategy.model
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -97,7 +100,8 @@ def rollout(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     out = torch.full((len(prompts), max_tokens), pad, dtype=torch.long, device=device)
-    ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    limit = torch.tensor(budgets, device=device) if budgets is not None else None  # a single turn's is max_tokens
+    ended = limit <= 0 if limit is not None else torch.zeros(len(prompts), dtype=torch.bool, device=device)
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
@@ -109,6 +113,8 @@ def rollout(
                 token = torch.where(ended, pad, sample(step.logits[:, -1], keys_t, t, temperature, top_p))
                 out[:, t] = token
                 ended = ended | torch.isin(token, eos_t)
+                if limit is not None:
+                    ended = ended | (limit <= t + 1)
                 steps = t + 1
                 if t + 1 == max_tokens or ((t + 1) % CHECK == 0 and _all_ended(ended)):
                     break
@@ -125,7 +131,7 @@ def rollout(
     finally:
         model.train(was_training)
     completions = []
-    for row in out[:, :steps].tolist():  # host: the completions, for the rewards
+    for row, budget in zip(out[:, :steps].tolist(), budgets or [max_tokens] * len(prompts)):  # host: the completions
         n = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
-        completions.append(row[:n])
+        completions.append(row[: min(n, max(budget, 0))])
     return completions

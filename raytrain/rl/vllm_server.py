@@ -55,10 +55,11 @@ def _engine(args: dict):
 def _generate(llm, lora, req: dict) -> dict:
     from vllm import SamplingParams
 
+    limits = req["max_tokens"] if isinstance(req["max_tokens"], list) else [req["max_tokens"]] * len(req["keys"])
     params = [
         SamplingParams(
             n=1,
-            max_tokens=req["max_tokens"],
+            max_tokens=limit,
             temperature=req["temperature"],
             top_p=req["top_p"],
             seed=key,
@@ -66,11 +67,13 @@ def _generate(llm, lora, req: dict) -> dict:
             stop_token_ids=req["eos"],
             detokenize=False,
         )
-        for key in req["keys"]
+        for key, limit in zip(req["keys"], limits)
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params, lora_request=lora, use_tqdm=False)
     completions, logps = [], []
-    for out in outs:
+    for out, sent in zip(outs, req["prompts"]):
+        if list(out.prompt_token_ids) != sent:  # the trainer's tokens are the engine's: nothing re-tokenized
+            raise ValueError("the engine's prompt tokens differ from those the trainer sent")
         sample = out.outputs[0]
         completions.append(list(sample.token_ids))
         logps.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])

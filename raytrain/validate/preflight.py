@@ -27,7 +27,7 @@ from raytrain.job.spec import JobSpec, apply_overrides
 from raytrain.model import moe, targets
 from raytrain.model.facts import ModelFacts, read_facts
 from raytrain.rundir import storage
-from raytrain.validate import memory, probes
+from raytrain.validate import agents, memory, probes
 from raytrain.validate.problems import (
     ERROR,
     NOTE,
@@ -205,6 +205,8 @@ def probe(spec: JobSpec, broken: set[str], network_required: bool) -> list[Probl
         checks.append(("data.path", lambda: probes.data_problems(spec, network_required)))
     if ok("training") and spec.rl:
         checks.append(("training.grpo.rewards", lambda: probes.reward_problems(spec)))
+        if spec.training.grpo.agents and ok("model"):
+            checks.append(("training.grpo.tools", lambda: agents.problems(spec)))
     if ok("checkpoint"):
         checks.append(("checkpoint.storage_path", lambda: probes.storage_problems(spec, network_required)))
     if ok("checkpoint", "tracking"):

@@ -6,12 +6,13 @@ module at start-up (Python's `sitecustomize`). It wraps two raytrain functions a
 imported, the way a site's own instrumentation would, and reads the plan (when the file
 exists) at each step:
 
-    {"dir": marker folder, "faults": [{"at": "step"|"save"|"rollout"|"upload", "step": k|"*", "rank": r,
+    {"dir": marker folder, "faults": [{"at": "step"|"save"|"rollout"|"tools"|"upload", "step": k|"*", "rank": r,
                                        "action": "exit"|"sigterm"|"pause"|"slow_down", "seconds": s}]}
 
 "step" fires after rank r finished step k; "save" after rank r wrote its part of step k's
 checkpoint and before the checkpoint is reported (so it is never committed); "rollout" after rank
-r sampled the first micro-batch's completions of GRPO's step k (mid-rollout); "upload" as Ray Train
+r sampled the first micro-batch's completions of GRPO's step k (mid-rollout); "tools" after rank r ran
+the first round of tool calls of step k's episodes (mid-episode); "upload" as Ray Train
 starts copying rank r's part of step k's checkpoint to storage, where "slow_down" raises the error
 S3 answers a client over its request rate (503 SlowDown), as pyarrow words it: Ray retries the
 upload on that rank alone. A fault with
@@ -136,6 +137,19 @@ def _in_rollout(module) -> None:  # raytrain.objectives.grpo: after the first mi
     module.GRPO.at, module.rollout = at, rollout
 
 
+def _in_episodes(module) -> None:  # raytrain.rl.episodes: after a round of tool calls
+    original = module.tool_round
+
+    def tool_round(host, episodes):
+        import torch.distributed as dist
+
+        out = original(host, episodes)
+        fire("tools", _saving.get("rollout", 0), dist.get_rank() if dist.is_initialized() else 0)
+        return out
+
+    module.tool_round = tool_round
+
+
 def _on_upload(module) -> None:  # Ray Train's storage: a rank's copy of its part of a checkpoint
     original = module.StorageContext.persist_current_checkpoint
 
@@ -151,6 +165,7 @@ def _on_upload(module) -> None:  # Ray Train's storage: a rank's copy of its par
 PATCHES = {
     "ray.train.v2._internal.execution.storage": _on_upload,
     "raytrain.objectives.grpo": _in_rollout,
+    "raytrain.rl.episodes": _in_episodes,
     "raytrain.train.preemption": _after_step,
     "raytrain.train.checkpoint": _around_save,
     "raytrain.strategies.base": _after_write("TorchStrategy"),
