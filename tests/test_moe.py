@@ -131,6 +131,37 @@ def test_validate_predicts_what_peft_builds(models, family, lora):
     print(f"\n[audit] {family} {lora}: {predicted}")
 
 
+def saved_for_backward(model, ids) -> int:
+    """Bytes autograd keeps for the backward of one forward, parameters left out."""
+    saved, params = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(v for k, v in saved.items() if k not in params)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_the_estimate_holds_the_merged_expert_weights_the_backward_keeps(models, family):
+    """peft's ParamWrapper adds each expert's B·A to its whole weight at every forward, and autograd keeps
+    the sum: what validate's estimate counts for it is what the experts' adapters add to a forward's
+    saved tensors (the same job with the experts frozen is the baseline), within 10%."""
+    from raytrain.model import modeling
+    from raytrain.validate import memory
+
+    facts, ids = read_facts(Path(models[family])), torch.randint(0, 100, (1, 32))
+    kept = {}
+    for experts in (True, False):
+        spec = spec_of(models[family], lora={"experts": experts})
+        kept[experts] = saved_for_backward(modeling.load_model(spec), ids)
+    [term] = memory.merged_expert_terms(spec_of(models[family]), facts, facts.config["num_hidden_layers"], 4)
+    assert term.bytes == pytest.approx(kept[True] - kept[False], rel=0.1), (term, kept)
+    assert not memory.merged_expert_terms(spec_of(models[family], lora={"experts": False}), facts, 2, 4)
+
+
 def test_a_target_matching_nothing_and_options_peft_refuses_are_named(models):
     facts = read_facts(Path(models["qwen3-moe"]))
 

@@ -170,6 +170,14 @@ def write_model(
         out.write_index()
 
 
+def model_class(model: torch.nn.Module) -> type:
+    """The model's own class: FSDP2's `fully_shard` makes a module's class `FSDP<Class>`, a subclass of
+    FSDPModule and the class, and an exported config naming it is one vLLM and the Hub do not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 def write_config(directory: str, model: torch.nn.Module, dtype: torch.dtype) -> None:
     """What `save_pretrained` writes beside the weights: config.json (saying the dtype the weights
     are in), generation_config.json, and a remote-code model's own modules."""
@@ -177,7 +185,7 @@ def write_config(directory: str, model: torch.nn.Module, dtype: torch.dtype) -> 
 
     config = copy.deepcopy(model.config)
     config.dtype = dtype
-    config.architectures = [type(model).__name__]  # as save_pretrained says it (a reward model's is not its base's)
+    config.architectures = [model_class(model).__name__]  # as save_pretrained says it (a reward model's: its own)
     Path(directory).mkdir(parents=True, exist_ok=True)
     if private_apis.has_remote_code_class(model):
         custom_object_save(model, directory, config=config)

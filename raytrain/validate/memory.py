@@ -22,6 +22,7 @@ for zero3 and flat fsdp2, a node's workers under HSDP, 1 for ddp. Offload moves 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -315,7 +316,7 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
         )
     else:
         act = Term("activations", f"{n_layers} × ({shape}) × {tokens} × {c}/2 B", n_layers * layer)
-    terms = [act]
+    terms = [act, *merged_expert_terms(spec, facts, n_layers, c)]
     # The masks attention is given (masks.py, the rule the model path follows): whole rows' b·s²
     # under sequence parallelism too. Rows pack only in SFT with data.pack; padding is no document.
     # GPU workers in 16 bits run sdpa on torch's varlen kernel (kernels.py), which takes no mask
@@ -340,6 +341,35 @@ def activation_terms(spec: JobSpec, facts: ModelFacts) -> list[Term]:
     else:
         terms.append(Term("logits", f"{b}·{local}·{vocab} × ({c} + 4 + 4) B", b * local * vocab * (c + 8)))
     return terms + (rollout_terms(spec, facts, terms, b, s, c) if spec.rl else [])
+
+
+def merged_expert_terms(spec: JobSpec, facts: ModelFacts, n_layers: int, c: int) -> list[Term]:
+    """LoRA on a 3-D expert weight (peft's ParamWrapper) adds the adapter to the whole weight at each
+    forward, W + B·A an expert, and autograd keeps that sum for the backward's input gradient, with two
+    copies of the expert's factors for the product's: per layer not checkpointed, its adapted expert
+    weights whole (tests/test_moe.py measures what the backward keeps; on benchmarks/job_memory.py's
+    Qwen3-MoE, 6 layers x 36 MiB)."""
+    found = adapters(spec, facts) if spec.training.adapters else None
+    if found is None or not found.parameters:
+        return []
+    weights = factors = 0
+    for name, shape in facts.shapes.items():
+        leaf = next((t for t in found.parameters if targets.matches(t, name)), None)
+        if leaf is None or len(shape) != 3:
+            continue
+        rank = found.ranks.get(leaf.rsplit(".", 1)[-1], spec.training.lora.rank)
+        weights += math.prod(shape)
+        factors += 2 * shape[0] * rank * (shape[1] + shape[2])
+    if not weights:
+        return []
+    layers, n = (1 if spec.training.activation_checkpointing else n_layers), max(n_layers, 1)
+    return [
+        Term(
+            "adapted expert weights merged at each forward, and their factors (peft ParamWrapper)",
+            f"{layers} × ({_n(weights // n)} + {_n(factors // n)}) × {c} B",
+            layers * (weights + factors) // n * c,
+        )
+    ]
 
 
 def rollout_terms(spec: JobSpec, facts: ModelFacts, step: list[Term], b: int, s: int, c: int) -> list[Term]:
