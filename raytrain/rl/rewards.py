@@ -10,13 +10,12 @@ fix (`RewardError`), never a bare worker traceback."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
-import sys
 
 from raytrain.errors import JobError
 from raytrain.job.grpo import RewardSpec
+from raytrain.rl import toolbox
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 
@@ -144,19 +143,9 @@ class EnvironmentReward:
 
 
 def _import(target: str):
-    module_name, name = target.split(":")
-    if "" not in sys.path:  # the job's working directory, where Ray unpacks it for each worker
-        sys.path.insert(0, "")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardError(
-            f"training.grpo.rewards: function {target!r}: cannot import {module_name!r} ({exc}); ship "
-            "it with the job (`ray job submit --working-dir .`, or a package the image has)"
-        ) from None
-    function = getattr(module, name, None)
+    function = toolbox.load(target, "training.grpo.rewards: function", RewardError)
     if not callable(function):
-        raise RewardError(f"training.grpo.rewards: function {target!r}: {module_name} has no function {name!r}")
+        raise RewardError(f"training.grpo.rewards: function {target!r} is not a function")
     return function
 
 

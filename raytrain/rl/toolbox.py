@@ -23,21 +23,23 @@ class ToolError(Exception):
     """A tool or environment that cannot be loaded: the message names it and the fix."""
 
 
-def load(target: str, field: str):
-    """`module:name` imported from the job's working directory (where Ray unpacks it)."""
+def load(target: str, field: str, error: type[Exception] = ToolError):
+    """`module:name` imported from the job's working directory (where Ray unpacks it for each worker):
+    the one way raytrain imports a job's own code (tools, environments, reward functions); `error`
+    names it and the fix."""
     module_name, name = target.split(":")
     if "" not in sys.path:
         sys.path.insert(0, "")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ToolError(
+        raise error(
             f"{field}: {target!r}: cannot import {module_name!r} ({exc}); ship it with the job "
             "(`ray job submit --working-dir .`, or a package the image has)"
         ) from None
     found = getattr(module, name, None)
     if found is None:
-        raise ToolError(f"{field}: {target!r}: {module_name} has no {name!r}")
+        raise error(f"{field}: {target!r}: {module_name} has no {name!r}")
     return found
 
 
