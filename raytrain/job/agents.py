@@ -102,7 +102,13 @@ def agent_problems(spec) -> list[str]:
     g = spec.training.grpo
     out = []
     if not g.agents:
-        unused = [f for f in ("environment_workers", "max_tool_calling_iterations") if f in g.model_fields_set]
+        # By value, never by `model_fields_set`: the workers validate the spec from its whole dump
+        # (every field set), and a job that never named these must pass there as it did here.
+        unused = [
+            f
+            for f in ("environment_workers", "max_tool_calling_iterations")
+            if getattr(g, f) != AgentFields.model_fields[f].default
+        ]
         if g.nondeterministic_tools:
             unused.append("nondeterministic_tools")
         if unused:
