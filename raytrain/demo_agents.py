@@ -180,11 +180,10 @@ def make_tokenizer(out: Path, vocab_size: int = 640):
     return fast
 
 
-def make_all(root: Path, rows: int = 4000) -> None:
+def make_all(root: Path, rows: int, make_model, write_jsonl) -> None:
     """root/model-tools (model + tokenizer; head_dim 64, for vLLM's CPU attention too),
-    root/arithmetic.jsonl, root/games.jsonl, root/tool-sft.jsonl; idempotent."""
-    from raytrain.demo_assets import make_model, write_jsonl
-
+    root/arithmetic.jsonl, root/games.jsonl, root/tool-sft.jsonl; idempotent. demo_assets.make_all calls
+    it with its own model and file writers (this module imports nothing of raytrain: a leaf)."""
     if (root / "tool-sft.jsonl").exists():
         return
     tok = make_tokenizer(root / "model-tools")

@@ -184,7 +184,7 @@ def make_all(root: str | Path, rows: int = 4000) -> Path:
 
     root = Path(root)
     if (root / "model-hd64" / "config.json").exists() and (root / "prompts.jsonl").exists():
-        demo_agents.make_all(root, rows)
+        demo_agents.make_all(root, rows, make_model, write_jsonl)
         return root
     tok = make_tokenizer(root / "model")
     make_model(root / "model", vocab_size=len(tok))
@@ -195,7 +195,7 @@ def make_all(root: str | Path, rows: int = 4000) -> Path:
     write_jsonl(root / "pairs.jsonl", preference_rows(rows // 4))
     write_jsonl(root / "kto.jsonl", kto_rows(rows // 4, seed=1))
     write_jsonl(root / "prompts.jsonl", prompt_rows(rows // 8, seed=2))
-    demo_agents.make_all(root, rows)
+    demo_agents.make_all(root, rows, make_model, write_jsonl)
     return root
 
 

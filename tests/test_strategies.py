@@ -217,8 +217,9 @@ def test_exports_give_the_same_logits(trained, finetune, tmp_path):
     for strategy, run in runs.items():
         assert not torch.allclose(logits[strategy], base, atol=1e-3), strategy  # training changed the model
         # The export names the model's own class (vLLM loads by it), never FSDP2's FSDP<Class>
-        exported = json.loads((run.run_dir / "final_model" / "config.json").read_text())
-        assert finetune == "lora" or exported["architectures"] == ["LlamaForCausalLM"], (strategy, exported)
+        if finetune == "full":
+            exported = json.loads((run.run_dir / "final_model" / "config.json").read_text())
+            assert exported["architectures"] == ["LlamaForCausalLM"], (strategy, exported)
         # The in-job export equals the last checkpoint exported offline (zero3: DeepSpeed's zero_to_fp32).
         export_checkpoint(str(run.run_dir), str(tmp_path / strategy))
         torch.testing.assert_close(

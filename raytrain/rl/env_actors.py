@@ -106,14 +106,15 @@ class ActorPool:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        self.seen[i], self.restarts = "restarted", self.restarts + 1
+        old, self.seen[i], self.restarts = self.seen[i], "restarted", self.restarts + 1
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
-            try:
-                ray.get(self.handles[i].ask.remote({"op": "ping"}), timeout=30)
-                return
+            try:  # until a new incarnation answers: ray.kill is asynchronous, the old one may answer first
+                if ray.get(self.handles[i].ask.remote({"op": "ping"}), timeout=30)["incarnation"] != old:
+                    return
             except (RayActorError, GetTimeoutError):
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
 
     def ask(self, request: dict, timeout: float | None = None, key: int = 0) -> dict:
         if request["op"] == "end":  # an episode ends on the actor it lives on

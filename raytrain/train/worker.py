@@ -32,7 +32,15 @@ def train_func(config: dict) -> None:
 
     # The job and the driver's decisions, as the driver signed them for the run directory: a worker
     # acts on nothing that crossed the wire unsigned (model.path, trust_remote_code, ...).
-    spec, plan = verify_plan(config["plan"])
+    job_control = config.get("control")  # the driver's control actor; None without a driver (tests, tools)
+    try:
+        spec, plan = verify_plan(config["plan"])
+    except Exception as exc:  # nothing a restart mends (a tampered plan, a rule this side refuses): the job ends
+        if job_control is None:
+            raise
+        said = user_message(exc) or " ".join(str(exc).split())
+        ray.get(job_control.failed.remote(f"the job did not validate on a worker: {said}", retry=False))
+        return  # as a spent verdict's group does (below): the driver says why, a restart would repeat it
     timeline = Timeline(**config["timeline"])
     timeline.mark("workers")
     ctx = ray.train.get_context()
@@ -46,7 +54,6 @@ def train_func(config: dict) -> None:
         # them (P1 measured it). Size the pool as torchrun's ranks get it.
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
-    job_control = config.get("control")  # the driver's control actor; None without a driver (tests, tools)
     verdict = [ray.get(job_control.may_start.remote(world)) if rank == 0 and job_control else None]
     dist.broadcast_object_list(verdict, src=0)  # every rank returns, or none does
     if verdict[0]:
