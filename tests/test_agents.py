@@ -27,8 +27,8 @@ from raytrain.job.grpo import GRPOSpec
 from raytrain.model import chat_templates as ct
 from raytrain.objectives.grpo_batch import training_rows
 from raytrain.rl.episodes import Episode, metrics, play, turn_key
+from raytrain.rl.hosts import Hosts
 from raytrain.rl.losses import summed_loss, token_terms
-from raytrain.rl.tool_host import Hosts
 
 CALC = "raytrain.demo_agents:calculator"
 

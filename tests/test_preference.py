@@ -162,6 +162,9 @@ class _OneProcess:
 
         from raytrain.model import attention
 
+        if spec.model.attn_implementation == "auto":  # as a CPU worker resolves it from the class's flags
+            chosen = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+            spec = spec.model_copy(update={"model": spec.model.model_copy(update={"attn_implementation": chosen})})
         copies = {id(m): copy.deepcopy(m) for m in (model, reference) if m is not None}
         for m in copies.values():
             attention.install(m, spec.model.attn_implementation)

@@ -19,8 +19,8 @@ import torch
 from raytrain.errors import JobError
 from raytrain.model.chat_templates import TemplateProblem, episode_template, render
 from raytrain.rl.episodes import Episode, metrics, play
+from raytrain.rl.hosts import Hosts
 from raytrain.rl.sampling import rollout
-from raytrain.rl.tool_host import Hosts
 
 
 class Agents:
