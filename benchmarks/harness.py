@@ -273,6 +273,20 @@ def prepared_store(s: Setting, model: Path, data: Path) -> str:
     return line.removeprefix("[raytrain] token store ready: ").split(" (")[0]
 
 
+def batch_args(s: Setting) -> list[str]:
+    """The job's shape as the bare arms' scripts take it (bare_fsdp2.py, trl_start.py)."""
+    return [
+        "--seq-len",
+        str(s.seq_len),
+        "--global-batch",
+        str(s.global_batch),
+        "--micro-batch",
+        str(s.micro_batch),
+        "--steps",
+        str(s.steps),
+    ]
+
+
 def torchrun_command(s: Setting, model: Path, data: Path, out_json: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
@@ -285,14 +299,7 @@ def torchrun_command(s: Setting, model: Path, data: Path, out_json: Path, *extra
         str(model),
         "--store",
         prepared_store(s, model, data),
-        "--seq-len",
-        str(s.seq_len),
-        "--global-batch",
-        str(s.global_batch),
-        "--micro-batch",
-        str(s.micro_batch),
-        "--steps",
-        str(s.steps),
+        *batch_args(s),
         "--out",
         str(out_json),
         *(["--gpu"] if s.gpu else []),

@@ -173,6 +173,7 @@ class _OneProcess:
         self.loss_chunk = 0  # the whole logits at once (training.chunked_loss has its own test)
         self.attention_kernel, self.fused_loss = spec.model.attn_implementation, None  # as a CPU worker's
         self.sequence = split  # whole sequences unless a test plays one rank of a sequence-parallel group
+        self.router_aux_coef = 0  # dense models: no balancing loss (strategies/base.py resolves it for MoE)
 
     def autocast(self):
         return contextlib.nullcontext()

@@ -146,7 +146,7 @@ def forward(strategy, model, mb: dict) -> tuple[torch.Tensor | Hidden, torch.Ten
 def routed(strategy) -> dict:
     """The model's keyword for its router's logits, where this forward trains the policy of a job with a
     balancing loss (router.py): grad enabled; references, KL rows and evaluation run under no_grad."""
-    return {"output_router_logits": True} if getattr(strategy, "router_aux_coef", 0) and torch.is_grad_enabled() else {}
+    return {"output_router_logits": True} if strategy.router_aux_coef and torch.is_grad_enabled() else {}
 
 
 def balance(strategy, out, x: dict) -> None:
@@ -200,7 +200,7 @@ def staged(strategy, mb: dict) -> dict:
         out["last"] = attention.to_device((last - first).clamp(0, n - 1), device)
         out["here"] = attention.to_device(((last >= first) & (last < first + n)).float(), device)
         out["margin"] = attention.to_device(mb["margin"], device)  # the pairs' (objectives.pairs.split_margins)
-    if getattr(strategy, "router_aux_coef", 0):  # the balancing loss's tokens: real ones, whole sequences' counts
+    if strategy.router_aux_coef:  # the balancing loss's tokens: real ones, whole sequences' counts
         real = router.real_tokens(ids, mb["labels"], pad_id(strategy, mb))
         out["row_tokens"] = attention.to_device(real.sum(-1).float(), device)
         out["real_tokens"] = attention.to_device((split.part(real) if split else real).float(), device)

@@ -104,7 +104,7 @@ def train_step(strategy, objective, micro_batches: list[dict], lr: float, stops:
     overlapping)."""
     device, mesh = strategy.device, strategy.layout
     results, units, scale = [], None, None
-    coef = getattr(strategy, "router_aux_coef", 0)  # an MoE's balancing loss (objectives/router.py)
+    coef = strategy.router_aux_coef  # an MoE's balancing loss (objectives/router.py)
     # GRPO's num_iterations: one rollout, then that many updates on its completions (TRL's mu). Each
     # update is one pass over the micro-batches; the last ends the step, the unit a checkpoint holds.
     for iteration in range(objective.iterations):
