@@ -136,10 +136,10 @@ def test_expiry_is_the_readers_own_observation_not_the_holders_wall_clock(run_di
     for skew in (+1800, -1800):
         token = lease.acquire(run_dir, {**ME, "since": time.time() + skew}, f"cluster-{skew}", takeover=True)
         renewal = lease.Renewal(run_dir, token)
-        began = time.monotonic()
+        # Refused at the first renewal it saw: `_watch` returns on a changed version, and only then does
+        # the refusal say so (a wall-clock bound here failed CI under load: an S3 round trip took 1.6 s).
         with pytest.raises(JobError, match="in use by another driver.*saw it renew its lease"):
             lease.acquire(run_dir, {**ME, "pid": 2}, "cluster-b", takeover=False)
-        assert time.monotonic() - began < lease.TTL_S  # refused at the first renewal it saw
         renewal.stop()  # the holder dies without releasing (kill -9, a lost node)
         began = time.monotonic()
         taken = lease.acquire(run_dir, {**ME, "pid": 2}, "cluster-b", takeover=False)
