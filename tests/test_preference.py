@@ -160,10 +160,15 @@ class _OneProcess:
     def __init__(self, model, reference, spec, split=None):
         import copy
 
+        from raytrain import private_apis
+        from raytrain.job.implementations import AUTO, AttentionFlags, choose_attention
         from raytrain.model import attention
 
-        if spec.model.attn_implementation == "auto":  # as a CPU worker resolves it from the class's flags
-            chosen = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+        if spec.model.attn_implementation == AUTO:  # as a CPU worker resolves it: the one rule, on the class's flags
+            cls = type(model)
+            chosen, _ = choose_attention(
+                AttentionFlags.of(cls.__name__, private_apis.attention_flags(cls)), "cpu", False
+            )
             spec = spec.model_copy(update={"model": spec.model.model_copy(update={"attn_implementation": chosen})})
         copies = {id(m): copy.deepcopy(m) for m in (model, reference) if m is not None}
         for m in copies.values():
