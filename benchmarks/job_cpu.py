@@ -42,11 +42,8 @@ def processes() -> dict[int, tuple[str, float]]:
     return out
 
 
-count: collections.Counter = collections.Counter()  # processes of each kind that used CPU
-
-
-def measured(run) -> tuple[float, float, collections.Counter]:
-    """(wall s, machine busy CPU-s, CPU-s by process kind) of `run()`."""
+def measured(run) -> tuple[float, float, collections.Counter, collections.Counter]:
+    """(wall s, machine busy CPU-s, CPU-s by process kind, processes of each kind that used CPU) of `run()`."""
     before, last, done = processes(), {}, threading.Event()
 
     def sample() -> None:
@@ -63,7 +60,7 @@ def measured(run) -> tuple[float, float, collections.Counter]:
     done.set()
     sampler.join()
     wall, busy = time.time() - began, busy_s() - busy
-    kinds: collections.Counter = collections.Counter()
+    kinds, count = collections.Counter(), collections.Counter()
     for pid, (kind, cpu) in last.items():
         old = before.get(pid)
         used = cpu - (old[1] if old and old[0] == kind else 0)
@@ -71,7 +68,7 @@ def measured(run) -> tuple[float, float, collections.Counter]:
             label = "driver (this process)" if pid == os.getpid() else kind
             kinds[label] += used
             count[label] += 1
-    return wall, busy, kinds
+    return wall, busy, kinds, count
 
 
 def main() -> None:
@@ -87,13 +84,12 @@ def main() -> None:
     launcher.run(make_job(assets, root / "warm", name="warm"))
     for steps in (10, 30):
         spec = make_job(assets, root / f"s{steps}", name=f"steps-{steps}", training={"max_steps": steps})
-        wall, busy, kinds = measured(lambda: launcher.run(spec))
+        wall, busy, kinds, count = measured(lambda: launcher.run(spec))
         seen = sum(kinds.values())
         print(f"[job-cpu] {steps} steps: wall {wall:.1f} s, machine busy {busy:.1f} CPU-s, per process {seen:.1f}:")
         for kind, cpu in kinds.most_common():
             if cpu >= 0.1:
                 print(f"[job-cpu]   {cpu:6.2f}  {kind} ({count[kind]} process(es))")
-        count.clear()
     ray.shutdown()
 
 
