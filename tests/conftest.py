@@ -303,6 +303,16 @@ def shipped_grpo_job(job_file: str, model: str, assets: Path, storage: Path, nam
     return JobSpec.model_validate(deep_merge(raw, over))
 
 
+class Planted:
+    """Unpickling it creates a file: what a forged checkpoint file would do on a worker."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
 @contextlib.contextmanager
 def altered(run_dir):
     """`run_dir` to tamper with in place for one case, put back as it was afterwards. In place,

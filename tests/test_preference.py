@@ -691,7 +691,7 @@ def test_each_objective_takes_the_same_steps_at_one_two_and_three_workers(assets
     )  # the policy at its reference: each row 1 - sigmoid(0)
 
 
-# ---------------------------------------------------------------- runs on the cluster
+# ---------------------------------------------------------------- whole jobs
 STEPS, PARITY_STEPS, REWARD_STEPS, EVERY = 20, 8, 12, 4
 LOSS_REL_TOL = 1e-5
 
@@ -776,12 +776,16 @@ def reward_margin(i: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(ray_address, assets, tmp_path_factory):
-    from conftest import metric_history
+def runs(assets, tmp_path_factory):
+    import sys
 
-    from raytrain.driver import launcher
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    import local_run
 
-    # DPO's strategy parity through `raytrain run` is full fine-tuning's, fsdp2 against zero3 (each
+    # Each job as `raytrain run` trains and exports it (the worker's path without Ray, one spawned group
+    # of 2 ranks for all six: tests/gpu/local_run.py's fit_jobs); what each logs is what MLflow gets. The
+    # path through Ray Train is the same whatever the objective (test_spine.py, test_vllm.py take it).
+    # DPO's strategy parity as a whole job is full fine-tuning's, fsdp2 against zero3 (each
     # with its frozen reference copy, sharded its own way, and the evaluation); LoRA's and the other
     # strategies' are test_combinations.py's cases, a padding pair at 3 workers is
     # test_each_objective_takes_the_same_steps_at_one_two_and_three_workers's.
@@ -801,10 +805,10 @@ def runs(ray_address, assets, tmp_path_factory):
         "".join(json.dumps({**r, **reward_margin(i)}) + "\n" for i, r in enumerate(pairs))
     )
     settings = {"reward": {"lr": 2e-3, "data": "pairs-margin.jsonl"}, "kto": {"data": "kto.jsonl"}}
-    out = {}
+    specs = {}
     for strategy, finetune, objective, steps, workers in plan:
         name = f"{objective}-{strategy}-{finetune}-{workers}w"
-        spec = dpo_job(
+        specs[objective, strategy, finetune] = dpo_job(
             assets,
             tmp_path_factory.mktemp(name),
             name,
@@ -815,12 +819,13 @@ def runs(ray_address, assets, tmp_path_factory):
             scaling={"num_workers": workers},
             **settings.get(objective, {}),
         )
-        result = launcher.run(spec)
-        keys = {"reward": REWARD_KEYS, "kto": KTO_KEYS}.get(objective, KEYS)
-        out[objective, strategy, finetune] = SimpleNamespace(
-            spec=spec,
-            run_id=result.run_id,
-            **{k.replace("/", "_"): metric_history(spec, result.run_id, k) for k in keys},
+    steps = local_run.fit_jobs(2, [(spec, 0) for spec in specs.values()])
+    out = {}
+    for key, spec in specs.items():
+        history = steps[f"{spec.name}/2"]
+        keys = {"reward": REWARD_KEYS, "kto": KTO_KEYS}.get(key[0], KEYS)
+        out[key] = SimpleNamespace(
+            spec=spec, **{k.replace("/", "_"): {s: m[k] for s, m in history.items() if k in m} for k in keys}
         )
     print("\n[dpo] eval rewards/accuracies, fsdp2 LoRA:", out["dpo", "fsdp2", "lora"].eval_rewards_accuracies)
     return out

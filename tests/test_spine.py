@@ -1,6 +1,7 @@
 """The spine, end to end on a real local Ray cluster with 2 gloo workers: the quickstart
-path (LoRA + FSDP2); checkpoints, export, MLflow. (Full fine-tuning on the user formats, chat
-among them, is test_store.py's blend; each strategy's full export, test_strategies.py's.)"""
+path (LoRA + FSDP2); checkpoints, export, MLflow, a tampered checkpoint refused at restore.
+(Full fine-tuning on the user formats, chat among them, is test_store.py's blend; each strategy's
+full export, test_strategies.py's.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import file_hashes, make_job, metric_history
+from conftest import Planted, file_hashes, make_job, metric_history
 
 from raytrain.driver import launcher
 from raytrain.train.export import export_checkpoint, latest_checkpoint
@@ -85,6 +86,20 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     assert json.loads((run_dir / "final_model" / "raytrain.json").read_text())["base_files"] == file_hashes(
         Path(spec.model.path)
     )
+
+    # A forged pickle put in its last checkpoint (the file torch.load would read first) and the job
+    # continued: its restore refuses it by name, in one message, before anything is unpickled. Once,
+    # here at the job's level; zero3's files go through the same verifying fetch (signing.SignedCheckpoint),
+    # and test_strategies.py's export refuses every tampering there for fsdp2's and zero3's layouts.
+    import pickle
+
+    from raytrain.errors import JobError
+
+    side_effect = tmp_path / "pwned"
+    (last / ".metadata").write_bytes(pickle.dumps(Planted(side_effect)))
+    with pytest.raises(JobError, match=r"\.metadata was changed after it was written.*Nothing in it was loaded"):
+        launcher.run(make_job(assets, tmp_path / "runs", training={"max_steps": 21}, optimizer={"lr": 1e-2}))
+    assert not side_effect.exists()
 
 
 def test_quickstart_runs_from_any_folder_and_its_driver_never_maps_torch(ray_address, tmp_path):

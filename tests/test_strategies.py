@@ -1,7 +1,12 @@
 """One YAML field switches the parallelism: the same tiny Llama, data, seed and global batch,
-fp32 on CPU with 2 gloo workers on a real Ray cluster, trained 12 steps under `fsdp2`, `zero3`
-and `ddp` for full fine-tuning, `fsdp2` and `zero3` for LoRA (DDP LoRA is every LoRA case's
-reference in tests/test_combinations.py).
+fp32 on CPU with 2 gloo ranks, trained 12 steps under `fsdp2`, `zero3` and `ddp` for full
+fine-tuning, `fsdp2` and `zero3` for LoRA (DDP LoRA is every LoRA case's reference in
+tests/test_combinations.py). The five train through the worker's own path without Ray
+(tests/gpu/local_run.py: prepare, strategy, `loop.fit`, the job's commit and worker.export), one
+spawned group for all of them, as test_miniature_jobs' group does: Ray Train is not what differs
+between strategies, and each strategy's job through `raytrain run` is another module's (zero3: LoRA
+GRPO with adapter sync in test_vllm.py; ddp: merged-sync GRPO there; fsdp2: most of them; a tampered
+checkpoint refused at restore is test_spine.py's).
 
 - Parity: per-step losses agree within 1e-5 relative (the issue's bound). The three compute
   the same sums in a different order (ZeRO-3 reduce-scatters every micro-batch and adds the
@@ -10,9 +15,9 @@ reference in tests/test_combinations.py).
   Adam over 20 steps). The figures are printed (run with -s).
 - Resume: each strategy's own checkpoint restored takes the next step bit for bit in every case of
   tests/test_combinations.py (its resume axis); a killed worker's group comes back bit-identical
-  at every kill point under fsdp2 (tests/test_fault_tolerance.py). Here, at the job's level, ZeRO-3
-  resumes a 2-worker checkpoint with 1 worker (universal checkpoint conversion) and a tied model's
-  fsdp2 LoRA checkpoint resumes at 1 worker and back at 2, within the parity bound.
+  at every kill point under fsdp2 (tests/test_fault_tolerance.py). Here ZeRO-3 resumes a 2-rank
+  checkpoint with 1 rank (universal checkpoint conversion) and a tied model's fsdp2 LoRA checkpoint
+  resumes at 1 rank and back at 2, within the parity bound.
 - Export: each strategy's final model loads with plain transformers/peft; the three give the
   same logits on a fixed input, and each equals its own last checkpoint exported offline.
 """
@@ -23,16 +28,19 @@ import hashlib
 import itertools
 import json
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import altered, file_hashes, make_job, metric_history, without_checkpoint
+from conftest import Planted, altered, file_hashes, make_job
 
-from raytrain.driver import launcher
 from raytrain.rundir.checkpoints import RAY_SNAPSHOT
 from raytrain.train.export import export_checkpoint, latest_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import local_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STRATEGIES = ("fsdp2", "zero3", "ddp")
@@ -62,7 +70,7 @@ class Run:
     run_dir: Path
     losses: dict[int, float]
     grad_norms: dict[int, float]
-    step_time_s: float  # median over steps 2..20 (step 1 includes warm-up)
+    step_time_s: float  # median over steps 2..12 (step 1 includes warm-up)
     compute_s: float  # the same for forward/backward + optimizer step only (no data wait)
 
 
@@ -76,30 +84,52 @@ def strategies_of(finetune: str) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def trained(ray_address, assets, tmp_path_factory) -> dict[tuple[str, str], Run]:
-    runs = {}
+def trained(assets, tmp_path_factory) -> dict[tuple[str, str], Run]:
+    specs = {}
     for finetune, strategy in RUNS:
-        spec = job(
-            assets, tmp_path_factory.mktemp(f"{strategy}-{finetune}"), strategy, finetune, f"{strategy}-{finetune}"
-        )
-        result = launcher.run(spec)
-        history = {
-            key: metric_history(spec, result.run_id, key) for key in ("loss", "grad_norm", "step_time_s", "compute_s")
-        }
-        compute = history["compute_s"]
-        runs[strategy, finetune] = Run(
+        name = f"{strategy}-{finetune}"
+        specs[strategy, finetune] = job(assets, tmp_path_factory.mktemp(name), strategy, finetune, name)
+    steps = local_run.fit_jobs(2, [(spec, 0) for spec in specs.values()])
+    runs = {}
+    for key, spec in specs.items():
+        history = steps[f"{spec.name}/2"]
+        runs[key] = Run(
             spec,
             Path(spec.run_dir),
-            history["loss"],
-            history["grad_norm"],
-            statistics.median(history["step_time_s"][k] for k in range(2, STEPS + 1)),
-            statistics.median(compute[k] for k in range(2, STEPS + 1)),
+            {k: m["loss"] for k, m in history.items()},
+            {k: m["grad_norm"] for k, m in history.items()},
+            statistics.median(history[k]["step_time_s"] for k in range(2, STEPS + 1)),
+            statistics.median(history[k]["compute_s"] for k in range(2, STEPS + 1)),
         )
     print(
-        "\n[parity] per-step time in s, median of steps 2..20, 2 workers, CPU (step / compute only):",
+        "\n[parity] per-step time in s, median of steps 2..12, 2 ranks, CPU (step / compute only):",
         {f"{s}/{f}": (round(r.step_time_s, 3), round(r.compute_s, 3)) for (s, f), r in runs.items()},
     )
     return runs
+
+
+@pytest.fixture(scope="module")
+def continued(trained, assets) -> dict[str, dict[int, float]]:
+    """The zero3 full run's step-6 checkpoint continued by 1 rank to step 7, and the fsdp2 LoRA run's
+    continued by 1 rank to step 9 and that one's (committed at the job's last step) by 2 ranks to the
+    end. In the runs' own directories, put back afterwards for the other tests."""
+    zero3, lora = trained["zero3", "full"], trained["fsdp2", "lora"]
+
+    def again(run, steps, workers):
+        s = run.spec.training
+        return job(
+            assets, run.run_dir.parent, s.strategy, s.finetune, run.spec.name, steps, scaling={"num_workers": workers}
+        )
+
+    with altered(zero3.run_dir), altered(lora.run_dir):
+        spec, one, back = again(zero3, EVERY + 1, 1), again(lora, EVERY + 3, 1), again(lora, STEPS, 2)
+        first = local_run.fit_jobs(1, [(spec, EVERY), (one, EVERY)])
+        second = local_run.fit_jobs(2, [(back, EVERY + 3)])
+    return {
+        "zero3": {k: m["loss"] for k, m in first[f"{spec.name}/1"].items()},
+        "lora": {k: m["loss"] for k, m in (first[f"{one.name}/1"] | second[f"{back.name}/2"]).items()},
+        "world_sizes": {k: m["world_size"] for k, m in (first[f"{one.name}/1"] | second[f"{back.name}/2"]).items()},
+    }
 
 
 def max_diffs(a: dict[int, float], b: dict[int, float]) -> tuple[float, float]:
@@ -150,35 +180,25 @@ def test_checkpoints_are_each_strategys_own_format(trained):
                 assert any(n.endswith("_sharedoptim0.distcp") for n in names)
 
 
-def test_zero3_checkpoint_resumes_at_another_world_size(trained, tmp_path, assets):
-    """The 2-worker run's step-10 checkpoint continued by 1 worker: DeepSpeed refuses a
-    checkpoint of another world size, so the strategy converts it to a universal checkpoint."""
-    run = trained["zero3", "full"]
-    with without_checkpoint(run.run_dir, STEPS) as storage:  # resumes at step EVERY
-        spec = job(assets, storage, "zero3", "full", run.spec.name, steps=EVERY + 1, scaling={"num_workers": 1})
-        result = launcher.run(spec)
-    assert result.metrics["world_size"] == 1 and result.metrics["step"] == EVERY + 1
+def test_zero3_checkpoint_resumes_at_another_world_size(trained, continued):
+    """The 2-rank run's step-6 checkpoint continued by 1 rank: DeepSpeed refuses a checkpoint of
+    another world size, so the strategy converts it to a universal checkpoint."""
+    losses = continued["zero3"]
+    assert sorted(losses) == [EVERY + 1]
     reference = trained["zero3", "full"].losses[EVERY + 1]
-    loss = metric_history(spec, result.run_id)[EVERY + 1]
-    print(f"\n[universal 2->1] step {EVERY + 1} loss {loss!r} vs uninterrupted {reference!r}")
-    # Not bit-identical: 1 worker accumulates 4 micro-batches where 2 workers reduced 2 + 2.
-    assert abs(loss - reference) / reference <= LOSS_REL_TOL
+    print(f"\n[universal 2->1] step {EVERY + 1} loss {losses[EVERY + 1]!r} vs uninterrupted {reference!r}")
+    # Not bit-identical: 1 rank accumulates 4 micro-batches where 2 ranks reduced 2 + 2.
+    assert abs(losses[EVERY + 1] - reference) / reference <= LOSS_REL_TOL
 
 
-def test_a_tied_lora_checkpoint_resumes_at_one_worker_and_back_at_two(trained, assets):
+def test_a_tied_lora_checkpoint_resumes_at_one_worker_and_back_at_two(trained, continued):
     """The demo model's output layer is its input embedding (as SmolLM2's, Qwen2.5's, Llama 3.2's): a
-    LoRA checkpoint holds the adapter and no output layer. The 2-worker fsdp2 run's step-6 checkpoint
-    continued by 1 worker to step 9, and that one's by 2 workers to the end: every step within the
-    parity bound of the uninterrupted run (1 worker accumulates 4 micro-batches where 2 reduce 2 + 2)."""
-    run = trained["fsdp2", "lora"]
-    losses = {}
-    with without_checkpoint(run.run_dir, STEPS) as storage:  # resumes at step EVERY
-        for workers, steps in ((1, EVERY + 3), (2, STEPS)):
-            spec = job(assets, storage, "fsdp2", "lora", run.spec.name, steps=steps, scaling={"num_workers": workers})
-            result = launcher.run(spec)
-            assert result.metrics["world_size"] == workers and result.metrics["step"] == steps
-            losses.update({k: v for k, v in metric_history(spec, result.run_id).items() if k > EVERY})
+    LoRA checkpoint holds the adapter and no output layer. The 2-rank fsdp2 run's step-6 checkpoint
+    continued by 1 rank to step 9, and that one's by 2 ranks to the end: every step within the
+    parity bound of the uninterrupted run (1 rank accumulates 4 micro-batches where 2 reduce 2 + 2)."""
+    run, losses = trained["fsdp2", "lora"], continued["lora"]
     assert sorted(losses) == list(range(EVERY + 1, STEPS + 1))
+    assert continued["world_sizes"] == {k: 1 if k <= EVERY + 3 else 2 for k in losses}
     worst = max(abs(losses[k] - run.losses[k]) / run.losses[k] for k in losses)
     print(f"\n[tied lora 2->1->2] steps {EVERY + 1}-{STEPS}: max relative loss difference {worst:.1e}")
     assert worst <= LOSS_REL_TOL
@@ -230,16 +250,6 @@ def test_exports_give_the_same_logits(trained, finetune, tmp_path):
             assert meta["base_files"] == file_hashes(Path(run.spec.model.path))
 
 
-class Planted:
-    """Unpickling it creates a file: what a forged checkpoint file would do on a worker."""
-
-    def __init__(self, path: Path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 # The file a forged pickle replaces, and a shard to change a byte of, per checkpoint layout.
 PICKLED = {"fsdp2": ".metadata", "zero3": "ds/zero_pp_rank_0_mp_rank_00_model_states.pt"}
 SHARD = {"fsdp2": "__1_0.distcp", "zero3": "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"}
@@ -267,7 +277,7 @@ def tamper(step: Path, case: str, strategy: str, side_effect: Path) -> None:
     elif case == "replayed":  # a valid checkpoint put where a newer one should be, and registered there
         step.rename(step.with_name("step_00000030"))
         snapshot = json.loads((step.parent / RAY_SNAPSHOT).read_text())
-        for result in [snapshot["latest_checkpoint_result"], *snapshot["checkpoint_results"]]:
+        for result in [snapshot["latest_checkpoint_result"], *snapshot.get("checkpoint_results", [])]:
             result["checkpoint_dir_name"] = result["checkpoint_dir_name"].replace(step.name, "step_00000030")
         (step.parent / RAY_SNAPSHOT).write_text(json.dumps(snapshot))
 
@@ -327,25 +337,6 @@ def test_export_refuses_a_tampered_checkpoint_before_reading_it(trained, tmp_pat
             f"{re.escape(str(other.run_dir))}, not step_{STEPS:08d} of {re.escape(str(run_dir))}",
         ):
             export_checkpoint(str(run_dir), str(tmp_path / "copy-out"))
-
-
-# Once, at restore's level (a worker group of the job): zero3's files go through the same verifying
-# fetch (signing.SignedCheckpoint), which the export test above refuses tampered for both strategies.
-@pytest.mark.parametrize("strategy,case", [("fsdp2", "pickle")])
-def test_restore_refuses_a_tampered_checkpoint(trained, assets, tmp_path, strategy, case):
-    from raytrain.errors import JobError
-
-    run = trained[strategy, "full"]  # its run directory, tampered with and continued past its last step
-    side_effect = tmp_path / "pwned"
-    with altered(run.run_dir) as run_dir:
-        tamper(run_dir / f"step_{STEPS:08d}", case, strategy, side_effect)
-        with pytest.raises(
-            JobError,
-            match=REFUSALS[case].format(shard=SHARD[strategy], pickled=PICKLED[strategy]).replace(".", r"\.")
-            + ".*Nothing in it was loaded",
-        ):
-            launcher.run(job(assets, run_dir.parent, strategy, "full", run.spec.name, steps=STEPS + 1))
-    assert not side_effect.exists()
 
 
 def _master_steps(rank: int, world: int, device, model: str, storage: str) -> dict:

@@ -355,6 +355,41 @@ def export(spec, strategy, out: str) -> None:
     strategy.export(out, tokenizer)
 
 
+def _fit_jobs(rank: int, world: int, device, jobs: list[tuple[str, dict, int]]) -> dict:
+    """On every rank: each job in turn from its checkpoint at step `start` (0: a fresh start) to its
+    max_steps, committing as the job does, then its final model exported by worker.export."""
+    from raytrain.job.spec import JobSpec
+    from raytrain.strategies import build_strategy
+    from raytrain.train import worker
+
+    out = {}
+    for spec_json, prepared, start in jobs:
+        spec = JobSpec.model_validate_json(spec_json)
+        torch_linear()  # zero3's F.linear is not the next job's
+        strategy = build_strategy(spec, device)
+        state = restore(strategy, step=start) if start else None
+        trained = train(spec, strategy, prepared, state=state)
+        worker.export(spec, strategy, CaptureLogger())
+        release(strategy)
+        out[f"{spec.name}/{spec.scaling.num_workers}"] = trained.steps
+    return out
+
+
+def fit_jobs(world: int, specs_and_starts: list[tuple[object, int]]) -> dict[str, dict[int, dict]]:
+    """Whole jobs, as `raytrain run` trains and exports them but without Ray, on one spawned group of
+    `world` CPU ranks for all of them (torch and the product imported once, not once a job): each
+    (spec, start step), its job file signed first as the driver signs it. Rank 0's per-step metrics
+    (what MLflow would get), by "name/num_workers"."""
+    from raytrain.rundir.job_file import write_job_file
+
+    jobs = []
+    for spec, start in specs_and_starts:
+        write_job_file(spec)  # the offline export rebuilds the job from it
+        jobs.append((spec.model_dump_json(), prepare_data(spec), start))
+    got = spawn(_fit_jobs, world, torch.device("cpu"), jobs)
+    return {name: {int(k): v for k, v in steps.items()} for name, steps in got.items()}
+
+
 # ------------------------------------------------------------------ models
 def model_files(folder: Path) -> list[Path]:
     return [
