@@ -5,6 +5,7 @@ after an asynchronous checkpoint registered (real driver processes, `python -m r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -139,9 +140,7 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     # Before: committed metrics were written on rank 0's training thread at every checkpoint; an
     # outage longer than MLflow's own retries failed rank 0, and every restart failed the same way.
     import ray
-    from mlflow.tracking import MlflowClient
 
-    from raytrain import cli
     from raytrain.driver import control
 
     inject_faults([{"at": "step", "step": "*", "rank": 0, "action": "pause", "seconds": 0.3}])
@@ -155,6 +154,21 @@ def test_training_goes_on_through_mlflow_outages_and_what_it_missed_is_written_l
     )
     before = {line: worker_said(line) for line in ("MLflow unreachable (", "MLflow reachable again")}
     thread, box = run_in_thread(spec)
+    try:
+        _outages(spec, thread, box, mlflow_server, before, capfd)
+    finally:  # a failed wait must not leave its 400-step job training beside the lane's next tests
+        if thread.is_alive():
+            with contextlib.suppress(Exception):
+                ray.get(control.find_actor(spec.run_dir).request_stop.remote("the test failed"), timeout=30)
+            thread.join(timeout=300)
+
+
+def _outages(spec, thread, box, mlflow_server, before, capfd):
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from raytrain import cli
+    from raytrain.driver import control
 
     # 1. Down over two checkpoints, then back: the job neither waits nor restarts, and writes the
     # steps MLflow missed once it is back.
@@ -269,9 +283,12 @@ def test_sync_metrics_of_a_folder_that_is_no_run_directory_says_so(tmp_path, cap
 class Driver:
     """`python -m raytrain run job.yaml` as a user's shell (or a RayJob) starts it."""
 
+    started: list[Driver] = []  # by the running test: `no_driver_left` ends those it left
+
     def __init__(self, job_file: Path, log: Path, address: str | None, *extra: str):
         """`address` None: no cluster to join, so the driver starts a local Ray instance of its own."""
         self.log = log
+        Driver.started.append(self)
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "raytrain", "run", str(job_file), *extra],
@@ -293,6 +310,25 @@ class Driver:
 
     def wait(self, timeout: float = 600) -> int:
         return self.proc.wait(timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def no_driver_left():
+    """A test that failed part-way must not leave its drivers (and a driver's own Ray instance, its
+    workers) training beside the lane's next tests: their load fails those too."""
+    import psutil
+
+    yield
+    for driver in Driver.started:
+        if driver.proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                family = [psutil.Process(driver.proc.pid), *psutil.Process(driver.proc.pid).children(recursive=True)]
+                for p in family:
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(signal.SIGCONT)  # a frozen one takes the kill too
+                        p.kill()
+            driver.proc.wait(timeout=60)
+    Driver.started.clear()
 
 
 def slow_job(inject_faults, assets, tmp_path, name: str, steps: int, keep_last: int, faults=()):
