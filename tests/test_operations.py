@@ -184,6 +184,11 @@ def _outages(spec, thread, box, mlflow_server, before, capfd):
         lambda: max((m.step for m in client.get_metric_history(run.info.run_id, "loss")), default=0) > back_from,
         what="the kept steps written",
     )
+    # ... and rank 0's writer retried and found it (its pause after a failed write doubles to 30 s, and
+    # the driver may write the kept steps first): the next outage is one of its own, not this one's.
+    wait_until(
+        lambda: worker_said("MLflow reachable again") > before["MLflow reachable again"], what="rank 0 to find MLflow"
+    )
 
     # 2. Down again until the job ends (stopped as `ray job stop` stops it): it ends by its training,
     # says where its metrics are kept, and `raytrain sync-metrics` writes them once MLflow is back.
