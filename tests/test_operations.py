@@ -94,7 +94,7 @@ class MlflowServer:
             except OSError:
                 return False
 
-        wait_until(up, 120, "mlflow server")
+        wait_until(up, 300, "mlflow server")  # a cold start under a loaded lane took over 120 s
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)  # gone at once, as a crashed or unreachable server
