@@ -109,8 +109,12 @@ def test_too_many_failures_fail_cleanly_with_checkpoints_intact(ray_address, inj
 
     from raytrain.tracking.mlflow_run import tracking_uri
 
-    inject_faults([{"at": "step", "step": 6, "rank": 0, "action": "exit"}])
     spec = job(assets, tmp_path / "runs", "exhausted", failure={"max_failures": 0})
+    # The kill waits until step 5's live loss reached MLflow (it is written in the background, best
+    # effort: a loaded lane once killed rank 0 before it did). What is checked is that a value
+    # MLflow shows live is never taken for a committed one, and that the commit stops at step 4.
+    live5 = {"tracking_uri": tracking_uri(spec), "run_dir": spec.run_dir, "step": 5}
+    inject_faults([{"at": "step", "step": 6, "rank": 0, "action": "exit", "after_live": live5}])
     with pytest.raises(
         JobError,
         match=r"1 worker failures \(preemptions and resizes not counted\) exceed "

@@ -18,7 +18,10 @@ S3 answers a client over its request rate (503 SlowDown), as pyarrow words it: R
 upload on that rank alone. A fault with
 "after_commit": {"run_dir": d, "step": j} first waits until Ray Train has registered the
 checkpoint of step j in d (its checkpoint_manager_snapshot.json names it): a kill that must
-come after a background upload committed. Each fault fires
+come after a background upload committed. One with "after_live": {"tracking_uri": u, "run_dir": d,
+"step": j} first waits until MLflow holds live/loss of step j for that job's run: live values are
+written in the background, best effort, and a kill that must come after one reached MLflow says
+so. Each fault fires
 once per job (a marker file in "dir" remembers it across restarts): "kill rank 1 after step 7"
 is a real process death at a known point, which a test compares bit for bit with an
 uninterrupted run. `"step": "*"` with "pause" slows every step (a chaos run lasts long enough
@@ -57,6 +60,8 @@ def fire(at: str, step: int, rank: int) -> None:
         marker.write_text(json.dumps(fault))
         if "after_commit" in fault:
             _wait_for_commit(**fault["after_commit"])
+        if "after_live" in fault:
+            _wait_for_live(**fault["after_live"])
         print(f"[test] fault injection: {fault['action']} rank {rank} at {at} of step {step}", flush=True)
         if fault["action"] == "exit":
             os._exit(1)
@@ -69,6 +74,20 @@ def fire(at: str, step: int, rank: int) -> None:
                 "When uploading part for key 'step': AWS Error SLOW_DOWN during UploadPart operation: "
                 "Please reduce your request rate. (HTTP 503, injected by the test)"
             )
+
+
+def _wait_for_live(tracking_uri: str, run_dir: str, step: int, timeout_s: float = 120) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client, deadline = MlflowClient(tracking_uri), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = client.search_runs(
+            [e.experiment_id for e in client.search_experiments()], f"tags.`raytrain.run_dir` = '{run_dir}'"
+        )
+        if any(m.step == step for r in runs for m in client.get_metric_history(r.info.run_id, "live/loss")):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"live/loss of step {step} did not reach MLflow within {timeout_s} s")
 
 
 def _wait_for_commit(run_dir: str, step: int, timeout_s: float = 120) -> None:
