@@ -192,4 +192,4 @@ def make_all(root: Path, rows: int, make_model, write_jsonl) -> None:
     )
     write_jsonl(root / "arithmetic.jsonl", arithmetic_rows(rows // 8, seed=4))
     write_jsonl(root / "games.jsonl", game_rows(rows // 8, seed=5))
-    write_jsonl(root / "tool-sft.jsonl", sft_rows(tok, rows // 4, seed=6))
+    write_jsonl(root / "tool-sft.jsonl", sft_rows(tok, rows, seed=6))  # 300 SFT steps of 16 see each ~once

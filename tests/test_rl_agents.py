@@ -34,16 +34,19 @@ from raytrain.job.agents import ACTOR_NAMESPACE, actor_prefix
 from raytrain.job.grpo import vllm_python
 from raytrain.job.spec import JobSpec
 
-# Issue #64 stays open on what these two show: the mechanics run end to end here (calls are made, parsed and
-# executed on the vLLM engine, episodes of several turns, the environment actors' pool), but the demo agent
-# does not learn either task yet (stop 66: the calculator's reward 0 at 9 of 10 steps, the calls copy
-# other numbers than the prompt's; the game's reward 0 after its first update), so "the reward rises" and
-# the resumes' equality on a moving policy are not shown. Skipped, visibly, until the fixture learns.
+# Issue #64 stays open on what these two show. The mechanics run end to end here (calls made, parsed and executed
+# on the vLLM engine, episodes of several turns, the environment actors' pool), and since stop 70 the demo agent
+# learns the calculator on engine hf: 300 SFT steps on 4000 rows (right answers, greedy, 0.00 of 40 at 60 steps,
+# 0.95 at 300), then jobs/grpo-tools.yaml at lr 3e-4 raises the sampled reward over 30 steps from 0.63 (mean of
+# steps 1-10) to 0.77 (steps 21-30), bit for bit the same at 1 and 2 ranks. On engine vllm (this test, 2 Ray
+# workers) the same job rose only 0.72 -> 0.75 (and 0.70 -> 0.74 at lr 1e-4): the assertion below fails, the
+# other assertions of A pass. Skipped, visibly, until the vLLM arm's difference is found; B and the game have not
+# run on the new recipe.
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skip(reason="#64 open: the demo agent does not learn the calculator or the game yet (stop 66)"),
+    pytest.mark.skip(reason="#64 open: on engine vllm the demo agent rises 0.72 -> 0.75 only (hf: 0.63 -> 0.77)"),
 ]
-STEPS = 10
+STEPS = 30
 KEYS = ("loss", "reward", "completions/mean_length", "tools/call_frequency", "tools/failure_frequency")
 
 
@@ -97,7 +100,7 @@ def test_calculator_episodes_on_vllm_learn_and_resume_exactly_after_a_kill_mid_e
     assert min(turns.values()) > 1.4, turns  # its results are read: a second turn follows most calls
     assert len(metric_history(a_spec, a_run.run_id, "time/tools_s")) == STEPS
     rewards = [a["reward"][s] for s in sorted(a["reward"])]
-    assert statistics.mean(rewards[-3:]) > statistics.mean(rewards[:3]) + 0.1, rewards
+    assert statistics.mean(rewards[-10:]) > statistics.mean(rewards[:10]) + 0.07, rewards  # 0.66 -> 0.82 at 1 rank, hf
     diff = metric_history(a_spec, a_run.run_id, "sampling/sampling_logp_difference/mean")
     assert max(diff.values()) < 1e-5, diff  # the engine's tokens and log-probs are the trainer's, turn after turn
 
