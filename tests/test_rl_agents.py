@@ -36,15 +36,14 @@ from raytrain.job.spec import JobSpec
 
 # Issue #64 stays open on what these two show. The mechanics run end to end here (calls made, parsed and executed
 # on the vLLM engine, episodes of several turns, the environment actors' pool), and since stop 70 the demo agent
-# learns the calculator on engine hf: 300 SFT steps on 4000 rows (right answers, greedy, 0.00 of 40 at 60 steps,
-# 0.95 at 300), then jobs/grpo-tools.yaml at lr 3e-4 raises the sampled reward over 30 steps from 0.63 (mean of
-# steps 1-10) to 0.77 (steps 21-30), bit for bit the same at 1 and 2 ranks. On engine vllm (this test, 2 Ray
-# workers) the same job rose only 0.72 -> 0.75 (and 0.70 -> 0.74 at lr 1e-4): the assertion below fails, the
-# other assertions of A pass. Skipped, visibly, until the vLLM arm's difference is found; B and the game have not
-# run on the new recipe.
+# can do the sums: 300 SFT steps on 4000 rows (right answers, greedy, 0.00 of 40 at 60 steps, 0.95 at 300). But
+# jobs/grpo-tools.yaml's 30 GRPO steps (lr 3e-4) raise the sampled reward on one draw of prompts (2000 rows:
+# 0.63 over steps 1-10 -> 0.77 over steps 21-30) and barely on this test's (500 rows: 0.72 -> 0.74 on engine hf,
+# 0.72 -> 0.75 on vllm; the same at 1 and 2 ranks): the rise below is not reliable yet, A's other assertions pass.
+# Skipped, visibly, until it is; B and the game have not run on the new recipe.
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skip(reason="#64 open: on engine vllm the demo agent rises 0.72 -> 0.75 only (hf: 0.63 -> 0.77)"),
+    pytest.mark.skip(reason="#64 open: the demo agent's reward rise is not reliable (0.72 -> 0.74 on these prompts)"),
 ]
 STEPS = 30
 KEYS = ("loss", "reward", "completions/mean_length", "tools/call_frequency", "tools/failure_frequency")
@@ -100,7 +99,7 @@ def test_calculator_episodes_on_vllm_learn_and_resume_exactly_after_a_kill_mid_e
     assert min(turns.values()) > 1.4, turns  # its results are read: a second turn follows most calls
     assert len(metric_history(a_spec, a_run.run_id, "time/tools_s")) == STEPS
     rewards = [a["reward"][s] for s in sorted(a["reward"])]
-    assert statistics.mean(rewards[-10:]) > statistics.mean(rewards[:10]) + 0.07, rewards  # 0.66 -> 0.82 at 1 rank, hf
+    assert statistics.mean(rewards[-10:]) > statistics.mean(rewards[:10]) + 0.07, rewards  # 0.63 -> 0.77 (2000 rows)
     diff = metric_history(a_spec, a_run.run_id, "sampling/sampling_logp_difference/mean")
     assert max(diff.values()) < 1e-5, diff  # the engine's tokens and log-probs are the trainer's, turn after turn
 
