@@ -122,7 +122,7 @@ LONGEST_FIRST = (  # lane-seconds of a clean-clone run at f6c4196 (--durations=0
     "test_operations.py",  # 781
     "test_fault_tolerance.py",  # 648
     "test_miniature_jobs.py",  # 476
-    "test_rl_agents.py",  # un-skipped at stop 70: 316 s alone (-n 0), its SFT fixture included
+    "test_rl_agents.py",  # un-skipped at stop 70: 463 s alone (-n 0), its SFT fixture included
     "test_vllm.py",  # 438
     "test_strategies.py",  # 370
     "test_preference.py",  # 268
