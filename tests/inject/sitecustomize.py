@@ -76,31 +76,39 @@ def fire(at: str, step: int, rank: int) -> None:
             )
 
 
+def _wait_until(reached, interval_s: float, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if reached():
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} within {timeout_s} s")
+
+
 def _wait_for_live(tracking_uri: str, run_dir: str, step: int, timeout_s: float = 120) -> None:
     from mlflow.tracking import MlflowClient
 
-    client, deadline = MlflowClient(tracking_uri), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    client = MlflowClient(tracking_uri)
+
+    def reached() -> bool:
         runs = client.search_runs(
             [e.experiment_id for e in client.search_experiments()], f"tags.`raytrain.run_dir` = '{run_dir}'"
         )
-        if any(m.step == step for r in runs for m in client.get_metric_history(r.info.run_id, "live/loss")):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"live/loss of step {step} did not reach MLflow within {timeout_s} s")
+        return any(m.step == step for r in runs for m in client.get_metric_history(r.info.run_id, "live/loss"))
+
+    _wait_until(reached, 0.2, timeout_s, f"live/loss of step {step} did not reach MLflow")
 
 
 def _wait_for_commit(run_dir: str, step: int, timeout_s: float = 120) -> None:
     snapshot, name = Path(run_dir, "checkpoint_manager_snapshot.json"), f"step_{step:08d}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def reached() -> bool:
         try:
-            if name in snapshot.read_text():
-                return
+            return name in snapshot.read_text()
         except FileNotFoundError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"the checkpoint of step {step} was not committed in {run_dir} within {timeout_s} s")
+            return False
+
+    _wait_until(reached, 0.05, timeout_s, f"the checkpoint of step {step} was not committed in {run_dir}")
 
 
 def _after_step(module) -> None:  # raytrain.train.preemption: every rank reports each finished step here
