@@ -6,9 +6,11 @@ workers) beside single-turn GRPO on the same engine (jobs/grpo-vllm.yaml).
 
 --model: the agent jobs/grpo-tools-sft.yaml exported (its final_model); without it the SFT job runs first,
 as shipped, on the quickstart's assets (built under benchmarks/.cache/agents). Each job runs as shipped but for
-its step count, on a fresh local Ray instance; the figures are MLflow's per-step `step_time_s`,
-`time/generation_s`, `time/tools_s`, `time/reward_s` and `time/rollout_s` (rank 0's), medians over the
-steps after the first 2 (the engines' start is the first step's). The update is the step less its rollout."""
+its step count, one after the other on one local Ray instance; the figures are MLflow's per-step `step_time_s`,
+`time/rollout_s`, `vllm/sync_s`, `time/generation_s`, `time/tools_s` and `time/reward_s` (rank 0's), medians
+over the steps after the first 2 (the engines' start is the first step's). The update is the step less its
+rollout. The two jobs keep their own shapes (single-turn: 16 tokens a completion; the agent: 48 over all its
+turns), so the mean completion length and generation_tokens_per_s are printed beside the seconds."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache" / "agents"
 WARMUP = 2
-KEYS = ("step_time_s", "time/rollout_s", "time/generation_s", "time/tools_s", "time/reward_s")
+KEYS = ("step_time_s", "time/rollout_s", "vllm/sync_s", "time/generation_s", "time/tools_s", "time/reward_s")
+SHAPE = ("completions/mean_length", "generation_tokens_per_s", "tools/call_frequency", "tools/turns_per_episode")
 
 
 def job(file: str, assets: Path, storage: Path, steps: int, **over) -> object:
@@ -49,7 +52,7 @@ def split(spec, run_id: str) -> dict:
 
     client = MlflowClient(tracking_uri(spec))
     out = {}
-    for key in KEYS:
+    for key in KEYS + SHAPE:
         history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         out[key] = statistics.median(v for s, v in history if s > WARMUP) if len(history) > WARMUP else None
     if out["step_time_s"] is not None and out["time/rollout_s"] is not None:
@@ -73,7 +76,8 @@ def main() -> None:
     ray.init(address="local", num_cpus=6, include_dashboard=False)
     model = args.model
     if model is None:
-        sft = job("grpo-tools-sft.yaml", assets, storage, 60, model={"path": str(assets / "model-tools")},
+        shipped = yaml.safe_load((ROOT / "jobs" / "grpo-tools-sft.yaml").read_text())["training"]["max_steps"]
+        sft = job("grpo-tools-sft.yaml", assets, storage, shipped, model={"path": str(assets / "model-tools")},
                   data={"path": str(assets / "tool-sft.jsonl")})  # fmt: skip
         launcher.run(sft)
         model = f"{sft.run_dir}/final_model"
@@ -107,6 +111,10 @@ def main() -> None:
     lines = [f"RL1 multi-turn, {args.steps} steps, medians after step {WARMUP} (s):"]
     for name, f in figures.items():
         lines.append(f"  {name:20s} " + "  ".join(f"{k} {v:.3f}" for k, v in f.items() if v is not None))
+    one, many = figures["single-turn"], figures["multi-turn, a tool"]
+    for key in ("step_time_s", "time/generation_s", "update_s"):
+        if one.get(key) and many.get(key):
+            lines.append(f"  multi-turn / single-turn {key}: {many[key] / one[key]:.2f}")
     text = "\n".join(lines)
     print(text)
     if args.log:

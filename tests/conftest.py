@@ -238,6 +238,15 @@ def inject_faults(ray_address, plan_file, tmp_path):
     plan_file.unlink(missing_ok=True)
 
 
+def mlflow_server_env() -> dict[str, str]:
+    """The plain MLFLOW_* settings k8s/mlflow.yaml gives `mlflow server` (not its secrets), so that the
+    tests' servers run as the deployed one does (its job runner off, for one)."""
+    docs = yaml.safe_load_all((REPO / "k8s" / "mlflow.yaml").read_text())
+    (deployment,) = [d for d in docs if d and d.get("kind") == "Deployment"]
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "mlflow"]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e and e["name"].startswith("MLFLOW_")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

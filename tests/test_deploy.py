@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import REPO, free_port, make_job
+from conftest import REPO, free_port, make_job, mlflow_server_env
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -82,6 +82,7 @@ def mlflow_server(tmp_path_factory):
     login = {"MLFLOW_TRACKING_USERNAME": "raytrain", "MLFLOW_TRACKING_PASSWORD": secrets.token_hex(12)}
     server_env = {
         **os.environ,
+        **mlflow_server_env(),
         "MLFLOW_AUTH_ADMIN_USERNAME": login["MLFLOW_TRACKING_USERNAME"],
         "MLFLOW_AUTH_ADMIN_PASSWORD": login["MLFLOW_TRACKING_PASSWORD"],
         "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port, make_job
+from conftest import free_port, make_job, mlflow_server_env
 
 BIN = Path(sys.executable).parent
 SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -83,6 +83,7 @@ class MlflowServer:
             stdout=log,
             stderr=log,
             cwd=self.root,
+            env={**os.environ, **mlflow_server_env()},
             start_new_session=True,
         )
 
@@ -94,7 +95,7 @@ class MlflowServer:
             except OSError:
                 return False
 
-        wait_until(up, 300, "mlflow server")  # a cold start under a loaded lane took over 120 s
+        wait_until(up, 300, "mlflow server")  # a cold start on a loaded lane: 130 s (446 s with its job runner)
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)  # gone at once, as a crashed or unreachable server
