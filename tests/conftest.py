@@ -117,27 +117,27 @@ def hub_cache(root: Path, *hub_ids: str) -> dict:
 # the next module when it is nearly done with its last. Most of a module's time is waiting on Ray, a
 # subprocess or a restart, so two lanes fill two cores where one left a fifth of them idle; the longest
 # modules go first (measured, `--durations`), so that none starts last and runs on alone.
-LONGEST_FIRST = (  # lane-seconds of a clean-clone run at f6c4196 (--durations=0), longest first
-    "test_combinations.py",  # 1192
-    "test_operations.py",  # 781
-    "test_fault_tolerance.py",  # 648
-    "test_miniature_jobs.py",  # 476
-    "test_rl_agents.py",  # un-skipped at stop 70: 463 s alone (-n 0), its SFT fixture included
-    "test_vllm.py",  # 438
-    "test_strategies.py",  # 370
-    "test_preference.py",  # 268
-    "test_deploy.py",  # 255
-    "test_elastic.py",  # 250
-    "test_rl.py",  # 237
-    "test_store.py",  # 133
-    "test_benchmarks_smoke.py",  # 127
-    "test_spine.py",  # 126
-    "test_meshes.py",  # 103
-    "test_mesh.py",  # 89
-    "test_qlora.py",  # 75
-    "test_supply_chain.py",  # 57
-    "test_loading.py",  # 54
-    "test_moe.py",  # 50
+LONGEST_FIRST = (  # lane-seconds of a clean-clone run at eb71ff9 (its lane summary; --durations=0 before that)
+    "test_combinations.py",  # 1237
+    "test_rl_agents.py",  # 1179, before its killed run stopped at step 10 (f3e9cb8)
+    "test_operations.py",  # 732
+    "test_fault_tolerance.py",  # 671
+    "test_vllm.py",  # 630
+    "test_miniature_jobs.py",  # 461
+    "test_deploy.py",  # 437
+    "test_strategies.py",  # 370 at f6c4196
+    "test_elastic.py",  # 352
+    "test_rl.py",  # 329
+    "test_preference.py",  # 324
+    "test_spine.py",  # 262
+    "test_qlora.py",  # 222
+    "test_store.py",  # 133 at f6c4196, and the rest
+    "test_benchmarks_smoke.py",
+    "test_meshes.py",
+    "test_mesh.py",
+    "test_supply_chain.py",
+    "test_loading.py",
+    "test_moe.py",
     "test_agents.py",
     "test_validate.py",
     "test_bad_rows.py",
@@ -164,13 +164,13 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """One line a lane: how long it was busy, when it went idle, its longest modules (to order
+    """One line a lane: how long it was busy, when it went idle, its modules of 30 s or more (to order
     LONGEST_FIRST by, and to see a lane that ran on alone)."""
     if not _LANES:
         return
     start = min(lane.get("first", 0) for lane in _LANES.values())
     for name, lane in sorted(_LANES.items()):
-        top = sorted(lane["modules"].items(), key=lambda kv: -kv[1])[:6]
+        top = [kv for kv in sorted(lane["modules"].items(), key=lambda kv: -kv[1]) if kv[1] >= 30]
         terminalreporter.write_line(
             f"lane {name}: busy {lane['busy']:.0f} s, idle from {lane.get('last', start) - start:.0f} s; "
             + ", ".join(f"{m.removeprefix('test_').removesuffix('.py')} {t:.0f}" for m, t in top)
