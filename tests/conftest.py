@@ -142,30 +142,6 @@ LONGEST_FIRST = (  # lane-seconds from the lane summary of a clean-clone run at 
     "test_validate.py",
     "test_bad_rows.py",
 )
-    "test_combinations.py",  # 1237
-    "test_rl_agents.py",  # 1179, before its killed run stopped at step 10 (f3e9cb8)
-    "test_operations.py",  # 732
-    "test_fault_tolerance.py",  # 671
-    "test_vllm.py",  # 630
-    "test_miniature_jobs.py",  # 461
-    "test_deploy.py",  # 437
-    "test_strategies.py",  # 370 at f6c4196
-    "test_elastic.py",  # 352
-    "test_rl.py",  # 329
-    "test_preference.py",  # 324
-    "test_spine.py",  # 262
-    "test_qlora.py",  # 222
-    "test_store.py",  # 133 at f6c4196, and the rest
-    "test_benchmarks_smoke.py",
-    "test_meshes.py",
-    "test_mesh.py",
-    "test_supply_chain.py",
-    "test_loading.py",
-    "test_moe.py",
-    "test_agents.py",
-    "test_validate.py",
-    "test_bad_rows.py",
-)
 
 
 def pytest_collection_modifyitems(items) -> None:
