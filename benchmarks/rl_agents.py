@@ -30,7 +30,9 @@ KEYS = ("step_time_s", "time/rollout_s", "vllm/sync_s", "time/generation_s", "ti
 SHAPE = ("completions/mean_length", "generation_tokens_per_s", "tools/call_frequency", "tools/turns_per_episode")
 
 
-def job(file: str, assets: Path, storage: Path, steps: int, **over) -> object:
+def job(file: str, assets: Path, storage: Path, steps: int | None, **over) -> object:
+    """jobs/<file> as shipped, on the benchmark's storage and experiment; `steps` (None: the shipped
+    max_steps) and `over` (deep-merged sections) change it."""
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import deep_merge
 
@@ -39,9 +41,8 @@ def job(file: str, assets: Path, storage: Path, steps: int, **over) -> object:
     raw = yaml.safe_load((ROOT / "jobs" / file).read_text())
     base = {
         "checkpoint": {"storage_path": str(storage), "every_n_steps": 1000},
-        "training": {"max_steps": steps},
         "tracking": {"experiment": "rl-agents"},
-    }
+    } | ({"training": {"max_steps": steps}} if steps is not None else {})
     return JobSpec.model_validate(deep_merge(deep_merge(raw, base), over))
 
 
@@ -76,8 +77,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=6, include_dashboard=False)
     model = args.model
     if model is None:
-        shipped = yaml.safe_load((ROOT / "jobs" / "grpo-tools-sft.yaml").read_text())["training"]["max_steps"]
-        sft = job("grpo-tools-sft.yaml", assets, storage, shipped, model={"path": str(assets / "model-tools")},
+        sft = job("grpo-tools-sft.yaml", assets, storage, None, model={"path": str(assets / "model-tools")},
                   data={"path": str(assets / "tool-sft.jsonl")})  # fmt: skip
         launcher.run(sft)
         model = f"{sft.run_dir}/final_model"

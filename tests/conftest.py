@@ -384,6 +384,12 @@ def metric_history(spec: JobSpec, run_id: str, key: str = "loss") -> dict[int, f
     return {m.step: m.value for m in history}
 
 
+def through(history: dict[int, float], step: int) -> dict[int, float]:
+    """A metric's history up to `step`: what a shorter run of the same job logs, where the schedule is
+    constant (a killed run that stops early is compared with the uninterrupted run so)."""
+    return {s: v for s, v in history.items() if s <= step}
+
+
 def file_hashes(folder: Path) -> dict[str, str]:
     """sha256sum of a model folder's weight files, by name."""
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob("*.safetensors"))}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, deep_merge, metric_history
+from conftest import REPO, deep_merge, metric_history, through
 
 from raytrain.driver import launcher
 from raytrain.job.agents import ACTOR_NAMESPACE, actor_prefix
@@ -103,7 +103,7 @@ def test_calculator_episodes_on_vllm_learn_and_resume_exactly_after_a_kill_mid_e
     b_run = launcher.run(b_spec)
     assert [(f["kind"], f["resumed_from"]) for f in b_run.goodput["failures"]] == [("failure", 5)]
     for k in KEYS:
-        assert metric_history(b_spec, b_run.run_id, k) == {s: v for s, v in a[k].items() if s <= RESUMED_TO}, k
+        assert metric_history(b_spec, b_run.run_id, k) == through(a[k], RESUMED_TO), k
     print(json.dumps({"A reward": a["reward"], "A calls": calls, "A turns": turns}))
 
 
