@@ -46,12 +46,11 @@ def job(assets, storage, name: str, **over) -> JobSpec:
 
 def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_at_another_world_size(tmp_path, assets):
     assert vllm_python().is_file(), f"no vLLM environment at {vllm_python()}: cluster/setup-local.sh builds it"
-    keys = ("reward",)
     logs = tmp_path / "samples"
     a_spec = job(assets, tmp_path / "runs", "vllm-a", data={"sample_log": str(logs / "a")})
     a_run = launcher.run(a_spec)
-    a = {k: metric_history(a_spec, a_run.run_id, k) for k in keys}
-    rewards = [a["reward"][s] for s in sorted(a["reward"])]
+    reward = metric_history(a_spec, a_run.run_id, "reward")
+    rewards = [reward[s] for s in sorted(reward)]
     assert len(rewards) == STEPS and statistics.mean(rewards[-4:]) > statistics.mean(rewards[:4]) + 0.15, rewards
     diff = metric_history(a_spec, a_run.run_id, "sampling/sampling_logp_difference/mean")
     assert len(diff) == STEPS and max(diff.values()) < AGREE, diff
@@ -105,7 +104,7 @@ def test_vllm_rollouts_learn_stay_synced_every_step_and_resume_at_another_world_
     for s in (6, 7):
         assert sorted(r_rows[s]["samples"]) == sorted(a_rows[s]["samples"]) and len(r_rows[s]["samples"]) == 8, s
     r = metric_history(r_spec, r_run.run_id, "reward")
-    print(json.dumps({"A reward": a["reward"], "resized 2 -> 1 reward": r, "A logp diff": diff, "L logp diff": l_diff}))
+    print(json.dumps({"A reward": reward, "resized 2 -> 1 reward": r, "A logp diff": diff, "L logp diff": l_diff}))
 
 
 def test_validates_list_of_what_vllm_runs_is_the_installed_registrys():

@@ -79,8 +79,10 @@ def matches(target: str, name: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-@functools.lru_cache(maxsize=1 << 16)  # a model's names come back at every decision (1.1M calls, 22 s, in the
-def group_of(name: str) -> str:  # combinations' covering set): seven regex searches each, once a name
+# Cached: a model's names come back at every decision, and each is up to seven regex searches (the
+# combinations' covering set made 1.1M calls, 22 s, uncached).
+@functools.lru_cache(maxsize=1 << 16)
+def group_of(name: str) -> str:
     """Which of GROUPS a parameter or module (the base model's dotted name) belongs to."""
     leaf_module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
     if re.search(r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_in|embed_positions)(\.|$)", name):

@@ -120,8 +120,8 @@ RAY_WORKER_NICENESS = 15
 
 def _spawned(rank: int, fn, world: int, device_type: str, rendezvous: str, out: str, args: tuple) -> None:
     os.nice(max(0, RAY_WORKER_NICENESS - os.nice(0)))  # as a Ray training worker runs: the same share of a core
-    if device_type == "cpu":  # and its thread pool (train/worker.py sizes it to its 1-CPU share): torch sized it
-        torch.set_num_threads(1)  # to the cores, and 4 ranks x 2 spinning threads on 2 cores oversubscribe them
+    if device_type == "cpu":  # and its thread pool, which train/worker.py sizes to its 1-CPU share: torch sized
+        torch.set_num_threads(1)  # it to the cores, and 4 ranks x 2 threads on 2 cores oversubscribe them
     device = init_group(torch.device(device_type), rank, world, rendezvous)
     try:
         result = fn(rank, world, device, *args)
