@@ -313,3 +313,40 @@ def actor_start_times() -> dict[str, float]:
         if row.get("StartTime"):
             out[f"{row.get('ActorClassName') or row.get('Name')} ({actor_id[:6]})"] = row["StartTime"] / 1000
     return out
+
+
+# --- Ray: the train workers' launcher (train/forkserver.py) ---------------------------------
+def ray_worker_modules() -> tuple[str, ...]:
+    """What Ray's worker process imports before it takes a task: default_worker.py's own imports (the file
+    parses its arguments when imported) and Ray Train's worker actor, which its first task unpickles. The
+    fork server imports them once a node."""
+    return (
+        "ray",
+        "ray._private.node",
+        "ray._private.ray_constants",
+        "ray._private.utils",
+        "ray.actor",
+        "ray._private.async_compat",
+        "ray._private.parameter",
+        "ray._private.ray_logging",
+        "ray._private.runtime_env.setup_hook",
+        "ray._raylet",
+        "ray.train.v2._internal.execution.worker_group.worker",
+    )
+
+
+def ray_worker_file() -> str:
+    """Ray's default_worker.py, the one program the fork server runs (the raylet names it to the launcher)."""
+    import os
+
+    import ray
+
+    return os.path.realpath(os.path.join(os.path.dirname(ray.__file__), "_private", "workers", "default_worker.py"))
+
+
+def ray_train_propagated_env() -> frozenset[str]:
+    """The variables Ray Train copies from the driver into each worker's environment (its controller reads
+    them when called, not at import): the fork server's key leaves them out (forkserver._NOT_KEYED)."""
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+
+    return frozenset(ENV_VARS_TO_PROPAGATE)

@@ -375,6 +375,19 @@ def without_checkpoint(run_dir, step: int):
         yield here.parent
 
 
+def warm_forkserver(spec: JobSpec, timeout_s: float = 300) -> None:
+    """Wait until this lane's node forks `spec`'s workers from its warm server (train/forkserver.py): the
+    driver's warm-up tasks, until one runs forked."""
+    import ray
+
+    from raytrain.driver.worker_env import warm_nodes
+
+    deadline = time.time() + timeout_s
+    while not all(ray.get(warm_nodes(spec))):
+        assert time.time() < deadline, "the node's fork server did not become ready"
+        time.sleep(1)
+
+
 def metric_history(spec: JobSpec, run_id: str, key: str = "loss") -> dict[int, float]:
     from mlflow.tracking import MlflowClient
 

@@ -38,8 +38,8 @@ BELOW = {
     "driver": {"job", "rundir", "model", "data", "tracking", "train"},
 }
 # The doors from the driver into the workers' code, torch-free: the train function (it imports the
-# worker inside) and the process group's setup.
-DRIVER_INTO_TRAIN = {"raytrain.train.entry", "raytrain.train.process_group"}
+# worker inside), the process group's setup and the workers' launcher (their py_executable).
+DRIVER_INTO_TRAIN = {"raytrain.train.entry", "raytrain.train.process_group", "raytrain.train.forkserver"}
 # What runs without torch: validate, the run directory, the driver (and all they import).
 TORCH_FREE = (
     "raytrain.job",
@@ -54,6 +54,7 @@ TORCH_FREE = (
     "raytrain.model.targets",
     "raytrain.model.chat_templates",
     "raytrain.train.entry",
+    "raytrain.train.forkserver",
     "raytrain.train.preemption",
     "raytrain.train.process_group",
 )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Planted, file_hashes, make_job, metric_history
+from conftest import Planted, file_hashes, make_job, metric_history, warm_forkserver
 
 from raytrain.driver import launcher
 from raytrain.train.export import export_checkpoint, latest_checkpoint
@@ -31,6 +31,7 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     from raytrain.tracking.mlflow_run import tracking_uri
 
     spec = make_job(assets, tmp_path / "runs", training={"max_steps": 20}, optimizer={"lr": 1e-2})
+    warm_forkserver(spec)  # the node's fork server is up (a job's first workers start as Ray starts them)
     result = launcher.run(spec)
 
     # Loss falls on learnable data, and MLflow has every step of it in one finished run.
@@ -51,7 +52,9 @@ def test_lora_fsdp2_trains_checkpoints_exports_and_tracks(ray_address, assets, t
     }
     assert 0 < memory["workers"] < memory["model"] and list(memory.values()) == sorted(memory.values()), memory
     # CPU workers run mimalloc (allocator.py): their own mappings say so, not just the variable asked for.
+    # Forked from the node's warm server (train/forkserver.py), they keep the allocator of their launchers.
     assert run.data.tags["raytrain.host_allocator"] == "mimalloc"
+    assert run.data.tags["raytrain.worker_start"] == "forked"
     # What ran the step: on CPU workers sdpa with masks (torch's varlen kernel is a GPU's), blocks not
     # compiled (training.compile auto is a GPU's), and LoRA's frozen output layer whole on each worker:
     # split by rows over the two it would cost this tiny model more than it saves (plan.splits_vocabulary).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from raytrain.data import prepare
 from raytrain.driver import control
 from raytrain.driver.trainer import build_trainer
-from raytrain.driver.worker_env import controller_env, relay_secrets
+from raytrain.driver.worker_env import controller_env, relay_secrets, warm_nodes
 from raytrain.errors import JobError, forward_worker_stdout_only, user_message
 from raytrain.job.agents import ACTOR_NAMESPACE, actor_prefix
 from raytrain.job.spec import JobSpec
@@ -138,6 +138,7 @@ def run(spec: JobSpec, address: str | None = None, takeover: bool = False) -> Jo
         seeding = pool.submit(mlflow_run.seed_store, spec)
         connect(spec, address)
         timeline.mark("ray")
+        warm_nodes(spec)  # the nodes' fork servers import a worker's modules while the run is opened
         seeding.result()
     # The lease first: a second driver of a running job is refused before it changes anything
     # (the run snapshot, job.json, the MLflow run's status).

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from raytrain import allocator, private_apis
 from raytrain.job.spec import JobSpec
 from raytrain.rundir import signing
+from raytrain.train import forkserver
 from raytrain.train.entry import GRACE_ENV, KEY_ID_ENV, SETUP_HOOK, WANTED_ENV
 
 # Read by Ray Train's controller, which inherits them from the driver's environment.
@@ -96,4 +99,42 @@ def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
     # `worker_process_setup_hook` into this variable only in ray.init; for the train workers'
     # own env we set it directly.
     env[private_apis.worker_setup_hook_variable()] = SETUP_HOOK
-    return {"env_vars": env}
+    return {"env_vars": env, **launcher(os.environ)}
+
+
+FORKSERVER_ENV = "RAYTRAIN_FORKSERVER"  # "0": every worker a fresh interpreter, as Ray starts it
+
+
+def launcher(submitted: Mapping[str, str]) -> dict:
+    """The workers' py_executable: train/forkserver.py forks each worker from a process per node that imported
+    what a worker needs once (a start or restart without ~8 CPU-seconds of imports a worker). Linux only (its
+    abstract sockets); the submitter's RAYTRAIN_FORKSERVER=0 turns it off. The path is the driver's, as the
+    allocator's is: the nodes of a cluster run one image."""
+    if sys.platform != "linux" or submitted.get(FORKSERVER_ENV, "1") == "0":
+        return {}
+    return {"py_executable": f"{sys.executable} -I -S {forkserver.__file__}"}
+
+
+def warm_nodes(spec: JobSpec) -> list:
+    """Start the fork server (train/forkserver.py) on each node that can hold this job's workers, while the
+    driver opens the run and Ray Train starts its controller: one zero-CPU task a node in the workers'
+    environment, not waited for. A node's server then imports what a worker needs once, and the workers it
+    forks skip those imports. Each task runs in a process of its own (max_calls=1) that exits after it, so its
+    result (whether it was forked: the server was ready) says the node's state; a caller may wait on them."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    env = runtime_env(spec)
+    if "py_executable" not in env:
+        return []
+    need = {"CPU": spec.scaling.cpus_per_worker, **spec.scaling.resources_per_worker}
+    if spec.scaling.use_gpu:
+        need["GPU"] = 1
+    task = ray.remote(num_cpus=0, max_calls=1, max_retries=0)(forkserver.forked)
+    return [
+        task.options(
+            runtime_env=env, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        ).remote()
+        for node in ray.nodes()
+        if node["Alive"] and all(node["Resources"].get(k, 0) >= v for k, v in need.items())
+    ]

@@ -15,7 +15,7 @@ import os
 import threading
 
 from raytrain.rundir import signing
-from raytrain.train import preemption
+from raytrain.train import forkserver, preemption
 
 # Names and ids only, never a value: these are in the workers' runtime_env.
 WANTED_ENV = "RAYTRAIN_SECRETS_WANTED"  # the secret names set on the driver, comma-separated
@@ -66,9 +66,7 @@ def setup_worker() -> None:
     _preimporting.start()
 
 
-# What every train worker imports before its first step, slowest last (measured on a CPU worker:
-# torch 1.7 s, raytrain's worker 0.5 s, transformers' modelling 3.9 s, peft 0.5 s).
-PREIMPORT = ("torch", "raytrain.train.worker", "transformers.modeling_utils", "peft")
+PREIMPORT = forkserver.STEP_IMPORTS  # a forked worker has them already: the thread then finds them imported
 
 
 _preimporting: threading.Thread | None = None

@@ -23,7 +23,7 @@ from raytrain.rundir.job_file import verify_plan
 from raytrain.strategies import build_strategy
 from raytrain.tracking.step_metrics import StepLogger
 from raytrain.tracking.timeline import STEADY_AFTER, Timeline, host_memory_mb
-from raytrain.train import checkpoint, loop
+from raytrain.train import checkpoint, forkserver, loop
 from raytrain.train.preemption import Preempted
 
 
@@ -175,6 +175,7 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then, kernels
     also says which host allocator the workers run, as their own mappings show (allocator.py), and
     which kernels run the step (`Strategy.kernel_line`: the attention kernel, the loss, compiled blocks)."""
     steps, host_allocator = [0], allocator.in_use()  # a process's allocator is fixed at its start
+    began = "forked" if os.environ.get(forkserver.FORKED_ENV) else "fresh"  # train/forkserver.py, or Ray's own start
 
     def on_step(state, batch) -> None:
         steps[0] += 1
@@ -182,13 +183,16 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then, kernels
             phase = "step_1" if steps[0] == 1 else "steps"
             timeline.mark(phase)
             every_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(every_rank, (timeline.memory, host_allocator))  # twice an attempt
-            timeline.with_busiest([memory for memory, _ in every_rank])
+            dist.all_gather_object(every_rank, (timeline.memory, host_allocator, began))  # twice an attempt
+            timeline.with_busiest([memory for memory, _, _ in every_rank])
             if attempt:
                 if phase == "step_1":
-                    allocators = ",".join(sorted({name for _, name in every_rank}))
-                    line = f"{timeline.line(attempt)} (host allocator: {allocators}; kernels: {kernels})"
-                    logger.set_tags({"raytrain.host_allocator": allocators, "raytrain.kernels": kernels})
+                    allocators = ",".join(sorted({name for _, name, _ in every_rank}))
+                    starts = ",".join(sorted({how for _, _, how in every_rank}))
+                    tags = {"host_allocator": allocators, "worker_start": starts, "kernels": kernels}
+                    said = f"host allocator: {allocators}; workers {starts}; kernels: {kernels}"
+                    line = f"{timeline.line(attempt)} ({said})"
+                    logger.set_tags({f"raytrain.{k}": v for k, v in tags.items()})
                 else:
                     line = timeline.steps_line()
                 print(f"[raytrain] {line}", file=sys.stdout, flush=True)

@@ -1,0 +1,119 @@
+"""train/forkserver.py, the train workers' launcher, as the raylet runs it (`python -I -S forkserver.py
+default_worker.py ARGS`), against Ray's real default_worker.py and a stand-in raylet (a process whose pid the
+launcher's environment names, as the raylet's does): the first launcher starts the node's server and runs the
+worker as Ray would; once the server has imported a worker's modules, the next one is forked, with the
+launcher's streams and exit code; the server goes with its raylet. `--help` makes the worker print its usage
+and exit, which is all of a worker that runs without a cluster. What the server refuses to fork (another
+program than Ray's worker, another environment, a file it imported that changed since) is checked on its rule.
+A train job's workers forked from a warm server are tests/test_spine.py's (the MLflow run's
+`raytrain.worker_start`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from raytrain import private_apis
+from raytrain.train import forkserver
+
+WORKER = Path(ray.__file__).parent / "_private" / "workers" / "default_worker.py"
+
+
+def launch(env: dict, logs: Path) -> subprocess.CompletedProcess:
+    args = [f"--temp-dir={logs.parent.parent}", f"--session-name={logs.parent.name}", "--help"]
+    return subprocess.run(
+        [sys.executable, "-I", "-S", forkserver.__file__, str(WORKER), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def ready(key: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(forkserver._address(key))
+        except OSError:
+            return False
+    return True
+
+
+def servers(key: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if key.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_workers_fork_from_a_warm_server_with_their_launchers_streams_and_it_goes_with_its_raylet(tmp_path):
+    logs = tmp_path / "ray" / "session_test" / "logs"
+    logs.mkdir(parents=True)
+    raylet = subprocess.Popen(["sleep", "600"])
+    env = {**os.environ, "RAY_RAYLET_PID": str(raylet.pid)}
+    key = forkserver._key(env)
+    log = logs / f"raytrain-forkserver-{key}.log"
+    try:
+        first = launch(env, logs)  # no server yet: this one starts it, and the worker starts as Ray starts it
+        assert first.returncode == 0 and "usage: default_worker.py" in first.stdout, first
+        deadline = time.time() + 240
+        while not ready(key):  # the server's imports: torch, transformers, peft, Ray Train's worker
+            assert time.time() < deadline and servers(key), log.read_text() if log.exists() else "no server log"
+            time.sleep(0.5)
+        (server,) = servers(key)
+        forked = launch(env, logs)
+        assert forked.returncode == 0 and forked.stdout == first.stdout, forked  # its streams are the launcher's
+        assert log.read_text().count("forked worker") == 1
+    finally:
+        raylet.kill()
+        raylet.wait()
+    deadline = time.time() + 30
+    while server in servers(key):
+        assert time.time() < deadline
+        time.sleep(0.2)
+
+
+def test_the_server_forks_only_ray_workers_of_its_user_and_environment_on_the_files_it_imported(tmp_path):
+    module = tmp_path / "imported.py"
+    module.write_text("x = 1\n")
+    files = {str(module): (module.stat().st_mtime_ns, module.stat().st_size)}
+    env = dict(os.environ)
+    sys.argv, argv = ["forkserver.py", "--serve", forkserver._key(env)], sys.argv  # as the server runs
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # a peer of this user
+    try:
+        request = {"worker": str(WORKER), "env": env}
+        assert forkserver._refusal(ours, request, files) is None
+        assert forkserver._refusal(ours, {**request, "worker": str(module)}, files) == "not Ray's default_worker.py"
+        assert forkserver._refusal(ours, {**request, "env": {**env, "LD_PRELOAD": "x"}}, files) == "another environment"
+        module.write_text("x = 2\n")  # an upgrade or an edit under a running server
+        assert forkserver._refusal(ours, request, files) == f"changed since it was imported: {module}"
+    finally:
+        sys.argv = argv
+        ours.close()
+        theirs.close()
+
+
+def test_the_server_key_takes_what_imports_read_and_leaves_per_job_values():
+    # What Ray Train copies into its workers is per job (a timeout, a health-check interval) and read when called.
+    assert not [name for name in private_apis.ray_train_propagated_env() if forkserver.keyed(name)]
+    env = {"PATH": "/usr/bin", "LD_PRELOAD": "/lib/libmimalloc.so", "RAY_RAYLET_PID": "7", "HOME": "/root"}
+    same = {
+        **env,
+        "RAY_JOB_ID": "05000000",
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",
+        "RAYTRAIN_KEY_ID": "salt:id",
+        "PYTEST_CURRENT_TEST": "x",
+    }
+    assert forkserver._key(same) == forkserver._key(env)
+    for name, value in [("LD_PRELOAD", ""), ("RAY_RAYLET_PID", "8"), ("HF_HUB_OFFLINE", "1"), ("PYTHONPATH", "/x")]:
+        assert forkserver._key({**env, name: value}) != forkserver._key(env), name
