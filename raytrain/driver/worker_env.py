@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
     return {"env_vars": env, **launcher(os.environ)}
 
 
-FORKSERVER_ENV = "RAYTRAIN_FORKSERVER"  # "0": every worker a fresh interpreter, as Ray starts it
+FORKSERVER_ENV = "RAYTRAIN_FORKSERVER"  # 0 (or false, off, no): every worker a fresh interpreter, as Ray starts it
 
 
 def launcher(submitted: Mapping[str, str]) -> dict:
@@ -110,9 +111,9 @@ def launcher(submitted: Mapping[str, str]) -> dict:
     what a worker needs once (a start or restart without ~8 CPU-seconds of imports a worker). Linux only (its
     abstract sockets); the submitter's RAYTRAIN_FORKSERVER=0 turns it off. The path is the driver's, as the
     allocator's is: the nodes of a cluster run one image."""
-    if sys.platform != "linux" or submitted.get(FORKSERVER_ENV, "1") == "0":
+    if sys.platform != "linux" or submitted.get(FORKSERVER_ENV, "").strip().lower() in ("0", "false", "off", "no"):
         return {}
-    return {"py_executable": f"{sys.executable} -I -S {forkserver.__file__}"}
+    return {"py_executable": f"{shlex.quote(sys.executable)} -I -S {shlex.quote(forkserver.__file__)}"}  # a bash line
 
 
 def warm_nodes(spec: JobSpec) -> list:
