@@ -289,15 +289,51 @@ def torch_framework():
     return TrainingFramework.TORCH
 
 
-def trainer_without_datasets(**kwargs):
+def trainer_without_datasets(controller_runtime_env: dict | None = None, **kwargs):
     """Ray Train v2's DataParallelTrainer less its datasets callback: Ray starts a DatasetManager actor
-    for every trainer, datasets or none, and a job that reads its token store itself has none."""
+    for every trainer, datasets or none, and a job that reads its token store itself has none.
+
+    `controller_runtime_env` is given to its controller as well, and so to the actors the controller starts
+    (the synchronization actor, the placement-group cleaner, the preemption watcher: they inherit it): Ray
+    Train gives the controller its own propagated variables and nothing else (its
+    `_initialize_and_run_controller`, copied here with that one change), so the controller could not start
+    as the workers do (driver/worker_env.launcher)."""
+    import threading
+
+    import ray
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2._internal.constants import (
+        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+        get_env_vars_to_propagate,
+    )
+    from ray.train.v2._internal.execution.controller import TrainController
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     class Trainer(DataParallelTrainer):
         def _create_default_callbacks(self):
             return [c for c in super()._create_default_callbacks() if not isinstance(c, DatasetsCallback)]
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if not controller_runtime_env:
+                return super()._initialize_and_run_controller(**controller_init_kwargs)
+            env_vars = get_env_vars_to_propagate()
+            env_vars.setdefault(
+                RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
+            )
+            runtime_env = {
+                **controller_runtime_env,
+                "env_vars": {**controller_runtime_env.get("env_vars", {}), **env_vars},
+            }
+            controller = ray.remote(
+                num_cpus=0,
+                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+                runtime_env=runtime_env,
+            )(TrainController).remote(**controller_init_kwargs)
+            if threading.current_thread() is threading.main_thread():
+                self._register_sigint_handler(controller)
+            ray.get(controller.run.remote())
+            return ray.get(controller.get_result.remote())
 
     return Trainer(**kwargs)
 
@@ -318,8 +354,9 @@ def actor_start_times() -> dict[str, float]:
 # --- Ray: the train workers' launcher (train/forkserver.py) ---------------------------------
 def ray_worker_modules() -> tuple[str, ...]:
     """What Ray's worker process imports before it takes a task: default_worker.py's own imports (the file
-    parses its arguments when imported) and Ray Train's worker actor, which its first task unpickles. The
-    fork server imports them once a node."""
+    parses its arguments when imported), and the classes of Ray Train's actors a job starts from the fork
+    server (its worker, its controller and the controller's synchronization actor, placement-group cleaner
+    and preemption watcher), which their first task unpickles. The fork server imports them once a node."""
     return (
         "ray",
         "ray._private.node",
@@ -332,6 +369,10 @@ def ray_worker_modules() -> tuple[str, ...]:
         "ray._private.runtime_env.setup_hook",
         "ray._raylet",
         "ray.train.v2._internal.execution.worker_group.worker",
+        "ray.train.v2._internal.execution.controller.controller",
+        "ray.train.v2._internal.execution.checkpoint.sync_actor",
+        "ray.train.v2._internal.execution.controller.placement_group_cleaner",
+        "ray.train.v2._internal.execution.preemption",
     )
 
 

@@ -34,13 +34,14 @@ def build_trainer(
         resources_per_worker={"CPU": spec.scaling.cpus_per_worker, **spec.scaling.resources_per_worker},
         elastic_resize_monitor_interval_s=spec.scaling.resize_check_interval_s,
     )
+    workers_env = runtime_env(spec, relay.env if relay else None)
     run = RunConfig(
         name=spec.name,
         storage_path=spec.checkpoint.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last),
         # Ray restarts without limit; raytrain's control actor decides what counts (control.py).
         failure_config=FailureConfig(max_failures=-1),
-        worker_runtime_env=runtime_env(spec, relay.env if relay else None),
+        worker_runtime_env=workers_env,
     )
     # No Ray Data inside the training workers: each rank reads its rows of each global batch straight
     # from the prepared token store (raytrain/data/), so the trainer has no datasets, and no dataset
@@ -53,6 +54,8 @@ def build_trainer(
         "timeline": (timeline or Timeline()).to_config(),
     }
     return private_apis.trainer_without_datasets(
+        # Ray Train's controller and the actors it starts fork from the workers' server too (the same environment).
+        controller_runtime_env=workers_env if "py_executable" in workers_env else None,
         train_loop_per_worker=entry.train_func,
         train_loop_config=config,
         scaling_config=scaling,
