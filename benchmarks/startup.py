@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER_IMPORTS = ("torch", "raytrain.train.worker", "transformers.modeling_utils", "peft")
 
 
 def one_job(folder: Path) -> None:
@@ -42,9 +41,11 @@ def one_job(folder: Path) -> None:
 
 
 def imports() -> None:
+    from raytrain.train.forkserver import STEP_IMPORTS
+
     code = "import time, importlib\n" + "".join(
         f"t = time.time(); importlib.import_module({m!r}); print({m!r}, round(time.time() - t, 2))\n"
-        for m in WORKER_IMPORTS
+        for m in STEP_IMPORTS
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     print("[startup] a worker's imports, one after the other (s): " + "; ".join(out.split("\n")[:-1]), flush=True)

@@ -391,3 +391,24 @@ def ray_train_propagated_env() -> frozenset[str]:
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
 
     return frozenset(ENV_VARS_TO_PROPAGATE)
+
+
+def actor_class_ids_from_urandom() -> None:
+    """In the fork server, before it imports anything of Ray Train: Ray's C++ `FillRandom` seeds one static
+    generator at its first call, and processes forked after that call share its sequence, so sibling workers
+    make the same "random" ids (seen: two workers' plasma warm-up objects alike, `Check failed: WarmupStore()`,
+    and an actor's `Check failed: erased == 1`). Defining an actor class is such a call
+    (`ray.actor._make_actor`: `ActorClassID.from_random()`), and Ray Train's and Ray Data's modules define
+    actor classes as they load. The server makes those ids from os.urandom instead, so the generator first
+    runs, and is seeded, in each child."""
+    import os
+
+    import ray.actor
+    from ray._raylet import ActorClassID
+
+    class FromUrandom(ActorClassID):
+        @classmethod
+        def from_random(cls):
+            return ActorClassID(os.urandom(ActorClassID.size()))
+
+    ray.actor.ActorClassID = FromUrandom

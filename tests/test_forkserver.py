@@ -117,3 +117,34 @@ def test_the_server_key_takes_what_imports_read_and_leaves_per_job_values():
     assert forkserver._key(same) == forkserver._key(env)
     for name, value in [("LD_PRELOAD", ""), ("RAY_RAYLET_PID", "8"), ("HF_HUB_OFFLINE", "1"), ("PYTHONPATH", "/x")]:
         assert forkserver._key({**env, name: value}) != forkserver._key(env), name
+
+
+RANDOM_IDS = """
+import os, sys
+from raytrain import private_apis
+if sys.argv[1] == "server":
+    private_apis.actor_class_ids_from_urandom()  # what the fork server does before its imports
+import ray.train  # defines actor classes as it loads
+from ray._raylet import ObjectID
+ids = []
+for _ in range(2):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.write(w, ObjectID.from_random().binary())
+        os._exit(0)
+    os.close(w)
+    ids.append(os.read(r, 64))
+    os.wait()
+print("same" if ids[0] == ids[1] else "different")
+"""
+
+
+def test_forked_workers_make_their_own_random_ids():
+    """Ray's C++ id generator is seeded at its first call; children forked after it make each other's ids."""
+    said = {
+        how: subprocess.run(
+            [sys.executable, "-c", RANDOM_IDS, how], capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+        for how in ("plain", "server")
+    }
+    assert said == {"plain": "same", "server": "different"}, said

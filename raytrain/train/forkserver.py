@@ -15,6 +15,7 @@ containers), so nothing of Ray's bookkeeping changes.
 What makes a fork safe here, each checked before it is made, else the launcher execs Ray's worker as Ray
 would (a slower start, never a failed one):
 - the server runs no Python thread but its main one, and no torch op (OpenMP's pool starts at first use);
+- Ray's C++ id generator is first seeded in each child, not in the server (private_apis.actor_class_ids_from_urandom);
 - no file it imported changed since (an upgrade, an edit): then it exits, and the next launcher starts a new one;
 - the environment that imports read (`_key`) is the server's own: other values get another server;
 - only Ray's own default_worker.py is run, for a peer of the same user (SO_PEERCRED).
@@ -281,6 +282,7 @@ def _preload() -> None:
 
     from raytrain import private_apis
 
+    private_apis.actor_class_ids_from_urandom()  # else every child makes its siblings' "random" ids
     for name in (*private_apis.ray_worker_modules(), "raytrain.train.entry", *STEP_IMPORTS):
         try:
             importlib.import_module(name)
