@@ -109,13 +109,18 @@ def test_the_server_key_takes_what_imports_read_and_leaves_per_job_values():
     env = {"PATH": "/usr/bin", "LD_PRELOAD": "/lib/libmimalloc.so", "RAY_RAYLET_PID": "7", "HOME": "/root"}
     same = {
         **env,
-        "RAY_JOB_ID": "05000000",
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",
         "RAYTRAIN_KEY_ID": "salt:id",
         "PYTEST_CURRENT_TEST": "x",
     }
     assert forkserver._key(same) == forkserver._key(env)
-    for name, value in [("LD_PRELOAD", ""), ("RAY_RAYLET_PID", "8"), ("HF_HUB_OFFLINE", "1"), ("PYTHONPATH", "/x")]:
+    for name, value in [
+        ("LD_PRELOAD", ""),
+        ("RAY_RAYLET_PID", "8"),
+        ("RAY_JOB_ID", "05000000"),  # `import ray` reads it into Ray's C++ config: a server serves one job
+        ("HF_HUB_OFFLINE", "1"),
+        ("PYTHONPATH", "/x"),
+    ]:
         assert forkserver._key({**env, name: value}) != forkserver._key(env), name
 
 

@@ -5,8 +5,9 @@ worker and raytrain's worker already imported, where Ray would start a fresh int
 Ray runs a worker as `<py_executable> default_worker.py ARGS`; the workers' runtime_env names this file as
 that executable (driver/worker_env.py). Run so (`python -I -S forkserver.py default_worker.py ARGS`, the
 standard library only), it is the *launcher*: it asks the node's *fork server* for a worker and stands in
-for it until it exits. The fork server is one process a node and an environment: the launcher that finds
-none starts it (it binds its socket, then imports what a worker needs once), and it lives while its raylet does.
+for it until it exits. The fork server is one process a job, a node and an environment: the launcher that finds
+none starts it (it imports what a worker needs once, then binds its socket), and it lives while its job runs on
+its raylet.
 For each request it forks a child that takes the launcher's environment, working directory, standard
 streams and niceness, and runs Ray's default_worker.py as Ray would have. The child reports its own pid
 when it registers, and the raylet tracks, signals and kills that pid (Ray does the same for workers in
@@ -33,6 +34,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 # What every train worker imports before its first step, slowest last (measured on a CPU worker: torch 1.7 s,
 # raytrain's worker 0.5 s, transformers' modelling 3.9 s, peft 0.5 s): the server imports them once a node, and a
@@ -45,9 +47,12 @@ _KEY_PREFIXES = (
     "PYTHON", "LD_", "MIMALLOC_", "MALLOC_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH",
     "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO", "RAY_", "DS_", "PATH", "VIRTUAL_ENV",
 )  # fmt: skip
-# Set per job or per worker, and read when called: the job id (the raylet's), and what Ray Train copies from
-# the driver into its workers (private_apis.ray_train_propagated_env; tests/test_forkserver.py holds the two equal).
-_NOT_KEYED = ("RAY_JOB_ID", "RAY_TRAIN_", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "TORCHFT_LIGHTHOUSE")
+# Read when called, never as a module loads: what Ray Train copies from the driver into its workers
+# (private_apis.ray_train_propagated_env; tests/test_forkserver.py holds the two equal). Every other RAY_ variable is
+# the server's own: `import ray` builds Ray's C++ config from the environment, the job id (RAY_JOB_ID) among it, so a
+# server serves one job of one raylet.
+_NOT_KEYED = ("RAY_TRAIN_", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "TORCHFT_LIGHTHOUSE")
+IDLE_EXIT_S = 60.0  # a server with no worker alive and no request for this long exits: its job is over
 FORKED_ENV = "RAYTRAIN_FORKED_FROM"  # in a forked worker: the server's pid (the start-up line says how workers began)
 REPLY_TIMEOUT_S = 60.0  # a fork, on a loaded node
 _HEADER = struct.Struct("!I")
@@ -225,13 +230,16 @@ def serve(key: str) -> None:
 
     gc.collect()
     gc.freeze()  # what the server made stays out of the children's collections: fewer pages copied
+    active = time.monotonic()
     while True:
         readable, _, _ = select.select([listener], [], [], 1.0)
-        _reap(children)
-        if raylet and not _alive(raylet):
+        if _reap(children) or children:
+            active = time.monotonic()
+        if (raylet and not _alive(raylet)) or time.monotonic() - active > IDLE_EXIT_S:
             return
         if not readable:
             continue
+        active = time.monotonic()
         conn, _ = listener.accept()
         try:
             message, fds = _receive(conn)
@@ -371,14 +379,17 @@ def _exit_with(fd: int) -> None:
     threading.Thread(target=watch, name="raytrain-launcher-watch", daemon=True).start()
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _reap(children: dict[int, socket.socket]) -> int:
+    """Report the children that exited to their launchers; how many did."""
+    reaped = 0
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            break
         if pid == 0:
-            return
+            break
+        reaped += 1
         conn = children.pop(pid, None)
         if conn is not None:
             try:
@@ -386,6 +397,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             except OSError:
                 pass
             conn.close()
+    return reaped
 
 
 def _alive(pid: int) -> bool:
