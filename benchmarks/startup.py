@@ -41,7 +41,7 @@ def one_job(folder: Path) -> None:
 
 
 def imports() -> None:
-    from raytrain.train.forkserver import STEP_IMPORTS
+    from raytrain.train.worker_launch import STEP_IMPORTS
 
     code = "import time, importlib\n" + "".join(
         f"t = time.time(); importlib.import_module({m!r}); print({m!r}, round(time.time() - t, 2))\n"

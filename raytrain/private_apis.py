@@ -351,12 +351,12 @@ def actor_start_times() -> dict[str, float]:
     return out
 
 
-# --- Ray: the train workers' launcher (train/forkserver.py) ---------------------------------
+# --- Ray: the train workers' fork servers (train/forkserver.py) ------------------------------
 def ray_worker_modules() -> tuple[str, ...]:
     """What Ray's worker process imports before it takes a task: default_worker.py's own imports (the file
     parses its arguments when imported), and the classes of Ray Train's actors a job starts from the fork
     server (its worker, its controller and the controller's synchronization actor, placement-group cleaner
-    and preemption watcher), which their first task unpickles. The fork server imports them once a node."""
+    and preemption watcher), which their first task unpickles. A job's fork server imports them once."""
     return (
         "ray",
         "ray._private.node",
@@ -387,20 +387,20 @@ def ray_worker_file() -> str:
 
 def ray_train_propagated_env() -> frozenset[str]:
     """The variables Ray Train copies from the driver into each worker's environment (its controller reads
-    them when called, not at import): the fork server's key leaves them out (forkserver._NOT_KEYED)."""
+    them when called, not at import): the fork servers' key leaves them out (worker_launch._NOT_KEYED)."""
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
 
     return frozenset(ENV_VARS_TO_PROPAGATE)
 
 
 def actor_class_ids_from_urandom() -> None:
-    """In the fork server, before it imports anything of Ray Train: Ray's C++ `FillRandom` seeds one static
+    """In a job's fork server, before it imports anything of Ray: Ray's C++ `FillRandom` seeds one static
     generator at its first call, and processes forked after that call share its sequence, so sibling workers
     make the same "random" ids (seen: two workers' plasma warm-up objects alike, `Check failed: WarmupStore()`,
     and an actor's `Check failed: erased == 1`). Defining an actor class is such a call
     (`ray.actor._make_actor`: `ActorClassID.from_random()`), and Ray Train's and Ray Data's modules define
     actor classes as they load. The server makes those ids from os.urandom instead, so the generator first
-    runs, and is seeded, in each child."""
+    runs, and is seeded, in each worker."""
     import os
 
     import ray.actor

@@ -1,9 +1,10 @@
-"""train/forkserver.py, the train workers' launcher, as the raylet runs it (`python -I -S forkserver.py
+"""The train workers' launcher (train/worker_launch.py) as the raylet runs it (`python -I -S worker_launch.py
 default_worker.py ARGS`), against Ray's real default_worker.py and a stand-in raylet (a process whose pid the
-launcher's environment names, as the raylet's does): the first launcher starts the node's server and runs the
-worker as Ray would; once the server has imported a worker's modules, the next one is forked, with the
-launcher's streams and exit code; the server goes with its raylet. `--help` makes the worker print its usage
-and exit, which is all of a worker that runs without a cluster. What the server refuses to fork (another
+launcher's environment names, as the raylet's does), and the node's fork servers (train/forkserver.py): the first
+launcher starts the base server and runs the worker as Ray would; the next one, finding the base ready, has it
+fork the job's server, and runs as Ray would; once that one has imported Ray's worker, the next worker is forked,
+with the launcher's streams and exit code; both servers go with their raylet. `--help` makes the worker print its
+usage and exit, which is all of a worker that runs without a cluster. What a server refuses to fork (another
 program than Ray's worker, another environment, a file it imported that changed since) is checked on its rule.
 A train job's workers forked from a warm server are tests/test_spine.py's (the MLflow run's
 `raytrain.worker_start`)."""
@@ -21,6 +22,7 @@ import ray
 
 from raytrain import private_apis
 from raytrain.train import forkserver
+from raytrain.train import worker_launch as wl
 
 WORKER = Path(ray.__file__).parent / "_private" / "workers" / "default_worker.py"
 
@@ -28,7 +30,7 @@ WORKER = Path(ray.__file__).parent / "_private" / "workers" / "default_worker.py
 def launch(env: dict, logs: Path) -> subprocess.CompletedProcess:
     args = [f"--temp-dir={logs.parent.parent}", f"--session-name={logs.parent.name}", "--help"]
     return subprocess.run(
-        [sys.executable, "-I", "-S", forkserver.__file__, str(WORKER), *args],
+        [sys.executable, "-I", "-S", wl.__file__, str(WORKER), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -39,7 +41,7 @@ def launch(env: dict, logs: Path) -> subprocess.CompletedProcess:
 def ready(key: str) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
-            s.connect(forkserver._address(key))
+            s.connect(wl.address(key))
         except OSError:
             return False
     return True
@@ -56,31 +58,42 @@ def servers(key: str) -> list[int]:
     return found
 
 
-def test_workers_fork_from_a_warm_server_with_their_launchers_streams_and_it_goes_with_its_raylet(tmp_path):
+def test_workers_fork_from_a_warm_job_server_with_their_launchers_streams_and_the_servers_go_with_their_raylet(
+    tmp_path,
+):
     logs = tmp_path / "ray" / "session_test" / "logs"
     logs.mkdir(parents=True)
     raylet = subprocess.Popen(["sleep", "600"])
-    env = {**os.environ, "RAY_RAYLET_PID": str(raylet.pid)}
-    key = forkserver._key(env)
-    log = logs / f"raytrain-forkserver-{key}.log"
+    env = {**os.environ, "RAY_RAYLET_PID": str(raylet.pid), "RAY_JOB_ID": "0a000000"}
+    other = {**env, "RAY_JOB_ID": "0b000000"}  # a second job on the node
+    base = wl.key(env, job=False)
     try:
-        first = launch(env, logs)  # no server yet: this one starts it, and the worker starts as Ray starts it
+        first = launch(env, logs)  # no server yet: it starts the base one, and the worker starts as Ray starts it
         assert first.returncode == 0 and "usage: default_worker.py" in first.stdout, first
-        deadline = time.time() + 240
-        while not ready(key):  # the server's imports: torch, transformers, peft, Ray Train's worker
-            assert time.time() < deadline and servers(key), log.read_text() if log.exists() else "no server log"
-            time.sleep(0.5)
-        (server,) = servers(key)
+        # The base imports torch, transformers, peft, ..., then forks this job's server, which imports Ray's.
+        wait_until(lambda: ready(wl.key(env)), logs)
         forked = launch(env, logs)
         assert forked.returncode == 0 and forked.stdout == first.stdout, forked  # its streams are the launcher's
-        assert log.read_text().count("forked worker") == 1
+        assert (logs / f"raytrain-forkserver-{wl.key(env)}.log").read_text().count("forked worker") == 1
+        assert launch(other, logs).returncode == 0  # the second job's first: the base forks that job's server
+        wait_until(lambda: ready(wl.key(other)), logs)
+        assert launch(other, logs).returncode == 0
+        assert (logs / f"raytrain-forkserver-{wl.key(other)}.log").read_text().count("forked worker") == 1
+        assert len(servers(base)) == 3  # the base and the two jobs' (forks of it)
     finally:
         raylet.kill()
         raylet.wait()
     deadline = time.time() + 30
-    while server in servers(key):
-        assert time.time() < deadline
+    while servers(base):
+        assert time.time() < deadline, servers(base)
         time.sleep(0.2)
+
+
+def wait_until(is_ready, logs: Path, timeout_s: float = 240) -> None:
+    deadline = time.time() + timeout_s
+    while not is_ready():
+        assert time.time() < deadline, "\n".join(f.read_text() for f in logs.glob("raytrain-forkserver-*.log"))
+        time.sleep(0.5)
 
 
 def test_the_server_forks_only_ray_workers_of_its_user_and_environment_on_the_files_it_imported(tmp_path):
@@ -88,24 +101,30 @@ def test_the_server_forks_only_ray_workers_of_its_user_and_environment_on_the_fi
     module.write_text("x = 1\n")
     files = {str(module): (module.stat().st_mtime_ns, module.stat().st_size)}
     env = dict(os.environ)
-    sys.argv, argv = ["forkserver.py", "--serve", forkserver._key(env)], sys.argv  # as the server runs
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # a peer of this user
+
+    def refusal(request, kind="worker"):
+        return forkserver._refusal(ours, request, kind, wl.key(env, job=kind == "worker"), files)
+
     try:
-        request = {"worker": str(WORKER), "env": env}
-        assert forkserver._refusal(ours, request, files) is None
-        assert forkserver._refusal(ours, {**request, "worker": str(module)}, files) == "not Ray's default_worker.py"
-        assert forkserver._refusal(ours, {**request, "env": {**env, "LD_PRELOAD": "x"}}, files) == "another environment"
+        request = {"kind": "worker", "worker": str(WORKER), "env": env}
+        assert refusal(request) is None
+        assert refusal({"kind": "job", "env": env}, kind="job") is None
+        assert refusal(request, kind="job") == "a 'worker' request at a server of jobs"
+        assert refusal({**request, "worker": str(module)}) == "not Ray's default_worker.py"
+        assert refusal({**request, "env": {**env, "LD_PRELOAD": "x"}}) == "another environment"
+        assert refusal({**request, "env": {**env, "RAY_JOB_ID": "0b000000"}}) == "another environment"
+        assert refusal({"kind": "job", "env": {**env, "RAY_JOB_ID": "0b000000"}}, kind="job") is None  # every job
         module.write_text("x = 2\n")  # an upgrade or an edit under a running server
-        assert forkserver._refusal(ours, request, files) == f"changed since it was imported: {module}"
+        assert refusal(request) == f"changed since it was imported: {module}"
     finally:
-        sys.argv = argv
         ours.close()
         theirs.close()
 
 
 def test_the_server_key_takes_what_imports_read_and_leaves_per_job_values():
     # What Ray Train copies into its workers is per job (a timeout, a health-check interval) and read when called.
-    assert not [name for name in private_apis.ray_train_propagated_env() if forkserver.keyed(name)]
+    assert not [name for name in private_apis.ray_train_propagated_env() if wl.keyed(name)]
     env = {"PATH": "/usr/bin", "LD_PRELOAD": "/lib/libmimalloc.so", "RAY_RAYLET_PID": "7", "HOME": "/root"}
     same = {
         **env,
@@ -113,7 +132,7 @@ def test_the_server_key_takes_what_imports_read_and_leaves_per_job_values():
         "RAYTRAIN_KEY_ID": "salt:id",
         "PYTEST_CURRENT_TEST": "x",
     }
-    assert forkserver._key(same) == forkserver._key(env)
+    assert wl.key(same) == wl.key(env)
     for name, value in [
         ("LD_PRELOAD", ""),
         ("RAY_RAYLET_PID", "8"),
@@ -121,7 +140,8 @@ def test_the_server_key_takes_what_imports_read_and_leaves_per_job_values():
         ("HF_HUB_OFFLINE", "1"),
         ("PYTHONPATH", "/x"),
     ]:
-        assert forkserver._key({**env, name: value}) != forkserver._key(env), name
+        assert wl.key({**env, name: value}) != wl.key(env), name
+    assert wl.key({**env, "RAY_JOB_ID": "05000000"}, job=False) == wl.key(env, job=False)  # the base: every job
 
 
 RANDOM_IDS = """

@@ -39,7 +39,7 @@ BELOW = {
 }
 # The doors from the driver into the workers' code, torch-free: the train function (it imports the
 # worker inside), the process group's setup and the workers' launcher (their py_executable).
-DRIVER_INTO_TRAIN = {"raytrain.train.entry", "raytrain.train.process_group", "raytrain.train.forkserver"}
+DRIVER_INTO_TRAIN = {"raytrain.train.entry", "raytrain.train.process_group", "raytrain.train.worker_launch"}
 # What runs without torch: validate, the run directory, the driver (and all they import).
 TORCH_FREE = (
     "raytrain.job",
@@ -55,6 +55,7 @@ TORCH_FREE = (
     "raytrain.model.chat_templates",
     "raytrain.train.entry",
     "raytrain.train.forkserver",
+    "raytrain.train.worker_launch",
     "raytrain.train.preemption",
     "raytrain.train.process_group",
 )

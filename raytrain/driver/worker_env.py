@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from raytrain import allocator, private_apis
 from raytrain.job.spec import JobSpec
 from raytrain.rundir import signing
-from raytrain.train import forkserver
+from raytrain.train import worker_launch
 from raytrain.train.entry import GRACE_ENV, KEY_ID_ENV, SETUP_HOOK, WANTED_ENV
 
 # Read by Ray Train's controller, which inherits them from the driver's environment.
@@ -107,17 +107,17 @@ FORKSERVER_ENV = "RAYTRAIN_FORKSERVER"  # 0 (or false, off, no): every worker a 
 
 
 def launcher(submitted: Mapping[str, str]) -> dict:
-    """The workers' py_executable: train/forkserver.py forks each worker from a process per node that imported
+    """The workers' py_executable: train/worker_launch.py has each worker forked from a process that imported
     what a worker needs once (a start or restart without ~8 CPU-seconds of imports a worker). Linux only (its
     abstract sockets); the submitter's RAYTRAIN_FORKSERVER=0 turns it off. The path is the driver's, as the
     allocator's is: the nodes of a cluster run one image."""
     if sys.platform != "linux" or submitted.get(FORKSERVER_ENV, "").strip().lower() in ("0", "false", "off", "no"):
         return {}
-    return {"py_executable": f"{shlex.quote(sys.executable)} -I -S {shlex.quote(forkserver.__file__)}"}  # a bash line
+    return {"py_executable": f"{shlex.quote(sys.executable)} -I -S {shlex.quote(worker_launch.__file__)}"}  # bash
 
 
 def warm_nodes(spec: JobSpec) -> list:
-    """Start the fork server (train/forkserver.py) on each node that can hold this job's workers, while the
+    """Start the fork servers (train/forkserver.py) on each node that can hold this job's workers, while the
     driver opens the run and Ray Train starts its controller: one zero-CPU task a node in the workers'
     environment, not waited for. A node's server then imports what a worker needs once, and the workers it
     forks skip those imports. Each task runs in a process of its own (max_calls=1) that exits after it, so its
@@ -131,7 +131,7 @@ def warm_nodes(spec: JobSpec) -> list:
     need = {"CPU": spec.scaling.cpus_per_worker, **spec.scaling.resources_per_worker}
     if spec.scaling.use_gpu:
         need["GPU"] = 1
-    task = ray.remote(num_cpus=0, max_calls=1, max_retries=0)(forkserver.forked)
+    task = ray.remote(num_cpus=0, max_calls=1, max_retries=0)(worker_launch.forked)
     return [
         task.options(
             runtime_env=env, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)

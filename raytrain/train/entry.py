@@ -15,7 +15,7 @@ import os
 import threading
 
 from raytrain.rundir import signing
-from raytrain.train import forkserver, preemption
+from raytrain.train import preemption, worker_launch
 
 # Names and ids only, never a value: these are in the workers' runtime_env.
 WANTED_ENV = "RAYTRAIN_SECRETS_WANTED"  # the secret names set on the driver, comma-separated
@@ -66,7 +66,7 @@ def setup_worker() -> None:
     _preimporting.start()
 
 
-PREIMPORT = forkserver.STEP_IMPORTS  # a forked worker has them already: the thread then finds them imported
+PREIMPORT = worker_launch.STEP_IMPORTS  # a forked worker has them already: the thread then finds them imported
 
 
 _preimporting: threading.Thread | None = None

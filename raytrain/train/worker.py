@@ -23,7 +23,7 @@ from raytrain.rundir.job_file import verify_plan
 from raytrain.strategies import build_strategy
 from raytrain.tracking.step_metrics import StepLogger
 from raytrain.tracking.timeline import STEADY_AFTER, Timeline, host_memory_mb
-from raytrain.train import checkpoint, forkserver, loop
+from raytrain.train import checkpoint, loop, worker_launch
 from raytrain.train.preemption import Preempted
 
 
@@ -175,7 +175,7 @@ def _first_step_reporter(timeline: Timeline, logger, attempt: int, then, kernels
     also says which host allocator the workers run, as their own mappings show (allocator.py), and
     which kernels run the step (`Strategy.kernel_line`: the attention kernel, the loss, compiled blocks)."""
     steps, host_allocator = [0], allocator.in_use()  # a process's allocator is fixed at its start
-    began = "forked" if os.environ.get(forkserver.FORKED_ENV) else "fresh"  # train/forkserver.py, or Ray's own start
+    began = "forked" if worker_launch.forked() else "fresh"  # from the job's fork server, or as Ray starts workers
 
     def on_step(state, batch) -> None:
         steps[0] += 1
