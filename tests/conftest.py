@@ -388,6 +388,36 @@ def warm_forkserver(spec: JobSpec, timeout_s: float = 300) -> None:
         time.sleep(1)
 
 
+def ray_train_workers(marker: str) -> set[int]:
+    """PIDs of the Ray Train workers of the Ray instance whose raylet's command line holds `marker` (its
+    temp dir or session name): the raylet's children, or its fork servers' (train/forkserver.py, whose
+    command line names the same temp dir and session) grandchildren."""
+    import psutil
+
+    pids = set()
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if marker in line and (proc.info["name"] == "raylet" or "raytrain.train.forkserver" in line):
+            with contextlib.suppress(psutil.Error):  # it may exit meanwhile
+                for child in proc.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):
+                            pids.add(child.pid)
+    return pids
+
+
+def session_of(pid: int) -> str:
+    """The session name of the Ray instance a process (a driver with a local instance) started."""
+    import psutil
+
+    for proc in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            for arg in proc.cmdline() if proc.name() == "raylet" else ():
+                if arg.startswith("--session-name="):
+                    return arg.split("=", 1)[1]
+    raise AssertionError(f"no raylet under pid {pid}")
+
+
 def metric_history(spec: JobSpec, run_id: str, key: str = "loss") -> dict[int, float]:
     from mlflow.tracking import MlflowClient
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import REPO, free_port, make_job, mlflow_server_env
+from conftest import REPO, free_port, make_job, mlflow_server_env, ray_train_workers
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -155,15 +155,8 @@ class Cluster:
         return status
 
     def train_workers(self) -> set[int]:
-        """PIDs of the Ray Train worker processes of this cluster (children of its raylet)."""
-        pids = set()
-        for proc in psutil.process_iter(["name", "cmdline"]):
-            if proc.info["name"] == "raylet" and str(self.state) in " ".join(proc.info["cmdline"] or []):
-                for child in proc.children():
-                    with contextlib.suppress(psutil.Error):  # it may exit meanwhile
-                        if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):
-                            pids.add(child.pid)
-        return pids
+        """PIDs of the Ray Train worker processes of this cluster."""
+        return ray_train_workers(str(self.state))
 
 
 @pytest.fixture(scope="module")

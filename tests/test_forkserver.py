@@ -103,14 +103,15 @@ def test_the_server_forks_only_ray_workers_of_its_user_and_environment_on_the_fi
     env = dict(os.environ)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # a peer of this user
 
-    def refusal(request, kind="worker"):
-        return forkserver._refusal(ours, request, kind, wl.key(env, job=kind == "worker"), files)
+    def refusal(request, kind="worker", threads=1):  # pytest's process may run threads of its own
+        return forkserver._refusal(ours, request, kind, wl.key(env, job=kind == "worker"), files, threads)
 
     try:
         request = {"kind": "worker", "worker": str(WORKER), "env": env}
         assert refusal(request) is None
         assert refusal({"kind": "job", "env": env}, kind="job") is None
         assert refusal(request, kind="job") == "a 'worker' request at a server of jobs"
+        assert refusal(request, threads=2) == "a Python thread besides the main one in the server"
         assert refusal({**request, "worker": str(module)}) == "not Ray's default_worker.py"
         assert refusal({**request, "env": {**env, "LD_PRELOAD": "x"}}) == "another environment"
         assert refusal({**request, "env": {**env, "RAY_JOB_ID": "0b000000"}}) == "another environment"

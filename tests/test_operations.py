@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port, make_job, mlflow_server_env
+from conftest import free_port, make_job, mlflow_server_env, ray_train_workers, session_of
 
 BIN = Path(sys.executable).parent
 SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -412,7 +412,6 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     # a long GC pause leaves them), the lease's generation moves on; resumed, the first's workers
     # commit nothing more (each commit is a conditional write on the lease: lease.commit), and the
     # new driver resumes from the last checkpoint they committed.
-    import psutil
     from mlflow.tracking import MlflowClient
 
     from raytrain.rundir.signing import MANIFEST
@@ -442,11 +441,7 @@ def test_drivers_on_two_ray_clusters_leave_one_writer(ray_address, inject_faults
     assert "on another Ray cluster" in second.text and "--takeover" in second.text and "Traceback" not in second.text
     assert first.proc.poll() is None
 
-    workers = [
-        p.pid
-        for p in psutil.Process(first.proc.pid).children(recursive=True)
-        if "RayTrainWorker" in " ".join(p.cmdline())
-    ]  # of its own local Ray instance
+    workers = sorted(ray_train_workers(session_of(first.proc.pid)))  # of its own local Ray instance
     hung = [first.proc.pid, *workers]
     assert len(workers) == 2, workers
     first.wait_for("[test] fault injection: pause rank 0 at step of step 10")

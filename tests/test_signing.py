@@ -85,6 +85,7 @@ def test_a_snapshot_rolled_back_behind_the_signed_record_is_refused_and_a_delete
     edit that names an older one, while a checkpoint deleted by hand (as a refusal advises) is
     simply gone. The record names its run directory: one copied from another run is refused."""
     import json
+    import threading
 
     import pytest
 
@@ -112,6 +113,14 @@ def test_a_snapshot_rolled_back_behind_the_signed_record_is_refused_and_a_delete
     (other / RAY_SNAPSHOT).write_text((run_dir / RAY_SNAPSHOT).read_text())
     with pytest.raises(JobError, match=f"it is signed for run_dir '{run_dir}', not '{other}'"):
         latest_checkpoint(str(other))
+    # Ray Train rewrites its snapshot in place: a reader beside the running job (chaos.py's, an export)
+    # met it empty on CI. It reads again until the rewrite ends, and a snapshot that stays broken is refused.
+    (run_dir / RAY_SNAPSHOT).write_text("")
+    threading.Timer(0.5, snapshot, ("step_00000002",)).start()
+    assert latest_checkpoint(str(run_dir)) == f"{run_dir}/step_00000002"
+    (run_dir / RAY_SNAPSHOT).write_text('{"latest_checkpoint_result": {"checkpoint_dir_na')
+    with pytest.raises(JobError, match="is not valid JSON .* after 10 reads: Ray Train's run snapshot is corrupt"):
+        latest_checkpoint(str(run_dir))
 
 
 def test_a_restore_reads_one_manifest_whatever_the_world_size_and_refuses_one_it_cannot_trust(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ state: every step reseeds from (seed, step, rank), see `loop.seed_step`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -114,11 +115,28 @@ def record_latest(run_dir: str, name: str) -> None:
     storage.write_text(storage.join(run_dir, LATEST_FILE), json.dumps(doc))
 
 
+def _read_snapshot(uri: str, tries: int = 10) -> dict:
+    """Ray Train's snapshot. Ray Train rewrites it in place as each checkpoint registers, so a reader
+    beside a running job (an export, a status) can meet it half written: read again shortly."""
+    for _ in range(tries - 1):
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(storage.read_text(uri))
+        time.sleep(0.3)
+    text = storage.read_text(uri)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise JobError(
+            f"{uri} is not valid JSON ({len(text)} characters) after {tries} reads: Ray Train's run snapshot "
+            f"is corrupt: restore it from a backup (the step_* folders beside it are untouched)"
+        ) from None
+
+
 def latest_checkpoint(run_dir: str) -> str:
     """The run directory's latest checkpoint folder (local or a URI): the one Ray Train registered
     last. Refuses a snapshot rolled back behind raytrain's signed record."""
     uri = storage.join(run_dir, RAY_SNAPSHOT)
-    snapshot = json.loads(storage.read_text(uri)) if storage.exists(uri) else {}
+    snapshot = _read_snapshot(uri) if storage.exists(uri) else {}
     latest = snapshot.get("latest_checkpoint_result") or {}
     name = latest.get("checkpoint_dir_name")
     if name and not storage.exists(storage.join(run_dir, name)):  # deleted by hand: the newest one still there

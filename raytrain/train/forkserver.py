@@ -235,8 +235,10 @@ def _loaded_files() -> dict[str, tuple[int, int]]:
     return out
 
 
-def _refusal(conn: socket.socket, message: dict, kind: str, server_key: str, files: dict) -> str | None:
-    """Why this request may not be forked here, or None."""
+def _refusal(
+    conn: socket.socket, message: dict, kind: str, server_key: str, files: dict, threads: int | None = None
+) -> str | None:
+    """Why this request may not be forked here, or None (threads: the server's Python threads, counted here)."""
     pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     if uid != os.getuid():
         return f"a request from user {uid} (pid {pid})"
@@ -249,7 +251,7 @@ def _refusal(conn: socket.socket, message: dict, kind: str, server_key: str, fil
             return "not Ray's default_worker.py"
     if wl.key(message.get("env", {}), job=kind == "worker") != server_key:
         return "another environment"
-    if threading.active_count() != 1:
+    if (threading.active_count() if threads is None else threads) != 1:
         return "a Python thread besides the main one in the server"
     for path, seen in files.items():
         try:
