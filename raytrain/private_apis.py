@@ -18,7 +18,7 @@ TESTED = {"ray": "2.60", "torch": "2.13", "deepspeed": "0.19", "transformers": "
 USES = {
     "torchao": "NF4Tensor's fields and constructor (qlora.py, for finetune: qlora)",
     "ray": "worker setup-hook variable, log dispatcher, SIGTERM setter and Ray Train's worker context",
-    "torch": "DCP storage prefix and DTensor's local tensor",
+    "torch": "DCP storage prefix, DTensor's local tensor and inductor's per-graph compile (one at a time on CPU)",
     "deepspeed": "engine config's universal-checkpoint switch",
     "transformers": "config._attn_implementation, _init_weights, _no_split_modules, _auto_class and the model classes'"
     " attention flags (_supports_sdpa, _supports_flash_attn, _compatible_flash_implementations)",
@@ -412,3 +412,41 @@ def actor_class_ids_from_urandom() -> None:
             return ActorClassID(os.urandom(ActorClassID.size()))
 
     ray.actor.ActorClassID = FromUrandom
+
+
+def one_inductor_compile_at_a_time() -> None:
+    """On CPU workers: inductor compiles one graph at a time on a node. The ranks of a node share inductor's
+    on-disk cache (TORCHINDUCTOR_CACHE_DIR) and reach the same graphs at their first compiled step together,
+    so each lowered them and built the same C++ kernels (one compiled test case on 4 ranks: 135 s from a cold
+    cache, 45 s warm). A lock file in that cache, held around inductor's compile of a graph
+    (`compile_fx._compile_fx_inner`, which its public `compile_fx_inner` looks up at each call), lets the first
+    rank compile and the others load its cache entry. No collective runs inside a graph's compile, so a rank
+    waiting here holds up no other. CPU only: there the ranks share the node's cores, and compiling at once
+    gained nothing; a GPU node's ranks have cores enough to compile side by side."""
+    import fcntl
+    import os
+    import threading
+
+    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    inner = compile_fx._compile_fx_inner
+    if getattr(inner, "raytrain_locked", False):
+        return
+    held = threading.local()  # a compile inside a compile (none seen) must not wait for itself
+
+    @functools.wraps(inner)
+    def locked(*args, **kwargs):
+        if getattr(held, "depth", 0):
+            return inner(*args, **kwargs)
+        os.makedirs(cache_dir(), exist_ok=True)
+        with open(os.path.join(cache_dir(), "raytrain-compile.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released with the file
+            held.depth = 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                held.depth = 0
+
+    locked.raytrain_locked = True
+    compile_fx._compile_fx_inner = locked

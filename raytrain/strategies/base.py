@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from raytrain import private_apis
 from raytrain.errors import JobError
 from raytrain.job import masks
 from raytrain.job.plan import RunPlan
@@ -380,6 +381,8 @@ def compile_blocks(compile_: bool, hf_model: torch.nn.Module, device: torch.devi
                 "kernels with it) and this node has none: install g++ on every node, or remove "
                 "training.compile"
             )
+        if device.type == "cpu":  # a node's ranks compile the same graphs: one compiles, the rest load it
+            private_apis.one_inductor_compile_at_a_time()
         for block in modeling.decoder_blocks(hf_model):
             block.compile()
     return hf_model
