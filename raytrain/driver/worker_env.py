@@ -95,12 +95,24 @@ def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
             env[key] = os.environ[key]
     env.update(allocator.worker_env(spec.scaling.use_gpu, os.environ))
     env.update(relay or {})
+    env.update(_own_cluster())
     # A worker-process setup hook runs in each worker's main thread at start-up, so that
     # SIGTERM means "checkpoint, then go" (`setup_worker`). Ray turns a job-level
     # `worker_process_setup_hook` into this variable only in ray.init; for the train workers'
     # own env we set it directly.
     env[private_apis.worker_setup_hook_variable()] = SETUP_HOOK
     return {"env_vars": env, **launcher(os.environ)}
+
+
+def _own_cluster() -> dict[str, str]:
+    """RAY_ADDRESS, the connected cluster's: Ray Train's placement-group cleaner (started by the controller, in
+    this runtime_env) asks Ray's state API whether the controller lives, and that API, given no address, takes
+    the newest Ray instance started on the machine. With two (a second local cluster on a laptop, the tests'
+    own) it asked the other, found no controller, and removed the live job's placement group: the workers died
+    as they started ("Destroying worker since its placement group was removed"; seen in a clean-clone run)."""
+    import ray
+
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address} if ray.is_initialized() else {}
 
 
 FORKSERVER_ENV = "RAYTRAIN_FORKSERVER"  # 0 (or false, off, no): every worker a fresh interpreter, as Ray starts it

@@ -122,7 +122,9 @@ class VLLMEngine:
         engine_process.sweep(root)
         self.dir, self._lock = engine_process.claim(root)
         self.syncs = 0
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        # Not RAY_ADDRESS (the training cluster's, driver/worker_env._own_cluster): the engine is no Ray client.
+        drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "RAY_ADDRESS")
+        env = {k: v for k, v in os.environ.items() if k not in drop}
         if not on_gpu:  # the worker's cores are the worker's: no binding of its own, its thread count
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(torch.get_num_threads()))
         else:  # the one device this worker trains on, not the node's first
