@@ -293,8 +293,15 @@ def trainer_without_datasets(controller_runtime_env: dict | None = None, **kwarg
     """Ray Train v2's DataParallelTrainer less its datasets callback: Ray starts a DatasetManager actor
     for every trainer, datasets or none, and a job that reads its token store itself has none.
 
+    Less its placement-group cleaner too: a detached actor a run that asks Ray's state API every second
+    whether the controller lives, and removes the run's placement group when the answer is no. Twice in
+    clean-clone runs the answer was no while the controller was alive (once from another Ray instance on the
+    machine, once with none named), and the live run's workers died as they started ("Destroying worker since
+    its placement group was removed"). What it guards against, a controller dead while its driver lives,
+    ends a raytrain job anyway, and Ray removes a job's placement groups when the job ends.
+
     `controller_runtime_env` is given to its controller as well, and so to the actors the controller starts
-    (the synchronization actor, the placement-group cleaner, the preemption watcher: they inherit it): Ray
+    (the synchronization actor, the preemption watcher: they inherit it): Ray
     Train gives the controller its own propagated variables and nothing else (its
     `_initialize_and_run_controller`, copied here with that one change), so the controller could not start
     as the workers do (driver/worker_env.launcher)."""
@@ -303,6 +310,7 @@ def trainer_without_datasets(controller_runtime_env: dict | None = None, **kwarg
     import ray
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
     from ray.train.v2._internal.constants import (
         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
         get_env_vars_to_propagate,
@@ -312,7 +320,8 @@ def trainer_without_datasets(controller_runtime_env: dict | None = None, **kwarg
 
     class Trainer(DataParallelTrainer):
         def _create_default_callbacks(self):
-            return [c for c in super()._create_default_callbacks() if not isinstance(c, DatasetsCallback)]
+            dropped = (DatasetsCallback, PlacementGroupCleanerCallback)
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             if not controller_runtime_env:
@@ -355,8 +364,8 @@ def actor_start_times() -> dict[str, float]:
 def ray_worker_modules() -> tuple[str, ...]:
     """What Ray's worker process imports before it takes a task: default_worker.py's own imports (the file
     parses its arguments when imported), and the classes of Ray Train's actors a job starts from the fork
-    server (its worker, its controller and the controller's synchronization actor, placement-group cleaner
-    and preemption watcher), which their first task unpickles. A job's fork server imports them once."""
+    server (its worker, its controller and the controller's synchronization actor and preemption watcher),
+    which their first task unpickles. A job's fork server imports them once."""
     return (
         "ray",
         "ray._private.node",
@@ -371,7 +380,6 @@ def ray_worker_modules() -> tuple[str, ...]:
         "ray.train.v2._internal.execution.worker_group.worker",
         "ray.train.v2._internal.execution.controller.controller",
         "ray.train.v2._internal.execution.checkpoint.sync_actor",
-        "ray.train.v2._internal.execution.controller.placement_group_cleaner",
         "ray.train.v2._internal.execution.preemption",
     )
 

@@ -105,11 +105,11 @@ def runtime_env(spec: JobSpec, relay: dict[str, str] | None = None) -> dict:
 
 
 def _own_cluster() -> dict[str, str]:
-    """RAY_ADDRESS, the connected cluster's: Ray Train's placement-group cleaner (started by the controller, in
-    this runtime_env) asks Ray's state API whether the controller lives, and that API, given no address, takes
-    the newest Ray instance started on the machine. With two (a second local cluster on a laptop, the tests'
-    own) it asked the other, found no controller, and removed the live job's placement group: the workers died
-    as they started ("Destroying worker since its placement group was removed"; seen in a clean-clone run)."""
+    """RAY_ADDRESS, the connected cluster's: Ray Train's actors that ask Ray's state API about the run (its
+    state actor, with RAY_TRAIN_ENABLE_STATE_TRACKING) give it no address, and with none that API takes the
+    newest Ray instance started on the machine. Beside a second local cluster (a laptop's, the tests' own) it
+    asked the other: seen in a clean-clone run, where Ray Train's placement-group cleaner (since dropped:
+    private_apis.trainer_without_datasets) found no controller there and removed a live job's placement group."""
     import ray
 
     return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address} if ray.is_initialized() else {}
