@@ -19,7 +19,6 @@ state: every step reseeds from (seed, step, rank), see `loop.seed_step`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -118,18 +117,17 @@ def record_latest(run_dir: str, name: str) -> None:
 def _read_snapshot(uri: str, tries: int = 10) -> dict:
     """Ray Train's snapshot. Ray Train rewrites it in place as each checkpoint registers, so a reader
     beside a running job (an export, a status) can meet it half written: read again shortly."""
-    for _ in range(tries - 1):
-        with contextlib.suppress(json.JSONDecodeError):
-            return json.loads(storage.read_text(uri))
-        time.sleep(0.3)
-    text = storage.read_text(uri)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise JobError(
-            f"{uri} is not valid JSON ({len(text)} characters) after {tries} reads: Ray Train's run snapshot "
-            f"is corrupt: restore it from a backup (the step_* folders beside it are untouched)"
-        ) from None
+    for attempt in range(tries):
+        text = storage.read_text(uri)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            if attempt + 1 < tries:
+                time.sleep(0.3)
+    raise JobError(
+        f"{uri} is not valid JSON ({len(text)} characters) after {tries} reads: Ray Train's run snapshot "
+        f"is corrupt: restore it from a backup (the step_* folders beside it are untouched)"
+    )
 
 
 def latest_checkpoint(run_dir: str) -> str:
