@@ -393,6 +393,14 @@ def ray_worker_file() -> str:
     return os.path.realpath(os.path.join(os.path.dirname(ray.__file__), "_private", "workers", "default_worker.py"))
 
 
+def ray_temp_dir() -> str:
+    """Where a local cluster started on this machine keeps its sessions (/tmp/ray, or under RAY_TMPDIR or TMPDIR):
+    the log folder of a base fork server a driver starts before its cluster has a session."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    return get_default_ray_temp_dir()
+
+
 def ray_train_propagated_env() -> frozenset[str]:
     """The variables Ray Train copies from the driver into each worker's environment (its controller reads
     them when called, not at import): the fork servers' key leaves them out (worker_launch._NOT_KEYED)."""

@@ -1,9 +1,10 @@
 """The train workers' launcher (train/worker_launch.py) as the raylet runs it (`python -I -S worker_launch.py
 default_worker.py ARGS`), against Ray's real default_worker.py and a stand-in raylet (a process whose pid the
-launcher's environment names, as the raylet's does), and the node's fork servers (train/forkserver.py): the first
-launcher starts the base server and runs the worker as Ray would; the next one, finding the base ready, has it
-fork the job's server, and runs as Ray would; once that one has imported Ray's worker, the next worker is forked,
-with the launcher's streams and exit code; both servers go with their raylet. `--help` makes the worker print its
+launcher's environment names, as the raylet's does), and the node's fork servers (train/forkserver.py): a base
+server a stand-in driver started (it goes with that driver) or the first launcher did (it goes with the raylet); a
+launcher that finds it importing waits, has it fork the job's server, and is forked by that one with its own streams
+and exit code; the jobs' servers go with their raylet; a server that never gets ready costs a launcher WAIT_S, then
+the worker runs as Ray would. `--help` makes the worker print its
 usage and exit, which is all of a worker that runs without a cluster. What a server refuses to fork (another
 program than Ray's worker, another environment, a file it imported that changed since) is checked on its rule.
 A train job's workers forked from a warm server are tests/test_spine.py's (the MLflow run's
@@ -58,35 +59,61 @@ def servers(key: str) -> list[int]:
     return found
 
 
-def test_workers_fork_from_a_warm_job_server_with_their_launchers_streams_and_the_servers_go_with_their_raylet(
+def test_workers_fork_from_a_warm_job_server_with_their_launchers_streams_and_the_servers_go_with_their_owners(
     tmp_path,
 ):
     logs = tmp_path / "ray" / "session_test" / "logs"
     logs.mkdir(parents=True)
-    raylet = subprocess.Popen(["sleep", "600"])
-    env = {**os.environ, "RAY_RAYLET_PID": str(raylet.pid), "RAY_JOB_ID": "0a000000"}
+    driver, raylet = subprocess.Popen(["sleep", "600"]), subprocess.Popen(["sleep", "600"])
+    env = {**os.environ, "RAY_RAYLET_PID": str(raylet.pid), "RAY_JOB_ID": "0a000000", "RAY_ADDRESS": "10.0.0.1:6379"}
     other = {**env, "RAY_JOB_ID": "0b000000"}  # a second job on the node
+    third = {**env, "RAY_JOB_ID": "0c000000"}
     base = wl.key(env, job=False)
     try:
-        first = launch(env, logs)  # no server yet: it starts the base one, and the worker starts as Ray starts it
+        # A driver that starts its own cluster starts the base server before Ray is up: its environment lacks
+        # Ray's variables, which the base's key leaves out. It lives while that driver does.
+        wl.start_base_server(
+            {k: v for k, v in env.items() if not k.startswith("RAY_")}, [f"--temp-dir={logs}"], driver.pid
+        )
+        # The first launcher finds it importing: it waits, has it fork the job's server (which imports Ray's
+        # worker), and is forked by that one, with its own streams and exit code.
+        first = launch(env, logs)
         assert first.returncode == 0 and "usage: default_worker.py" in first.stdout, first
-        # The base imports torch, transformers, peft, ..., then forks this job's server, which imports Ray's.
-        wait_until(lambda: ready(wl.key(env)), logs)
-        forked = launch(env, logs)
-        assert forked.returncode == 0 and forked.stdout == first.stdout, forked  # its streams are the launcher's
-        assert (logs / f"raytrain-forkserver-{wl.key(env)}.log").read_text().count("forked worker") == 1
-        assert launch(other, logs).returncode == 0  # the second job's first: the base forks that job's server
-        wait_until(lambda: ready(wl.key(other)), logs)
-        assert launch(other, logs).returncode == 0
-        assert (logs / f"raytrain-forkserver-{wl.key(other)}.log").read_text().count("forked worker") == 1
+        assert forks(logs, env) == 1
+        assert launch(env, logs).stdout == first.stdout and forks(logs, env) == 2
+        assert launch(other, logs).returncode == 0 and forks(logs, other) == 1  # another job: its own server
         assert len(servers(base)) == 3  # the base and the two jobs' (forks of it)
+        driver.kill()  # the base goes with the driver that started it; the jobs' servers with their raylet
+        driver.wait()
+        wait_until(lambda: len(servers(base)) == 2, logs)
+        # A launcher that finds no base server starts one (living while its raylet does) and waits for it.
+        assert launch(third, logs).returncode == 0 and forks(logs, third) == 1
+        assert len(servers(base)) == 4
     finally:
-        raylet.kill()
-        raylet.wait()
-    deadline = time.time() + 30
-    while servers(base):
-        assert time.time() < deadline, servers(base)
-        time.sleep(0.2)
+        for owner in (driver, raylet):
+            owner.kill()
+            owner.wait()
+    wait_until(lambda: not servers(base), logs, timeout_s=30)
+
+
+def forks(logs: Path, env: dict) -> int:
+    """How many workers that job's server forked (its log says each)."""
+    log = logs / f"raytrain-forkserver-{wl.key(env)}.log"
+    return log.read_text().count("forked worker") if log.exists() else 0
+
+
+def test_a_launcher_waits_for_an_importing_server_at_most_wait_s(monkeypatch):
+    env = {**os.environ, "RAY_JOB_ID": "0d000000", "RAYTRAIN_TEST": "a key no server has"}
+    monkeypatch.setattr(wl, "WAIT_S", 1.0)
+    claim = forkserver._claim(wl.key(env))  # a job server that imports and never gets ready
+    try:
+        assert wl._lives(wl.key(env)) and not wl._lives(wl.key({**env, "RAY_JOB_ID": "0e000000"}))
+        began = time.monotonic()
+        assert wl._await_job_server(env, []) is None  # the worker then starts as Ray starts it
+        assert 1.0 <= time.monotonic() - began < 10
+    finally:
+        claim.close()
+    assert not wl._lives(wl.key(env))
 
 
 def wait_until(is_ready, logs: Path, timeout_s: float = 240) -> None:
@@ -142,7 +169,9 @@ def test_the_server_key_takes_what_imports_read_and_leaves_per_job_values():
         ("PYTHONPATH", "/x"),
     ]:
         assert wl.key({**env, name: value}) != wl.key(env), name
-    assert wl.key({**env, "RAY_JOB_ID": "05000000"}, job=False) == wl.key(env, job=False)  # the base: every job
+    # The base imports no Ray: every job's, and a driver's before its cluster is up (no RAY_ variable yet).
+    assert wl.key({**env, "RAY_JOB_ID": "05000000", "RAY_RAYLET_PID": "8"}, job=False) == wl.key(env, job=False)
+    assert wl.key({**env, "LD_PRELOAD": ""}, job=False) != wl.key(env, job=False)
 
 
 RANDOM_IDS = """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from raytrain.data import prepare
 from raytrain.driver import control
 from raytrain.driver.trainer import build_trainer
-from raytrain.driver.worker_env import controller_env, relay_secrets, warm_nodes
+from raytrain.driver.worker_env import controller_env, relay_secrets, start_fork_server, warm_nodes
 from raytrain.errors import JobError, forward_worker_stdout_only, user_message
 from raytrain.job.agents import ACTOR_NAMESPACE, actor_prefix
 from raytrain.job.spec import JobSpec
@@ -53,6 +53,7 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
     # A private cluster on this machine: Ray's notices of its own start (token authentication on,
     # "Started a local Ray instance") do not concern the job; its warnings and errors still show.
     logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
+    start_fork_server(spec)  # its imports beside Ray's start
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 

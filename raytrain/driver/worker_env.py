@@ -128,6 +128,18 @@ def launcher(submitted: Mapping[str, str]) -> dict:
     return {"py_executable": f"{shlex.quote(sys.executable)} -I -S {shlex.quote(worker_launch.__file__)}"}  # bash
 
 
+def start_fork_server(spec: JobSpec) -> None:
+    """Before this driver starts a local cluster of its own: the machine's base fork server, which then imports a
+    worker's modules while Ray starts, not after (P2's cold start). Its environment is a worker's on this node
+    (`runtime_env`, over this one); Ray's own variables, which a worker gets and this process lacks yet, are not
+    in a base server's key. It lives while this driver does."""
+    env = runtime_env(spec)
+    if "py_executable" in env:
+        logs = private_apis.ray_temp_dir()
+        os.makedirs(logs, exist_ok=True)
+        worker_launch.start_base_server({**os.environ, **env["env_vars"]}, [f"--temp-dir={logs}"], os.getpid())
+
+
 def warm_nodes(spec: JobSpec) -> list:
     """Start the fork servers (train/forkserver.py) on each node that can hold this job's workers, while the
     driver opens the run and Ray Train starts its controller: one zero-CPU task a node in the workers'

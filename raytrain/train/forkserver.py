@@ -3,7 +3,9 @@
 Two levels, because `import ray` builds Ray's C++ config from the environment once, the job id among it:
 - the *base* server, one a node and an environment, imports what needs no Ray (`BASE_IMPORTS`: torch,
   transformers' modelling, peft, raytrain's worker, numpy, pandas, pyarrow) and forks a job server for each job
-  whose launcher asks (`python -m raytrain.train.forkserver KEY`; it lives while its raylet does);
+  whose launcher asks (`python -m raytrain.train.forkserver KEY`). The first launcher of a node that finds none
+  starts it, and it lives while that raylet does; a driver that starts its own local cluster starts it before Ray
+  (driver/worker_env.start_fork_server), and it lives while that driver does;
 - a *job* server takes the job's environment, imports Ray's worker and Ray Train's actors (`JOB_IMPORTS`, about
   2 s where the base's imports are 8), and forks that job's workers; it exits with its raylet, or once no worker
   of it is alive and none was asked for in IDLE_EXIT_S.
@@ -37,18 +39,14 @@ BASE_IMPORTS = ("numpy", "pandas", "pyarrow", "pyarrow.fs", "pyarrow.parquet", *
 IDLE_EXIT_S = 60.0
 
 
-def serve_base(base_key: str, args: list[str]) -> None:
-    """The node's base server (the first launcher that finds none execs it, in its own environment): once its
-    imports are done it forks the server of that launcher's job at once, then one for each job that asks."""
+def serve_base(base_key: str) -> None:
+    """The node's base server (worker_launch.start_base_server execs it, in a launcher's environment): once its
+    imports are done it forks a server for each job whose launcher asks."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # inherited ignored from the raylet: a server reaps its children
-    launcher_env = dict(os.environ)  # the keys are the launchers' (imports set variables of their own)
     lock = _claim(base_key)
     if lock is None:
         return
     _import(BASE_IMPORTS)
-    if os.fork() == 0:
-        lock.close()
-        _serve_job(wl.key(launcher_env), {"env": launcher_env, "args": args})
     _serve(base_key, lock, "job", _spawn_job_server, idle_exit_s=None)
 
 
@@ -106,7 +104,7 @@ def _serve(server_key: str, lock: socket.socket, kind: str, handle, idle_exit_s:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(wl.address(server_key))  # launchers connect once the imports are done
     listener.listen(128)
-    raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
+    owner = int(os.environ.get(wl.OWNER_ENV) or os.environ.get("RAY_RAYLET_PID") or 0)  # a job's: its raylet
     children: dict[int, socket.socket | None] = {}
     gc.collect()
     gc.freeze()  # what the server made stays out of the children's collections: fewer pages copied
@@ -115,7 +113,7 @@ def _serve(server_key: str, lock: socket.socket, kind: str, handle, idle_exit_s:
         readable, _, _ = select.select([listener], [], [], 1.0)
         if _reap(children) or (children and idle_exit_s):
             active = time.monotonic()
-        if (raylet and not _alive(raylet)) or (idle_exit_s and time.monotonic() - active > idle_exit_s):
+        if (owner and not _alive(owner)) or (idle_exit_s and time.monotonic() - active > idle_exit_s):
             return
         if not readable:
             continue
@@ -292,4 +290,4 @@ def _alive(pid: int) -> bool:
 
 
 if __name__ == "__main__":
-    serve_base(sys.argv[1], sys.argv[2:])
+    serve_base(sys.argv[1])

@@ -1,8 +1,9 @@
 """The train workers' launcher: Ray runs a worker as `<py_executable> default_worker.py ARGS`, and the workers'
 runtime_env names this file as that executable (driver/worker_env.launcher). Run so (`python -I -S
 worker_launch.py default_worker.py ARGS`: the standard library alone, no site-packages), it asks its node's fork
-server (train/forkserver.py) for the worker and stands in for it until it exits; where there is none yet, it
-starts one in the background and runs the worker as Ray would (a slower start, never a failed one).
+server (train/forkserver.py) for the worker and stands in for it until it exits. Where there is none yet, it starts
+one and waits while it imports (WAIT_S at most, then it runs the worker as Ray would: a slower start, never a failed
+one): on a node of few cores a fresh worker's imports beside the server's would slow both.
 
 A worker starts so with torch, transformers' modelling, peft, Ray's worker, Ray Train's actors and raytrain's
 worker already imported, where Ray would start a fresh interpreter that imports them (about 8 CPU-seconds a
@@ -23,6 +24,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 # What every train worker imports before its first step, slowest last (measured on a CPU worker: torch 1.7 s,
 # raytrain's worker 0.5 s, transformers' modelling 3.9 s, peft 0.5 s): the node's base server imports them once,
@@ -39,8 +41,13 @@ _KEY_PREFIXES = (
 # (private_apis.ray_train_propagated_env; tests/test_forkserver.py holds the two equal).
 _NOT_KEYED = ("RAY_TRAIN_", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "TORCHFT_LIGHTHOUSE")
 # `import ray` builds Ray's C++ config from the environment, the job id among it: the job server that imports Ray
-# serves one job, the base server it is forked from (which imports no Ray) every job of its node.
+# serves one job, the base server it is forked from (which imports no Ray, so reads none of Ray's variables) every
+# job of its node, and of any other Ray cluster on the machine.
 JOB_ENV = "RAY_JOB_ID"
+OWNER_ENV = "RAYTRAIN_FORKSERVER_OWNER"  # the pid a base server lives with: its raylet's, or the driver that started it
+# A launcher waits this long for its node's servers to import (the base's 8 CPU-s, the job's 2, on a busy node more)
+# before it runs its worker as Ray would: well inside the raylet's 60 s for a worker to register.
+WAIT_S = 20.0
 FORKED_ENV = "RAYTRAIN_FORKED_FROM"  # in a forked worker: its job server's pid (the start-up line says so)
 REPLY_TIMEOUT_S = 60.0  # a fork, on a loaded node
 _HEADER = struct.Struct("!I")
@@ -61,7 +68,7 @@ def keyed(name: str) -> bool:
 def key(env: dict[str, str], job: bool = True) -> str:
     """The server for this interpreter and the environment its imports read: the job's, or (job=False) the
     node's base server, which imports no Ray."""
-    read = sorted((k, v) for k, v in env.items() if keyed(k) and (job or k != JOB_ENV))
+    read = sorted((k, v) for k, v in env.items() if keyed(k) and (job or not k.startswith("RAY_")))
     return hashlib.sha256(json.dumps([sys.executable, job, read]).encode()).hexdigest()[:20]
 
 
@@ -70,9 +77,11 @@ def address(server_key: str, role: str = "ready") -> str:
 
 
 def log_file(args: list[str], server_key: str) -> str:
-    """The server's log, in the Ray session's log folder (the worker's --temp-dir and --session-name)."""
+    """The server's log, in the Ray session's log folder (the worker's --temp-dir and --session-name), or in Ray's
+    temporary folder for one a driver starts before its session exists."""
     opts = dict(a.removeprefix("--").split("=", 1) for a in args if a.startswith("--") and "=" in a)
-    logs = os.path.join(opts.get("temp-dir", "/tmp/ray"), opts.get("session-name", "session_latest"), "logs")
+    temp = opts.get("temp-dir", "/tmp/ray")
+    logs = os.path.join(temp, opts["session-name"], "logs") if "session-name" in opts else temp
     return os.path.join(logs, f"raytrain-forkserver-{server_key}.log")
 
 
@@ -108,9 +117,8 @@ def launch(worker_file: str, args: list[str]) -> None:
     isolated = [a.partition("=")[2].lower() for a in args if a.startswith("--enable-resource-isolation")]
     if any(value not in ("false", "0") for value in isolated):
         _exec(worker_file, args)  # Ray's cgroups hold the process it started: a fork would escape them
-    conn = _connect(address(key(env)))
+    conn = _connect(address(key(env))) or _await_job_server(env, args)
     if conn is None:
-        _start_job_server(env, args)
         _exec(worker_file, args)
     try:
         keep_r, keep_w = os.pipe()  # the child reads until this launcher is gone, then exits
@@ -154,23 +162,40 @@ def _connect(where: str) -> socket.socket | None:
         return None
 
 
-def _start_job_server(env: dict[str, str], args: list[str]) -> None:
-    """Ask the node's base server for this job's server; where there is no base server yet, start it (it imports
-    what needs no Ray once a node). Either way this worker starts as Ray starts it, and later ones fork."""
-    base = _connect(address(key(env, job=False)))
-    if base is None:
-        _start_base_server(env, args)
-        return
-    try:
-        send(base, {"kind": "job", "env": env, "args": args})
-    except OSError:
-        pass
-    base.close()
+def _await_job_server(env: dict[str, str], args: list[str]) -> socket.socket | None:
+    """A connection to this job's server once it is ready, or None after WAIT_S. It is asked of the node's base
+    server, which this launcher starts where none lives; while either imports, the launcher waits."""
+    job_key, base_key = key(env), key(env, job=False)
+    deadline, asked = time.monotonic() + WAIT_S, -1.0
+    while True:
+        conn = _connect(address(job_key))
+        if conn is not None or time.monotonic() > deadline:
+            return conn
+        if not _lives(job_key) and time.monotonic() - asked > 1.0:  # not yet asked for, or its fork was lost
+            base = _connect(address(base_key))
+            if base is not None:
+                try:
+                    send(base, {"kind": "job", "env": env, "args": args})
+                except OSError:
+                    pass
+                base.close()
+                asked = time.monotonic()
+            elif not _lives(base_key):
+                start_base_server(env, args)
+        time.sleep(0.05)
 
 
-def _start_base_server(env: dict[str, str], args: list[str]) -> None:
-    """Start the base server as a grandchild in a session of its own: Ray ends a worker's children with the worker
-    (kill_child_processes_on_worker_exit), and the server outlives the worker whose launcher started it."""
+def _lives(server_key: str) -> bool:
+    """Whether a server of this key is importing or serving: it holds its claim (forkserver._claim) till it exits."""
+    claim = address(server_key, "starting").replace("\0", "@", 1).encode()
+    with open("/proc/net/unix", "rb") as table:
+        return any(line.rstrip().endswith(claim) for line in table)
+
+
+def start_base_server(env: dict[str, str], args: list[str], owner: int | None = None) -> None:
+    """Start the node's base server in `env`, as a grandchild in a session of its own: Ray ends a worker's children
+    with the worker (kill_child_processes_on_worker_exit), and the server outlives the worker whose launcher started
+    it. It lives while `owner` does (default: the raylet, RAY_RAYLET_PID); the first of those that race claims it."""
     base_key = key(env, job=False)
     child = os.fork()
     if child:
@@ -190,9 +215,8 @@ def _start_base_server(env: dict[str, str], args: list[str]) -> None:
                 out = os.open(os.devnull, os.O_WRONLY)
             for target, fd in ((0, null), (1, out), (2, out)):
                 os.dup2(fd, target)
-            where = [a for a in args if a.startswith(("--temp-dir=", "--session-name="))]  # its log folder
-            server = [sys.executable, "-m", "raytrain.train.forkserver", base_key, *where]
-            os.execve(sys.executable, server, env)
+            server = [sys.executable, "-m", "raytrain.train.forkserver", base_key]
+            os.execve(sys.executable, server, {**env, OWNER_ENV: str(owner or env.get("RAY_RAYLET_PID", 0))})
     finally:
         os._exit(0)
 
