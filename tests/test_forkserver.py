@@ -66,6 +66,7 @@ def test_workers_fork_from_a_warm_job_server_with_their_launchers_streams_and_th
     logs.mkdir(parents=True)
     driver, raylet = subprocess.Popen(["sleep", "600"]), subprocess.Popen(["sleep", "600"])
     env = {**os.environ, "RAY_RAYLET_PID": str(raylet.pid), "RAY_JOB_ID": "0a000000", "RAY_ADDRESS": "10.0.0.1:6379"}
+    env["HF_RAYTRAIN_TEST"] = str(tmp_path)  # keyed: servers of this test's own, whatever else runs on the machine
     other = {**env, "RAY_JOB_ID": "0b000000"}  # a second job on the node
     third = {**env, "RAY_JOB_ID": "0c000000"}
     base = wl.key(env, job=False)
@@ -103,7 +104,7 @@ def forks(logs: Path, env: dict) -> int:
 
 
 def test_a_launcher_waits_for_an_importing_server_at_most_wait_s(monkeypatch):
-    env = {**os.environ, "RAY_JOB_ID": "0d000000", "RAYTRAIN_TEST": "a key no server has"}
+    env = {**os.environ, "RAY_JOB_ID": "0d000000", "HF_RAYTRAIN_TEST": "a key no server has"}
     monkeypatch.setattr(wl, "WAIT_S", 1.0)
     claim = forkserver._claim(wl.key(env))  # a job server that imports and never gets ready
     try:
