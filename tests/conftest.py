@@ -389,20 +389,18 @@ def warm_forkserver(spec: JobSpec, timeout_s: float = 300) -> None:
 
 
 def ray_train_workers(marker: str) -> set[int]:
-    """PIDs of the Ray Train workers of the Ray instance whose raylet's command line holds `marker` (its
-    temp dir or session name): the raylet's children, or its fork servers' (train/forkserver.py, whose
-    command line names the same temp dir and session) grandchildren."""
+    """PIDs of the Ray Train workers of the Ray instance whose temp dir or session name is `marker`: the workers
+    whose standard output is a log file of that session, as the raylet opens one for each worker it starts,
+    forked (train/forkserver.py: the launcher hands its streams to the child) or not. A fork server serves
+    every cluster on the machine, so its process tree says nothing of which one a worker is of."""
     import psutil
 
     pids = set()
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        line = " ".join(proc.info["cmdline"] or [])
-        if marker in line and (proc.info["name"] == "raylet" or "raytrain.train.forkserver" in line):
-            with contextlib.suppress(psutil.Error):  # it may exit meanwhile
-                for child in proc.children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):
-                            pids.add(child.pid)
+    for proc in psutil.process_iter(["cmdline"]):
+        if " ".join(proc.info["cmdline"] or []).startswith("ray::RayTrainWorker"):
+            with contextlib.suppress(OSError):  # it may exit meanwhile
+                if marker in os.readlink(f"/proc/{proc.pid}/fd/1"):
+                    pids.add(proc.pid)
     return pids
 
 
