@@ -166,12 +166,12 @@ def _await_job_server(env: dict[str, str], args: list[str]) -> socket.socket | N
     """A connection to this job's server once it is ready, or None after WAIT_S. It is asked of the node's base
     server, which this launcher starts where none lives; while either imports, the launcher waits."""
     job_key, base_key = key(env), key(env, job=False)
-    deadline, asked = time.monotonic() + WAIT_S, -1.0
+    deadline, asked, started = time.monotonic() + WAIT_S, -1.0, -1.0
     while True:
-        conn = _connect(address(job_key))
-        if conn is not None or time.monotonic() > deadline:
+        conn, now = _connect(address(job_key)), time.monotonic()
+        if conn is not None or now > deadline:
             return conn
-        if not _lives(job_key) and time.monotonic() - asked > 1.0:  # not yet asked for, or its fork was lost
+        if not _lives(job_key) and now - asked > 1.0:  # not yet asked for, or its fork was lost
             base = _connect(address(base_key))
             if base is not None:
                 try:
@@ -179,9 +179,10 @@ def _await_job_server(env: dict[str, str], args: list[str]) -> socket.socket | N
                 except OSError:
                     pass
                 base.close()
-                asked = time.monotonic()
-            elif not _lives(base_key):
+                asked = now
+            elif now - started > 1.0 and not _lives(base_key):  # a second to claim its name before another try
                 start_base_server(env, args)
+                started = now
         time.sleep(0.05)
 
 
