@@ -36,9 +36,10 @@ class JobResult:
     goodput: dict
 
 
-def connect(spec: JobSpec, address: str | None = None) -> None:
+def connect(spec: JobSpec, address: str | None = None, trains: bool = True) -> None:
     """RAY_ADDRESS (set by `ray job submit`) or --address: join that cluster. Otherwise
-    start a private local cluster sized so Ray Data gets CPUs beside the training workers."""
+    start a private local cluster sized so Ray Data gets CPUs beside the training workers (and,
+    where it `trains`, the machine's fork server first, which only train workers use)."""
     import ray
 
     if ray.is_initialized():
@@ -53,14 +54,15 @@ def connect(spec: JobSpec, address: str | None = None) -> None:
     # A private cluster on this machine: Ray's notices of its own start (token authentication on,
     # "Started a local Ray instance") do not concern the job; its warnings and errors still show.
     logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
-    start_fork_server(spec)  # its imports beside Ray's start
+    if trains:
+        start_fork_server(spec)  # its imports beside Ray's start
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 
 
 def prepare_data(spec: JobSpec, address: str | None = None) -> dict:
     """`raytrain prepare`: the token stores alone, on the cluster's CPUs."""
-    connect(spec, address)
+    connect(spec, address, trains=False)
     try:
         return prepare.ensure_inputs(spec)
     except BaseException as exc:
