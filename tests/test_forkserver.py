@@ -39,15 +39,6 @@ def launch(env: dict, logs: Path) -> subprocess.CompletedProcess:
     )
 
 
-def ready(key: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(wl.address(key))
-        except OSError:
-            return False
-    return True
-
-
 def servers(key: str) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -40,8 +40,8 @@ IDLE_EXIT_S = 60.0
 
 
 def serve_base(base_key: str) -> None:
-    """The node's base server (worker_launch.start_base_server execs it, in a launcher's environment): once its
-    imports are done it forks a server for each job whose launcher asks."""
+    """The node's base server (worker_launch.start_base_server execs it, in a launcher's environment or in the
+    one a driver gives it): once its imports are done it forks a server for each job whose launcher asks."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # inherited ignored from the raylet: a server reaps its children
     lock = _claim(base_key)
     if lock is None:
