@@ -135,6 +135,9 @@ def cmd_run(args) -> int:
     if code != EXIT_OK:
         return code
     spec, _ = preflight.check_job(args.job, args.overrides, probes=False)
+    from raytrain.driver import worker_env
+
+    worker_env.start_fork_server(spec, getattr(args, "address", None))  # before the driver's own imports
     from raytrain.driver import launcher
 
     try:

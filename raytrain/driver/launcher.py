@@ -55,7 +55,7 @@ def connect(spec: JobSpec, address: str | None = None, trains: bool = True) -> N
     # "Started a local Ray instance") do not concern the job; its warnings and errors still show.
     logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
     if trains:
-        start_fork_server(spec)  # its imports beside Ray's start
+        start_fork_server(spec)  # its imports beside Ray's start (`raytrain run` started it already)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     forward_worker_stdout_only()  # no worker tracebacks on the console: the failure is said in one line
 

@@ -110,6 +110,8 @@ def _own_cluster() -> dict[str, str]:
     newest Ray instance started on the machine. Beside a second local cluster (a laptop's, the tests' own) it
     asked the other: seen in a clean-clone run, where Ray Train's placement-group cleaner (since dropped:
     private_apis.trainer_without_datasets) found no controller there and removed a live job's placement group."""
+    if "ray" not in sys.modules:  # not connected (and `raytrain run` has not imported it yet: start_fork_server)
+        return {}
     import ray
 
     return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address} if ray.is_initialized() else {}
@@ -128,11 +130,21 @@ def launcher(submitted: Mapping[str, str]) -> dict:
     return {"py_executable": f"{shlex.quote(sys.executable)} -I -S {shlex.quote(worker_launch.__file__)}"}  # bash
 
 
-def start_fork_server(spec: JobSpec) -> None:
-    """Before this driver starts a local cluster of its own: the machine's base fork server, which then imports a
-    worker's modules while Ray starts, not after (P2's cold start). Its environment is a worker's on this node
-    (`runtime_env`, over this one); Ray's own variables, which a worker gets and this process lacks yet, are not
-    in a base server's key. It lives while this driver does."""
+_base_started = False
+
+
+def start_fork_server(spec: JobSpec, address: str | None = None) -> None:
+    """Where this driver will start a local cluster of its own (no `address`, no RAY_ADDRESS): the machine's base
+    fork server, started before that cluster, so that it imports a worker's modules while Ray starts, not after
+    (P2's cold start). `raytrain run` calls it as soon as the job is valid, before its own imports of Ray and the
+    driver; the launcher's `connect` again (a second call does nothing). Its environment is a worker's on this node
+    (`runtime_env`, over this one); Ray's own variables, which a worker gets and this process lacks yet, are not in
+    a base server's key. It lives while this driver does."""
+    global _base_started
+    joins = address or os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    if _base_started or joins:
+        return
+    _base_started = True
     env = runtime_env(spec)
     if "py_executable" in env:
         logs = private_apis.ray_temp_dir()
