@@ -33,13 +33,26 @@ def processes() -> dict[int, tuple[str, float]]:
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        kind = cmd.split(".")[0] if cmd.startswith("ray::") else Path(cmd).name or "?"
+        kind = argv[0].split(".")[0] if argv[0].startswith("ray::") else _program(argv)
         out[int(pid)] = (kind, (int(fields[11]) + int(fields[12])) / TICK)
     return out
+
+
+def _program(argv: list[str]) -> str:
+    """A process's program: a Python interpreter's script or module (Ray's setup_worker.py, its dashboard agent,
+    raytrain's fork server), else the executable's name."""
+    if Path(argv[0]).name.startswith("python"):
+        args = [a for a in argv[1:] if a]
+        if "-m" in args[:-1]:
+            return "-m " + args[args.index("-m") + 1]
+        script = next((a for a in args if a.endswith(".py")), None)
+        if script:
+            return Path(script).name
+    return Path(argv[0]).name or "?"
 
 
 def measured(run) -> tuple[float, float, collections.Counter, collections.Counter]:

@@ -4,8 +4,10 @@ token store), its start-up line read. Given a second checkout (`--against DIR`, 
 earlier commit), the two codes take turns (A B, B A, ...) and the ratio of their medians is printed, so that drift
 on the machine falls on both.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.quickstart_cold [--reps 6] [--against /tmp/basecode]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.quickstart_cold [--reps 6] [--against /tmp/basecode] [--cpu]
 
+`--cpu` adds one more cold quickstart of this checkout, with each process's CPU-seconds (job_cpu.measured's
+sampler) by program: the driver, the fork servers, Ray's own processes, the launchers Ray starts for each worker.
 Run it alone on the machine: a cold start is CPU-bound on 2 cores. The demo assets are made once, untimed."""
 
 from __future__ import annotations
@@ -40,10 +42,25 @@ def one(code: Path, folder: Path, storage: Path) -> dict[str, float]:
     return {name: float(v) for name, v in PHASES.findall(line)}
 
 
+def cpu(folder: Path) -> None:
+    from .job_cpu import measured
+
+    got: dict = {}
+    wall, busy, kinds, count = measured(lambda: got.update(one(REPO, folder, folder / "runs-cpu")))
+    print(
+        f"[quickstart-cold] CPU-seconds of one more run (step_1 {got['step_1']} s): wall {wall:.1f} s, machine busy "
+        f"{busy:.1f} CPU-s, per process {sum(kinds.values()):.1f}:"
+    )
+    for kind, used in kinds.most_common():
+        if used >= 0.1:
+            print(f"[quickstart-cold]   {used:6.2f}  {kind} ({count[kind]} process(es))")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--against", type=Path, help="a second checkout, timed in turns with this one")
+    p.add_argument("--cpu", action="store_true", help="then one more run, with each process's CPU-seconds")
     a = p.parse_args()
     arms = {"this": REPO, **({"against": a.against.resolve()} if a.against else {})}
     with tempfile.TemporaryDirectory(prefix="raytrain-quickstart-cold-") as tmp:
@@ -54,6 +71,8 @@ def main() -> None:
             phases = one(arms[arm], folder, folder / f"runs-{i}")
             seen[arm].append(phases)
             print(f"[quickstart-cold] {arm} ({arms[arm]}): " + " -> ".join(f"{k} {v}" for k, v in phases.items()))
+        if a.cpu:
+            cpu(folder)
     for arm, runs in seen.items():
         names = list(runs[0])
         print(
