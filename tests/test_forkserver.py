@@ -67,6 +67,9 @@ def test_workers_fork_from_a_warm_job_server_with_their_launchers_streams_and_th
         wl.start_base_server(
             {k: v for k, v in env.items() if not k.startswith("RAY_")}, [f"--temp-dir={logs}"], driver.pid
         )
+        # It claims its name while Ray starts: a launcher that came sooner would start a base of its own (living
+        # with the raylet), and the first to claim wins (a CI run, under load: this driver's base lost the race).
+        wait_until(lambda: wl._lives(base), logs)
         # The first launcher finds it importing: it waits, has it fork the job's server (which imports Ray's
         # worker), and is forked by that one, with its own streams and exit code.
         first = launch(env, logs)
