@@ -133,6 +133,14 @@ def write_job(raw: dict, folder: Path) -> Path:
 
 
 # ---------------------------------------------------------------- child processes timed from outside
+def startup_phases(lines: list[str], attempt: int = 1) -> dict[str, float]:
+    """The phases of raytrain's own start-up line (`timeline.py`) among `lines`, for that attempt, in seconds
+    (attempt 1: since `raytrain run` started; later ones: since their workers came up)."""
+    marker = "] start-up: " if attempt == 1 else f"] attempt {attempt} start-up"
+    line = next((text for text in lines if marker in text), "")
+    return {name: float(value) for name, value in re.findall(r"(\w+) \+?([\d.]+)s", line.split(marker, 1)[-1])}
+
+
 @dataclass
 class ArmRun:
     label: str
@@ -152,9 +160,7 @@ class ArmRun:
     def startup(self, attempt: int = 1) -> dict[str, float]:
         """The phases of raytrain's own start-up line (`timeline.py`) for that attempt, in seconds
         (attempt 1: since `raytrain run` started; later ones: since their workers came up)."""
-        marker = "] start-up: " if attempt == 1 else f"] attempt {attempt} start-up"
-        line = next((text for _, text in self.output if marker in text), "")
-        return {name: float(value) for name, value in re.findall(r"(\w+) \+?([\d.]+)s", line.split(marker, 1)[-1])}
+        return startup_phases([text for _, text in self.output], attempt)
 
     @property
     def exit_s(self) -> float:

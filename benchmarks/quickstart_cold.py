@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,6 @@ from pathlib import Path
 from . import harness as h
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = re.compile(r"(\w+) \+?([\d.]+)s")
 
 
 def one(code: Path, folder: Path, storage: Path) -> dict[str, float]:
@@ -38,8 +36,7 @@ def one(code: Path, folder: Path, storage: Path) -> dict[str, float]:
         text=True,
         check=True,
     ).stdout
-    line = next(x for x in out.splitlines() if "] start-up: " in x).split("] start-up: ", 1)[1].split(";")[0]
-    return {name: float(v) for name, v in PHASES.findall(line)}
+    return h.startup_phases(out.splitlines())
 
 
 def cpu(folder: Path) -> None:

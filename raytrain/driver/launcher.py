@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from raytrain.data import prepare
 from raytrain.driver import control
 from raytrain.driver.trainer import build_trainer
-from raytrain.driver.worker_env import controller_env, relay_secrets, start_fork_server, warm_nodes
+from raytrain.driver.worker_env import (
+    cluster_address,
+    connected,
+    controller_env,
+    relay_secrets,
+    start_fork_server,
+    warm_nodes,
+)
 from raytrain.errors import JobError, forward_worker_stdout_only, user_message
 from raytrain.job.agents import ACTOR_NAMESPACE, actor_prefix
 from raytrain.job.spec import JobSpec
@@ -42,9 +49,9 @@ def connect(spec: JobSpec, address: str | None = None, trains: bool = True) -> N
     where it `trains`, the machine's fork server first, which only train workers use)."""
     import ray
 
-    if ray.is_initialized():
+    if connected():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(address)
     if address:
         ray.init(address=address, log_to_driver=True)
         forward_worker_stdout_only()

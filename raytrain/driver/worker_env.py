@@ -110,11 +110,23 @@ def _own_cluster() -> dict[str, str]:
     newest Ray instance started on the machine. Beside a second local cluster (a laptop's, the tests' own) it
     asked the other: seen in a clean-clone run, where Ray Train's placement-group cleaner (since dropped:
     private_apis.trainer_without_datasets) found no controller there and removed a live job's placement group."""
-    if "ray" not in sys.modules:  # not connected (and `raytrain run` has not imported it yet: start_fork_server)
+    if not connected():
         return {}
     import ray
 
-    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address} if ray.is_initialized() else {}
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
+
+def connected() -> bool:
+    """Whether this process is connected to a Ray cluster, without importing Ray where it has not been (`raytrain
+    run` starts the fork server before its own imports of Ray: start_fork_server)."""
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+def cluster_address(address: str | None = None) -> str | None:
+    """The cluster this driver joins: --address, else RAY_ADDRESS (set by `ray job submit`); None: it starts a
+    local cluster of its own."""
+    return address or os.environ.get("RAY_ADDRESS") or None
 
 
 FORKSERVER_ENV = "RAYTRAIN_FORKSERVER"  # 0 (or false, off, no): every worker a fresh interpreter, as Ray starts it
@@ -141,8 +153,7 @@ def start_fork_server(spec: JobSpec, address: str | None = None) -> None:
     (`runtime_env`, over this one); Ray's own variables, which a worker gets and this process lacks yet, are not in
     a base server's key. It lives while this driver does."""
     global _base_started
-    joins = address or os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
-    if _base_started or joins:
+    if _base_started or cluster_address(address) or connected():
         return
     _base_started = True
     env = runtime_env(spec)
